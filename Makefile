@@ -1,0 +1,35 @@
+# terra: `make run` and `make test` set up .venv on first use (pinned requirements plus the
+# package in editable mode) and reuse it afterwards; a changed requirements.txt, setup.cfg
+# or pyproject.toml triggers a reinstall.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.terra-installed
+# Keep JAX on the CPU and quiet TensorFlow's start-up logging.
+export JAX_PLATFORMS ?= cpu
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: run test bench clean install
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check --quiet --upgrade pip
+	$(PY) -m pip install --disable-pip-version-check --quiet -r requirements.txt
+	$(PY) -m pip install --disable-pip-version-check --quiet --no-deps -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m terra.quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m terra.benchmarks.decode_speed --gin_file=models/dense_800m.gin --gin.TransformerConfig.n_encoder_layers=2 --out out/decode_speed
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache out
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

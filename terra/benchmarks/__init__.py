@@ -1,0 +1,1 @@
+"""Benchmarks: they print tables and write JSON; tests never assert on their timings."""

@@ -1,0 +1,54 @@
+"""Logical axis names and the default rules that map them onto a ('data', 'model') mesh.
+
+Every parameter is created with names from this module and every large activation is
+constrained with them, so partitioning is decided by the rules (data), never by the layers.
+"""
+
+from typing import Sequence, Tuple
+
+import gin
+
+# Activation axes.
+BATCH = "batch"
+LENGTH = "length"
+# Encoder positions as seen by encoder-decoder attention (keys and values).
+KV_LENGTH = "kv_length"
+
+# Parameter (and activation feature) axes.
+EMBED = "embed"  # d_model
+MLP = "mlp"  # d_ff
+HEADS = "heads"  # attention heads
+KV = "kv"  # per-head feature (d_head)
+VOCAB = "vocab"
+POSITIONS = "positions"  # rows of a positional table
+QKV = "qkv"  # the stacked query/key/value axis of a fused projection
+
+# Mesh axis names.
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+AxisRules = Tuple[Tuple[str, object], ...]
+
+
+@gin.configurable(module="terra.layers")
+def default_axis_rules(
+    *, shard_embed: bool = False, additional_rules: Sequence[Tuple[str, object]] = ()
+) -> AxisRules:
+    """Logical-to-mesh rules in priority order (the T5X/Flax ``logical_axis_rules`` form).
+
+    Batch goes on 'data'; the wide parameter axes (d_ff, heads, vocab) go on 'model';
+    d_model is replicated unless ``shard_embed`` (FSDP-style) is asked for.
+    """
+    rules = (
+        (BATCH, DATA_AXIS),
+        (MLP, MODEL_AXIS),
+        (HEADS, MODEL_AXIS),
+        (VOCAB, MODEL_AXIS),
+        (EMBED, DATA_AXIS if shard_embed else None),
+        (LENGTH, None),
+        (KV_LENGTH, None),
+        (KV, None),
+        (POSITIONS, None),
+        (QKV, None),
+    )
+    return tuple(additional_rules) + rules

@@ -1,0 +1,90 @@
+"""The one typed config that holds a model's sizes; it validates itself on construction.
+
+Layer-specific knobs (``ff_sparsity``, ``temperature``, ...) belong to the injected layer
+classes and are bound on them in gin; the sizes every layer shares live here, so a gin file
+reads like a row of the paper's tables.
+"""
+
+import dataclasses
+
+import gin
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot work; the message names the value and the fix."""
+
+
+@gin.configurable(module="terra.models")
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and regularisation of an encoder-decoder Transformer.
+
+    Defaults are the paper's 800M-class baseline (Table 1; T5-large shapes: 24 + 24 layers,
+    d_model 1024, d_ff 4096, 16 heads, vocabulary 32000).
+
+    Attributes:
+      vocab_size: size of the shared token vocabulary (pad = 0, EOS = 1).
+      d_model: residual width.
+      d_ff: feed-forward hidden width.
+      n_heads: attention heads; ``d_head = d_model // n_heads``.
+      n_encoder_layers / n_decoder_layers: block counts.
+      max_len: rows of each positional table (longest encoder input / decoder output).
+      dropout: residual-branch and embedding dropout (the reference's ``dropout``).
+      ff_dropout: dropout inside the feed-forward block, before the ReLU (``ff_dropout``).
+      attention_dropout: dropout on attention probabilities.
+      dtype: computation dtype, 'float32' or 'bfloat16' (parameters stay float32).
+    """
+
+    vocab_size: int = 32000
+    d_model: int = 1024
+    d_ff: int = 4096
+    n_heads: int = 16
+    n_encoder_layers: int = 24
+    n_decoder_layers: int = 24
+    max_len: int = 2048
+    dropout: float = 0.1
+    ff_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    dtype: str = "float32"
+    pad_id: int = 0
+    eos_id: int = 1
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "d_ff", "n_heads", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"TransformerConfig.{name}={value!r} must be a positive integer.")
+        for name in ("n_encoder_layers", "n_decoder_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"TransformerConfig.{name}={value!r} must be a non-negative integer.")
+        if self.n_decoder_layers == 0:
+            raise ConfigError("TransformerConfig.n_decoder_layers=0: an encoder-decoder needs at least one decoder layer.")
+        if self.d_model % self.n_heads:
+            divisors = [h for h in range(1, min(self.d_model, 128) + 1) if self.d_model % h == 0]
+            raise ConfigError(
+                f"TransformerConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"choose n_heads from {divisors[-8:]} or change d_model to a multiple of {self.n_heads} "
+                f"(e.g. {self.n_heads * max(1, round(self.d_model / self.n_heads))})."
+            )
+        for name in ("dropout", "ff_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"TransformerConfig.{name}={value!r} must be in [0, 1).")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"TransformerConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}.")
+        if not (0 <= self.pad_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
+            raise ConfigError(
+                f"pad_id={self.pad_id} and eos_id={self.eos_id} must be ids inside vocab_size={self.vocab_size}."
+            )
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]

@@ -1,0 +1,232 @@
+"""Pre-LayerNorm encoder-decoder Transformer whose sparse-able layers are injected.
+
+The paper's baseline (Table 1, "baseline Transf.") and, by swapping the injected layers in
+gin, every Scaling Transformer row: the feed-forward block, the decoder self-attention
+(sparse QKV), the encoder-decoder attention and the output logits (sparse loss) are
+factories, called with the sizes from ``TransformerConfig``:
+
+  feed_forward(d_model=, d_ff=, dropout_rate=, ff_dropout_rate=, dtype=)
+      (x, *, deterministic, decode) -> [batch, length, d_model]
+  encoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+      (x, mask, *, deterministic) -> [batch, length, d_model]
+  decoder_self_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+      (x, *, deterministic, decode, max_decode_length) -> [batch, length, d_model]
+  encoder_decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+      (x, encoded, encoder_mask, *, deterministic, decode) -> [batch, length, d_model]
+  logits_layer(vocab_size=, dtype=)
+      (x) -> [batch, length, vocab] float32
+
+Blocks follow the reference's ``ConfigurableTransformer``: ``x + Dropout(Attn(LN(x)))``,
+``x + FF(LN(x))`` (the FF block ends with its own dropout), a final LayerNorm per stack,
+a token embedding shared by encoder and decoder with separate positional tables, and an
+untied logits layer. The decoder input is the targets shifted right with 0 as the start.
+"""
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from terra.layers import axes
+from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAttention
+from terra.layers.embedding import DenseLogits, TokenEmbedding
+from terra.layers.feedforward import FeedForward
+from terra.layers.normalization import LayerNorm
+from terra.layers.positional import TrainablePositionalEmbedding
+from terra.models.config import TransformerConfig
+
+LayerFactory = Callable[..., nn.Module]
+
+_ACTIVATION = (axes.BATCH, axes.LENGTH, axes.EMBED)
+
+
+def _attention_kwargs(cfg: TransformerConfig) -> dict:
+    return dict(d_model=cfg.d_model, n_heads=cfg.n_heads, dropout_rate=cfg.attention_dropout, dtype=cfg.jnp_dtype)
+
+
+def _ff_kwargs(cfg: TransformerConfig) -> dict:
+    return dict(
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        dropout_rate=cfg.dropout,
+        ff_dropout_rate=cfg.ff_dropout,
+        dtype=cfg.jnp_dtype,
+    )
+
+
+class EncoderLayer(nn.Module):
+    """``[batch, length, d_model] -> [batch, length, d_model]``."""
+
+    config: TransformerConfig
+    attention: LayerFactory
+    feed_forward: LayerFactory
+
+    @nn.compact
+    def __call__(self, x, mask, *, deterministic: bool):
+        cfg = self.config
+        y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_attention_norm")(x)
+        y = self.attention(**_attention_kwargs(cfg), name="attention")(y, mask, deterministic=deterministic)
+        x = x + nn.Dropout(cfg.dropout, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
+        x = x + self.feed_forward(**_ff_kwargs(cfg), name="feed_forward")(y, deterministic=deterministic, decode=False)
+        return nn.with_logical_constraint(x, _ACTIVATION)
+
+
+class DecoderLayer(nn.Module):
+    """``[batch, length, d_model] -> [batch, length, d_model]``; length is 1 in decode mode."""
+
+    config: TransformerConfig
+    self_attention: LayerFactory
+    cross_attention: LayerFactory
+    feed_forward: LayerFactory
+
+    @nn.compact
+    def __call__(self, x, encoded, encoder_mask, *, deterministic: bool, decode: bool, max_decode_length: Optional[int]):
+        cfg = self.config
+        dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
+        y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_self_attention_norm")(x)
+        y = self.self_attention(**_attention_kwargs(cfg), name="self_attention")(
+            y, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length
+        )
+        x = x + dropout(y, deterministic=deterministic)
+        y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_cross_attention_norm")(x)
+        y = self.cross_attention(**_attention_kwargs(cfg), name="cross_attention")(
+            y, encoded, encoder_mask, deterministic=deterministic, decode=decode
+        )
+        x = x + dropout(y, deterministic=deterministic)
+        y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
+        x = x + self.feed_forward(**_ff_kwargs(cfg), name="feed_forward")(y, deterministic=deterministic, decode=decode)
+        return nn.with_logical_constraint(x, _ACTIVATION)
+
+
+class EncoderDecoderTransformer(nn.Module):
+    """Encoder-decoder Transformer (see the module docstring for the injection contract).
+
+    Shapes: ``encoder_input_tokens`` ``[batch, input_length]``, ``decoder_input_tokens``
+    ``[batch, target_length]``, optional ``encoder_mask`` ``[batch, input_length]`` (default
+    ``tokens != pad_id``); logits ``[batch, target_length, vocab]`` in float32.
+    """
+
+    config: TransformerConfig
+    feed_forward: LayerFactory = FeedForward
+    encoder_attention: LayerFactory = SelfAttention
+    decoder_self_attention: LayerFactory = CausalSelfAttention
+    encoder_decoder_attention: LayerFactory = CrossAttention
+    logits_layer: LayerFactory = DenseLogits
+
+    def setup(self):
+        cfg = self.config
+        dtype = cfg.jnp_dtype
+        self.token_embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
+        self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
+        self.encoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
+        self.decoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
+        self.encoder_layers = [
+            EncoderLayer(cfg, self.encoder_attention, self.feed_forward, name=f"encoder_{i}")
+            for i in range(cfg.n_encoder_layers)
+        ]
+        self.encoder_norm = LayerNorm(dtype=dtype)
+        self.decoder_layers = [
+            DecoderLayer(
+                cfg,
+                self.decoder_self_attention,
+                self.encoder_decoder_attention,
+                self.feed_forward,
+                name=f"decoder_{i}",
+            )
+            for i in range(cfg.n_decoder_layers)
+        ]
+        self.decoder_norm = LayerNorm(dtype=dtype)
+        self.logits = self.logits_layer(vocab_size=cfg.vocab_size, dtype=dtype)
+
+    def encoder_mask(self, encoder_input_tokens: jax.Array) -> jax.Array:
+        return encoder_input_tokens != self.config.pad_id
+
+    def encode(self, encoder_input_tokens, encoder_mask=None, *, deterministic: bool = True):
+        """``[batch, input_length]`` tokens -> ``[batch, input_length, d_model]``."""
+        if encoder_mask is None:
+            encoder_mask = self.encoder_mask(encoder_input_tokens)
+        x = self.token_embedding(encoder_input_tokens)
+        x = self.embedding_dropout(x, deterministic=deterministic)
+        x = self.encoder_positions(x)
+        x = nn.with_logical_constraint(x, _ACTIVATION)
+        for layer in self.encoder_layers:
+            x = layer(x, encoder_mask, deterministic=deterministic)
+        return self.encoder_norm(x)
+
+    def _decoder_hidden(self, decoder_input_tokens, encoded, encoder_mask, *, deterministic, decode, max_decode_length):
+        x = self.token_embedding(decoder_input_tokens)
+        x = self.embedding_dropout(x, deterministic=deterministic)
+        x = self.decoder_positions(x, decode=decode)
+        x = nn.with_logical_constraint(x, _ACTIVATION)
+        for layer in self.decoder_layers:
+            x = layer(
+                x,
+                encoded,
+                encoder_mask,
+                deterministic=deterministic,
+                decode=decode,
+                max_decode_length=max_decode_length,
+            )
+        return self.decoder_norm(x)
+
+    def decode(
+        self,
+        decoder_input_tokens,
+        encoded=None,
+        encoder_mask=None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+        max_decode_length: Optional[int] = None,
+    ):
+        """Decoder logits ``[batch, length, vocab]``.
+
+        With ``decode=True`` the call consumes one token per row (``[batch, 1]``) and reads
+        and updates the ``cache`` collection (pass ``mutable=['cache']``); ``encoded`` and
+        ``encoder_mask`` are then only needed on the cache-creating call.
+        """
+        x = self._decoder_hidden(
+            decoder_input_tokens,
+            encoded,
+            encoder_mask,
+            deterministic=deterministic,
+            decode=decode,
+            max_decode_length=max_decode_length,
+        )
+        return self.logits(x)
+
+    def prefill_cache(self, encoder_input_tokens, encoder_mask=None, *, max_decode_length: int):
+        """Encode the inputs and create every decode cache (call with ``mutable=['cache']``).
+
+        Runs the decoder once in decode mode on a dummy start token: that call creates the
+        caches (self-attention caches of ``max_decode_length`` zeros at index 0, the
+        encoder-decoder keys/values computed from the encoder output) and does not advance
+        any index. Its output is discarded and the logits layer is skipped.
+        """
+        if encoder_mask is None:
+            encoder_mask = self.encoder_mask(encoder_input_tokens)
+        encoded = self.encode(encoder_input_tokens, encoder_mask, deterministic=True)
+        start = jnp.full((encoder_input_tokens.shape[0], 1), self.config.pad_id, jnp.int32)
+        self._decoder_hidden(
+            start, encoded, encoder_mask, deterministic=True, decode=True, max_decode_length=max_decode_length
+        )
+
+    def __call__(
+        self,
+        encoder_input_tokens,
+        decoder_input_tokens,
+        encoder_mask=None,
+        *,
+        deterministic: bool = True,
+    ):
+        """Teacher-forced forward pass: logits ``[batch, target_length, vocab]``."""
+        if encoder_mask is None:
+            encoder_mask = self.encoder_mask(encoder_input_tokens)
+        encoded = self.encode(encoder_input_tokens, encoder_mask, deterministic=deterministic)
+        return self.decode(decoder_input_tokens, encoded, encoder_mask, deterministic=deterministic)
+
+
+gin.register(EncoderDecoderTransformer, module="terra.models")

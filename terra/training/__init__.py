@@ -1,0 +1,1 @@
+"""Training pieces: losses (the trainer, optimizers and checkpointing plug in here)."""

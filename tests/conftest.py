@@ -1,0 +1,47 @@
+"""Test set-up: several CPU devices before JAX starts, a clean gin config per test."""
+
+import os
+
+# Sharding tests need several devices; this must happen before JAX initialises its backend.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, TransformerConfig  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    values = dict(
+        vocab_size=61,
+        d_model=32,
+        d_ff=64,
+        n_heads=4,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        max_len=64,
+        dropout=0.0,
+        ff_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny dense encoder-decoder and its random parameters, shared by the suite."""
+    model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config()))
+    return model, model.init_params(jax.random.key(0))

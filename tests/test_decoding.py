@@ -1,0 +1,91 @@
+"""Generation through the decode contract: greedy, temperature sampling, EOS handling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.decoding import generate, sample_next_token
+from terra.models.model_api import shift_right
+
+
+def test_temperature_zero_is_argmax():
+    logits = jax.random.normal(jax.random.key(0), (5, 13))
+    for seed in range(3):
+        np.testing.assert_array_equal(
+            sample_next_token(logits, jax.random.key(seed), 0.0), jnp.argmax(logits, -1)
+        )
+
+
+def test_temperature_sampling_follows_the_tempered_softmax():
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
+    temperature = 0.5
+    draws = jax.jit(jax.vmap(lambda k: sample_next_token(logits[None], k, temperature)[0]))(
+        jax.random.split(jax.random.key(0), 20000)
+    )
+    freq = np.bincount(np.asarray(draws), minlength=3) / draws.shape[0]
+    expected = jax.nn.softmax(logits / temperature)
+    np.testing.assert_allclose(freq, expected, atol=0.015)
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(tiny_model):
+    model, params = tiny_model
+    inputs = jnp.asarray(np.random.default_rng(0).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
+    out = model.predict(params, inputs, max_decode_length=10)
+    assert out.tokens.shape[0] == 2
+    # Teacher-force the generated tokens: each one must be the argmax at its position.
+    forward = jax.jit(lambda p, i, d: model.module.apply({"params": p}, i, d))
+    for row in range(2):
+        n = int(out.lengths[row])
+        tokens = jnp.asarray(out.tokens[row : row + 1, :n])
+        logits = forward(params, inputs[row : row + 1], shift_right(tokens))
+        np.testing.assert_array_equal(jnp.argmax(logits, -1), tokens)
+
+
+def test_sampling_is_reproducible_from_its_seed(tiny_model):
+    model, params = tiny_model
+    inputs = jnp.asarray(np.random.default_rng(1).integers(2, model.config.vocab_size, size=(1, 8)), jnp.int32)
+    a = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
+    b = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
+    c = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=8)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+class _ScriptedDecoder:
+    """Stands in for IncrementalDecoder: row r emits EOS (id 1) at step eos_at[r], else 5."""
+
+    def __init__(self, eos_at, vocab=8, max_decode_length=10):
+        self.eos_at = jnp.asarray(eos_at)
+        self.vocab = vocab
+        self.max_decode_length = max_decode_length
+        self.steps = 0
+
+    def prefill(self, params, inputs, mask=None):
+        return jnp.zeros((), jnp.int32)
+
+    def step(self, params, cache, token):
+        target = jnp.where(self.eos_at == cache, 1, 5)
+        self.steps += 1
+        return jax.nn.one_hot(target, self.vocab) * 10.0, cache + 1
+
+
+def test_each_row_stops_at_its_own_eos_and_the_loop_ends_when_all_have():
+    decoder = _ScriptedDecoder(eos_at=[1, 3, 2])
+    out = generate(decoder, None, jnp.ones((3, 4), jnp.int32), eos_id=1, pad_id=0)
+    np.testing.assert_array_equal(out.lengths, [2, 4, 3])
+    np.testing.assert_array_equal(out.tokens, [[5, 1, 0, 0], [5, 5, 5, 1], [5, 5, 1, 0]])
+    assert decoder.steps == 4
+
+
+def test_generation_without_eos_runs_to_max_new_tokens():
+    decoder = _ScriptedDecoder(eos_at=[99])
+    out = generate(decoder, None, jnp.ones((1, 4), jnp.int32), max_new_tokens=6)
+    assert out.tokens.shape == (1, 6) and out.lengths.tolist() == [6]
+
+
+def test_asking_for_more_tokens_than_the_cache_holds_is_an_error():
+    with pytest.raises(ValueError, match="max_decode_length"):
+        generate(_ScriptedDecoder(eos_at=[99], max_decode_length=4), None, jnp.ones((1, 2), jnp.int32), max_new_tokens=5)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(_ScriptedDecoder(eos_at=[99]), None, jnp.ones((1, 2), jnp.int32), temperature=-1.0)

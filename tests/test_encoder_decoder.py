@@ -1,0 +1,134 @@
+"""The dense encoder-decoder: incremental decoding equals the full forward pass, causality,
+padding invariance, and a decode step that compiles once and updates its cache in place."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.models.model_api import shift_right
+
+from conftest import tiny_config
+
+
+def _padded_batch(batch: int, input_length: int, target_length: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(2, vocab, size=(batch, input_length)).astype(np.int32)
+    for row in range(1, batch):  # rows 1.. end in 2, 4, ... pad tokens
+        inputs[row, input_length - 2 * row :] = 0
+    targets = rng.integers(2, vocab, size=(batch, target_length)).astype(np.int32)
+    return jnp.asarray(inputs), jnp.asarray(targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(module):
+    return jax.jit(lambda params, inputs, decoder_inputs, mask: module.apply({"params": params}, inputs, decoder_inputs, mask))
+
+
+def _full_logits(model, params, inputs, decoder_inputs, encoder_mask=None):
+    return _jitted_forward(model.module)(params, inputs, decoder_inputs, encoder_mask)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_incremental_decode_matches_full_forward(tiny_model, batch):
+    model, params = tiny_model
+    inputs, targets = _padded_batch(batch, 9, 7, model.config.vocab_size)
+    decoder_inputs = shift_right(targets)
+    full = _full_logits(model, params, inputs, decoder_inputs)
+
+    decoder = model.decoder(12)  # cache longer than the sequence: unused slots are masked
+    cache = decoder.prefill(params, inputs)
+    for t in range(decoder_inputs.shape[1]):
+        logits, cache = decoder.step(params, cache, decoder_inputs[:, t])
+        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_changing_a_later_decoder_token_keeps_earlier_logits(tiny_model):
+    model, params = tiny_model
+    inputs, targets = _padded_batch(2, 8, 8, model.config.vocab_size)
+    decoder_inputs = shift_right(targets)
+    changed = decoder_inputs.at[:, 5].set((decoder_inputs[:, 5] + 7) % model.config.vocab_size)
+    a = _full_logits(model, params, inputs, decoder_inputs)
+    b = _full_logits(model, params, inputs, changed)
+    np.testing.assert_allclose(a[:, :5], b[:, :5], atol=1e-6)
+    assert not np.allclose(a[:, 5:], b[:, 5:], atol=1e-4)
+
+
+def test_changing_encoder_pad_tokens_changes_nothing(tiny_model):
+    model, params = tiny_model
+    inputs, targets = _padded_batch(3, 10, 6, model.config.vocab_size)
+    mask = inputs != 0
+    noise = jnp.asarray(np.random.default_rng(5).integers(2, model.config.vocab_size, size=inputs.shape))
+    garbage = jnp.where(mask, inputs, noise)  # different tokens under the padding mask
+    decoder_inputs = shift_right(targets)
+    a = _full_logits(model, params, inputs, decoder_inputs, mask)
+    b = _full_logits(model, params, garbage, decoder_inputs, mask)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    # ... and decoding from the garbage-padded inputs gives the same logits too.
+    decoder = model.decoder(6)
+    cache = decoder.prefill(params, garbage, mask)
+    logits, _ = decoder.step(params, cache, decoder_inputs[:, 0])
+    np.testing.assert_allclose(logits, a[:, 0], atol=1e-5)
+
+
+def test_changing_a_real_encoder_token_changes_the_logits(tiny_model):
+    model, params = tiny_model
+    inputs, targets = _padded_batch(1, 8, 4, model.config.vocab_size)
+    changed = inputs.at[0, 2].set((inputs[0, 2] + 3) % model.config.vocab_size)
+    a = _full_logits(model, params, inputs, shift_right(targets))
+    b = _full_logits(model, params, changed, shift_right(targets))
+    assert not np.allclose(a, b, atol=1e-4)
+
+
+def test_prefill_creates_caches_without_advancing_them(tiny_model):
+    model, params = tiny_model
+    inputs, _ = _padded_batch(2, 5, 1, model.config.vocab_size)
+    cache = model.decoder(16).prefill(params, inputs)
+    layer = cache["decoder_0"]["self_attention"]
+    assert int(layer["cache_index"]) == 0
+    assert layer["cached_key"].shape == (2, model.config.n_heads, 16, model.config.d_head)
+    assert not np.any(np.asarray(layer["cached_key"]))
+    assert int(cache["decoder_positions"]["position"]) == 0
+    assert cache["decoder_0"]["cross_attention"]["cached_key"].shape == (2, model.config.n_heads, 5, model.config.d_head)
+
+
+def test_decode_step_compiles_once_and_updates_its_cache_in_place(tiny_model):
+    model, params = tiny_model
+    decoder = model.decoder(37)  # a length no other array in the step has
+    inputs, _ = _padded_batch(1, 6, 1, model.config.vocab_size)
+    cache = decoder.prefill(params, inputs)
+    token = jnp.zeros((1,), jnp.int32)
+    for _ in range(5):
+        logits, cache = decoder.step(params, cache, token)
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert decoder.step._cache_size() == 1
+    hlo = decoder.step.lower(params, cache, token).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    cache_copies = [l for l in entry.splitlines() if re.search(r"\bcopy\(", l) and ",37," in l]
+    assert not cache_copies, "the donated KV cache is copied inside the step:\n" + "\n".join(cache_copies)
+
+
+def test_decode_rejects_more_tokens_than_the_positional_table():
+    from terra.decoding import IncrementalDecoder
+    from terra.models import EncoderDecoderTransformer
+
+    with pytest.raises(ValueError, match="max_len"):
+        IncrementalDecoder(EncoderDecoderTransformer(tiny_config(max_len=8)), max_decode_length=9)
+
+
+def test_dropout_is_active_only_with_a_dropout_rng():
+    from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
+
+    model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(dropout=0.3, attention_dropout=0.3)))
+    params = model.init_params(jax.random.key(0))
+    inputs, targets = _padded_batch(2, 6, 5, model.config.vocab_size)
+    batch = {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
+    logits = jax.jit(model.logits)
+    eval_a = logits(params, batch)
+    np.testing.assert_array_equal(eval_a, logits(params, batch))
+    train_a = logits(params, batch, dropout_rng=jax.random.key(1))
+    train_b = logits(params, batch, dropout_rng=jax.random.key(2))
+    assert not np.allclose(train_a, eval_a) and not np.allclose(train_a, train_b)

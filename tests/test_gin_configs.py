@@ -1,0 +1,112 @@
+"""Every shipped gin file instantiates; bad bindings and configs fail with a clear message."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra import gin_utils
+from terra.models import ConfigError, TransformerConfig
+
+from conftest import REPO_ROOT
+
+GIN_FILES = sorted(
+    os.path.relpath(p, gin_utils.CONFIGS_DIR) for p in glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "**", "*.gin"), recursive=True)
+)
+TINY_SIZES = [
+    "TransformerConfig.vocab_size = 64",
+    "TransformerConfig.d_model = 32",
+    "TransformerConfig.d_ff = 64",
+    "TransformerConfig.n_heads = 4",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+    "TransformerConfig.max_len = 32",
+]
+
+
+def test_the_shipped_configs_include_the_paper_baseline_and_tiny():
+    assert {"models/dense_800m.gin", "models/tiny.gin"} <= set(GIN_FILES)
+
+
+@pytest.mark.parametrize("gin_file", GIN_FILES)
+def test_every_gin_file_instantiates_at_tiny_size(gin_file):
+    gin_utils.parse_gin([gin_file], TINY_SIZES)
+    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    assert model.config.d_model == 32
+    params = model.init_params(jax.random.key(0))
+    batch = {
+        "encoder_input_tokens": jnp.ones((2, 5), jnp.int32),
+        "decoder_target_tokens": jnp.ones((2, 4), jnp.int32),
+    }
+    loss, _ = jax.jit(model.loss_fn)(params, batch)
+    assert np.isfinite(float(loss))
+
+
+def test_files_parse_in_order_and_later_bindings_win():
+    gin_utils.parse_gin(["models/dense_800m.gin", "models/tiny.gin"], ["TransformerConfig.d_model = 128"])
+    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    assert model.config.d_model == 128 and model.config.n_encoder_layers == 2
+
+
+def test_gin_flags_are_rewritten_into_bindings():
+    bindings, rest = gin_utils.split_gin_args(["--gin.TransformerConfig.d_ff=96", "--seed", "3"])
+    assert bindings == ["TransformerConfig.d_ff = 96"] and rest == ["--seed", "3"]
+    with pytest.raises(gin_utils.GinConfigError, match="--gin.NAME=VALUE"):
+        gin_utils.split_gin_args(["--gin.TransformerConfig.d_ff"])
+
+
+def test_a_misspelled_binding_names_the_closest_parameter():
+    with pytest.raises(gin_utils.GinConfigError) as info:
+        gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.d_modle = 64"])
+    assert "d_modle" in str(info.value) and "Did you mean 'd_model'" in str(info.value)
+
+
+def test_a_misspelled_layer_reference_names_the_closest_configurable():
+    with pytest.raises(gin_utils.GinConfigError, match="Did you mean 'FeedForward'"):
+        gin_utils.parse_gin(["models/tiny.gin"], ["EncoderDecoderTransformer.feed_forward = @FeedForwrd"])
+
+
+def test_a_missing_gin_file_lists_the_available_configs():
+    with pytest.raises(gin_utils.GinConfigError, match="tiny.gin"):
+        gin_utils.parse_gin(["models/no_such_model.gin"])
+
+
+def test_d_model_not_divisible_by_heads_is_a_config_error_with_the_fix():
+    with pytest.raises(ConfigError, match="d_model=100 is not divisible by n_heads=16"):
+        TransformerConfig(d_model=100, n_heads=16)
+    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.n_heads = 5"])
+    with pytest.raises(gin_utils.GinConfigError, match="choose n_heads from"):
+        gin_utils.build("terra.models.EncoderDecoderModel")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dropout": 1.5}, "dropout"),
+        ({"n_decoder_layers": 0}, "at least one decoder layer"),
+        ({"dtype": "float16"}, "bfloat16"),
+        ({"vocab_size": 0}, "positive integer"),
+    ],
+)
+def test_invalid_sizes_are_rejected_on_construction(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TransformerConfig(**kwargs)
+
+
+def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "terra.models.param_count", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: Invalid gin configuration") and "n_heads=5" in result.stderr
