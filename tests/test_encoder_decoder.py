@@ -132,3 +132,22 @@ def test_dropout_is_active_only_with_a_dropout_rng():
     train_a = logits(params, batch, dropout_rng=jax.random.key(1))
     train_b = logits(params, batch, dropout_rng=jax.random.key(2))
     assert not np.allclose(train_a, eval_a) and not np.allclose(train_a, train_b)
+
+
+def test_bfloat16_compute_tracks_float32_and_decodes_consistently(tiny_model):
+    from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
+
+    model32, params = tiny_model
+    model16 = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(dtype="bfloat16")))
+    inputs, targets = _padded_batch(2, 7, 5, model32.config.vocab_size)
+    decoder_inputs = shift_right(targets)
+    full32 = _full_logits(model32, params, inputs, decoder_inputs)
+    full16 = _full_logits(model16, params, inputs, decoder_inputs)  # same float32 parameters
+    assert full16.dtype == jnp.float32
+    np.testing.assert_allclose(full16, full32, atol=0.1)
+    decoder = model16.decoder(5)
+    cache = decoder.prefill(params, inputs)
+    assert cache["decoder_0"]["self_attention"]["cached_key"].dtype == jnp.bfloat16
+    for t in range(5):
+        logits, cache = decoder.step(params, cache, decoder_inputs[:, t])
+        np.testing.assert_allclose(logits, full16[:, t], atol=0.05)
