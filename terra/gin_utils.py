@@ -179,7 +179,7 @@ def parse_flags(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] =
 
 def run_cli(main: Callable[[], int]) -> None:
     """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
-    from terra.models.config import ConfigError  # local: keep gin_utils import-light
+    from terra.errors import ConfigError  # local: keep gin_utils import-light
 
     try:
         sys.exit(main() or 0)

@@ -7,13 +7,24 @@ gin files can inject them at the model's swap points.
 from terra.layers import axes
 from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAttention
 from terra.layers.dense import Dense
-from terra.layers.embedding import DenseLogits, TokenEmbedding
+from terra.layers.embedding import DenseLogits, MultiplicativeLogits, TokenEmbedding
 from terra.layers.feedforward import FeedForward
+from terra.layers.moe_feedforward import BlockSparseFeedForward
+from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.normalization import LayerNorm
 from terra.layers.positional import TrainablePositionalEmbedding
+from terra.layers.sparse_feedforward import SparseFeedForward
+from terra.layers.sparse_qkv import ModuleConvolution, SparseQKVAttention, SparseQueryCrossAttention
 
 __all__ = [
     "axes",
+    "BlockSparseFeedForward",
+    "ModuleConvolution",
+    "MultiplicativeDense",
+    "MultiplicativeLogits",
+    "SparseFeedForward",
+    "SparseQKVAttention",
+    "SparseQueryCrossAttention",
     "CausalSelfAttention",
     "CrossAttention",
     "Dense",

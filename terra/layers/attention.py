@@ -101,11 +101,81 @@ class _AttentionBase(nn.Module):
     def _attend(self, q, k, v, bias, deterministic: bool) -> jax.Array:
         """Head-major core: q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, bias broadcastable to
         ``[b, h, lq, lk]`` -> ``[b, h, lq, d]``."""
-        q = q * jnp.asarray(self.d_head**-0.5, q.dtype)
+        q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
         logits = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) + bias
         probs = jax.nn.softmax(logits, axis=-1)
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
         return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+
+    def _causal_attend(self, q, k, v, *, deterministic: bool, decode: bool, max_decode_length: Optional[int]):
+        """Causal attention over head-major ``[batch, heads, length, d_head]`` q, k, v.
+
+        In decode mode the keys and values of past tokens are the cache variables
+        ``cached_key``/``cached_value`` ``[batch, heads, max_decode_length, d_head]`` with
+        the write position ``cache_index``; the first (cache-creating) call only creates
+        them. Later calls take one token.
+        """
+        if not decode:
+            return self._attend(q, k, v, causal_bias(q.shape[2]), deterministic)
+        initialized = self.has_variable("cache", "cached_key")
+        if not initialized and max_decode_length is None:
+            raise ValueError(f"{type(self).__name__}: the cache-creating decode call needs max_decode_length.")
+        shape = (q.shape[0], k.shape[1], max_decode_length or 0, k.shape[3])
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not initialized:
+            return self._attend(q, k, v, causal_bias(q.shape[2]), deterministic)
+        if q.shape[2] != 1:
+            raise ValueError(
+                f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
+            )
+        max_len = cached_key.value.shape[2]
+        index = cache_index.value
+        # Attend over the cache as it was (positions < index) plus the new token, then
+        # write the new key/value in place. XLA:CPU copies a donated buffer that is both
+        # read and updated in one step unless the update provably comes after the reads
+        # (measured: two full copies of every cache per layer per token, 1.4 ms for a
+        # 4096-token cache). ``_after`` gives the update that data dependency.
+        scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+        past_bias = jnp.where(jnp.arange(max_len) < index, 0.0, MASK_VALUE).astype(jnp.float32)
+        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key.value).astype(jnp.float32)
+        past_logits = past_logits + past_bias[None, None, None, :]
+        self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
+        probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
+        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic).astype(v.dtype)
+        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value.value)
+        y = past_values + probs[..., max_len:] * v
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, _after(k, past_logits, index), (0, 0, index, 0))
+        cached_value.value = lax.dynamic_update_slice(
+            cached_value.value, _after(v, past_values, index), (0, 0, index, 0)
+        )
+        cache_index.value = index + 1
+        return y
+
+    def _encoder_keys_values(self, encoded, encoder_mask, *, decode: bool):
+        """Head-major keys, values ``[batch, heads, kv_length, d_head]`` and the padding bias
+        of the encoder output; in decode mode computed once and then read from the cache."""
+        if decode and self.has_variable("cache", "cached_key"):
+            return (
+                self.get_variable("cache", "cached_key"),
+                self.get_variable("cache", "cached_value"),
+                self.get_variable("cache", "encoder_bias"),
+            )
+        if encoded is None or encoder_mask is None:
+            raise ValueError(f"{type(self).__name__} needs the encoder output and mask on its first call.")
+        keys, values = (self._heads_first(t) for t in self._project(encoded, 2, "kv"))
+        bias = padding_bias(encoder_mask)
+        if decode:
+            self.put_variable("cache", "cached_key", keys)
+            self.put_variable("cache", "cached_value", values)
+            self.put_variable("cache", "encoder_bias", bias)
+        return keys, values, bias
+
+    @staticmethod
+    def params_read_per_token(params) -> int:
+        """Parameters one decoded token reads (encoder keys/values are cached, not read)."""
+        return sum(x.size for name, sub in params.items() if name != "kv" for x in jax.tree.leaves(sub))
 
     @staticmethod
     def _heads_first(x: jax.Array) -> jax.Array:
@@ -130,9 +200,8 @@ class CausalSelfAttention(_AttentionBase):
 
     Full mode: ``x`` ``[batch, length, d_model]`` with a causal mask.
     Decode mode: ``x`` ``[batch, 1, d_model]``; keys and values of past tokens live in the
-    ``cache`` collection as ``cached_key``/``cached_value`` ``[batch, heads,
-    max_decode_length, d_head]`` with the write position ``cache_index``. The first decode
-    call creates the cache (its output is discarded by the caller).
+    ``cache`` collection (see ``_causal_attend``). The first decode call creates the cache
+    (its output is discarded by the caller).
     """
 
     @nn.compact
@@ -145,49 +214,7 @@ class CausalSelfAttention(_AttentionBase):
         max_decode_length: Optional[int] = None,
     ) -> jax.Array:
         q, k, v = (self._heads_first(t) for t in self._project(x, 3, "qkv"))
-        if not decode:
-            y = self._attend(q, k, v, causal_bias(x.shape[1]), deterministic)
-            return self._output(self._heads_first(y))
-
-        initialized = self.has_variable("cache", "cached_key")
-        batch = x.shape[0]
-        if not initialized and max_decode_length is None:
-            raise ValueError("CausalSelfAttention: the cache-creating decode call needs max_decode_length.")
-        shape = (batch, self.n_heads, max_decode_length or 0, self.d_head)
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        if not initialized:
-            y = self._attend(q, k, v, causal_bias(x.shape[1]), deterministic)
-            return self._output(self._heads_first(y))
-
-        if x.shape[1] != 1:
-            raise ValueError(
-                f"CausalSelfAttention decode step expects one token per call, got x of shape {x.shape}."
-            )
-        max_len = cached_key.value.shape[2]
-        index = cache_index.value
-        # Attend over the cache as it was (positions < index) plus the new token, then
-        # write the new key/value in place. XLA:CPU copies a donated buffer that is both
-        # read and updated in one step unless the update provably comes after the reads
-        # (measured: two full copies of every cache per layer per token, 1.4 ms for a
-        # 4096-token cache). ``_after`` gives the update that data dependency.
-        scale = jnp.asarray(self.d_head**-0.5, q.dtype)
-        past_bias = jnp.where(jnp.arange(max_len) < index, 0.0, MASK_VALUE).astype(jnp.float32)
-        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key.value).astype(jnp.float32)
-        past_logits = past_logits + past_bias[None, None, None, :]
-        self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
-        probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic).astype(v.dtype)
-        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value.value)
-        y = past_values + probs[..., max_len:] * v
-        cached_key.value = lax.dynamic_update_slice(
-            cached_key.value, _after(k, past_logits, index), (0, 0, index, 0)
-        )
-        cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, _after(v, past_values, index), (0, 0, index, 0)
-        )
-        cache_index.value = index + 1
+        y = self._causal_attend(q, k, v, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length)
         return self._output(self._heads_first(y))
 
 
@@ -220,20 +247,7 @@ class CrossAttention(_AttentionBase):
         decode: bool = False,
     ) -> jax.Array:
         q = self._heads_first(self._project(x, 1, "q")[0])
-        initialized = decode and self.has_variable("cache", "cached_key")
-        if initialized:
-            keys = self.get_variable("cache", "cached_key")
-            values = self.get_variable("cache", "cached_value")
-            bias = self.get_variable("cache", "encoder_bias")
-        else:
-            if encoded is None or encoder_mask is None:
-                raise ValueError("CrossAttention needs the encoder output and mask on its first call.")
-            k, v = (self._heads_first(t) for t in self._project(encoded, 2, "kv"))
-            keys, values, bias = k, v, padding_bias(encoder_mask)
-            if decode:
-                self.put_variable("cache", "cached_key", keys)
-                self.put_variable("cache", "cached_value", values)
-                self.put_variable("cache", "encoder_bias", bias)
+        keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
         y = self._attend(q, keys, values, bias, deterministic)
         return self._output(self._heads_first(y))
 

@@ -22,6 +22,14 @@ KV = "kv"  # per-head feature (d_head)
 VOCAB = "vocab"
 POSITIONS = "positions"  # rows of a positional table
 QKV = "qkv"  # the stacked query/key/value axis of a fused projection
+# Scaling Transformer axes.
+SPARSE_ELEMENTS = "sparse_elements"  # N: units per sparse-FF block (d_ff = blocks * N, blocks on MLP)
+LOWRANK = "lowrank"  # the sparse-FF controller's bottleneck (d_lowrank)
+MODULES = "modules"  # S: modules of a multiplicative layer
+KV_IN = "kv_in"  # a convolution's input features per module
+CONV_LENGTH = "conv_length"  # F: a convolution's window along the sequence
+CONV_MODULES = "conv_modules"  # k: a convolution's window along the modules
+EXPERTS = "experts"  # blocks of the mixture-of-experts feed-forward
 
 # Mesh axis names.
 DATA_AXIS = "data"
@@ -50,5 +58,12 @@ def default_axis_rules(
         (KV, None),
         (POSITIONS, None),
         (QKV, None),
+        (SPARSE_ELEMENTS, None),
+        (LOWRANK, None),
+        (MODULES, None),
+        (KV_IN, None),
+        (CONV_LENGTH, None),
+        (CONV_MODULES, None),
+        (EXPERTS, None),
     )
     return tuple(additional_rules) + rules

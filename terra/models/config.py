@@ -10,11 +10,9 @@ import dataclasses
 import gin
 import jax.numpy as jnp
 
+from terra.errors import ConfigError
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-class ConfigError(ValueError):
-    """A model configuration that cannot work; the message names the value and the fix."""
 
 
 @gin.configurable(module="terra.models")

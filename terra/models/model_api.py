@@ -38,6 +38,10 @@ class EncoderDecoderModel:
     def __init__(self, module: nn.Module):
         self.module = module
         self.config = module.config
+        # Build the whole variable tree abstractly now (nothing is allocated), so that
+        # incompatible sizes in any injected layer (d_ff % N, d_model % S, vocab % S) fail
+        # when the model is configured, not in the middle of a training job.
+        self._abstract = jax.eval_shape(self._init_variables, jax.random.key(0))
 
     # ----- parameters -------------------------------------------------------------------
     def _init_variables(self, rng):
@@ -50,7 +54,7 @@ class EncoderDecoderModel:
     def abstract_variables(self):
         """Shapes and logical axes of every variable (``LogicallyPartitioned`` boxes), computed
         with ``jax.eval_shape``: nothing is allocated, so any size works."""
-        return jax.eval_shape(self._init_variables, jax.random.key(0))
+        return self._abstract
 
     def init_params(self, rng) -> Dict:
         """Random parameters as a plain (unboxed) pytree."""

@@ -1,0 +1,173 @@
+"""Sparse feed-forward block (paper §3.1; reference behaviour in ``trax_reference.md`` §1).
+
+A low-rank controller picks one unit in every block of ``N`` feed-forward units; only those
+``d_ff / N`` units are active, so decoding reads ``d_ff / N`` rows of each weight matrix:
+
+  logits = reshape(x·C1·C2 + b_c, [..., d_ff/N, N])          (no nonlinearity between C1, C2)
+  train:  idx = argmax(log_softmax(logits) + temperature·Gumbel)
+          m   = straight-through one-hot(idx) on a fraction quant_prob of calls, softmax otherwise
+  eval:   m   = one-hot(argmax(logits))
+  out     = relu((x·W1) ⊙ m) · W2 + b2                         (no first-layer bias)
+  decode: gather the d_ff/N selected rows of W1 and W2 and multiply only those.
+
+W1 and W2 are both stored as ``[d_ff/N, N, d_model]``: unit ``(block i, element j)`` is row
+``(i, j)`` of each, so a decode gather reads ``d_ff/N`` contiguous rows of ``d_model`` floats.
+"""
+
+from typing import Optional
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from terra.layers import axes
+from terra.layers.dense import BIAS_INIT, Dense
+from terra.errors import ConfigError
+
+
+def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
+    """``(n_blocks, d_lowrank)``, validated; ``d_lowrank`` defaults to ``d_ff // N`` as the
+    reference (the paper says "usually d_model/N")."""
+    if ff_sparsity <= 0 or d_ff % ff_sparsity:
+        raise ConfigError(
+            f"SparseFeedForward: d_ff={d_ff} is not divisible by ff_sparsity={ff_sparsity}; pick N dividing "
+            f"d_ff (e.g. {[n for n in (16, 32, 64, 128, 256) if d_ff % n == 0]}) or change TransformerConfig.d_ff."
+        )
+    n_blocks = d_ff // ff_sparsity
+    d_lowrank = n_blocks if d_lowrank is None else d_lowrank
+    if d_lowrank <= 0:
+        raise ConfigError(f"SparseFeedForward: d_lowrank={d_lowrank} must be positive.")
+    return n_blocks, d_lowrank
+
+
+def _glorot_for(fan_in: int, fan_out: int):
+    """Glorot-uniform with explicit fans: W1 and W2 are initialised as the ``[d_model, d_ff]``
+    and ``[d_ff, d_model]`` matrices the reference draws, whatever their stored shape."""
+    limit = (6.0 / (fan_in + fan_out)) ** 0.5
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+    return init
+
+
+class SparseFeedForward(nn.Module):
+    """``[batch, length, d_model] -> [batch, length, d_model]`` (the feed-forward swap point).
+
+    Attributes (paper/reference names):
+      ff_sparsity: N, units per block; one per block is active.
+      d_lowrank: controller bottleneck; ``None`` means ``d_ff // N``.
+      temperature: scale of the Gumbel noise in training (0 gives the eval choice).
+      quant_prob: probability that a training call uses the hard straight-through mask.
+      paper_formula: use the paper's ``max(0, x·W1 + b1) ⊙ m`` (first-layer bias, mask after
+        the ReLU) instead of the reference's ``relu(x·W1 ⊙ m)``.
+
+    ``__call__(x, *, deterministic, decode, indices=None)``: ``indices`` ``[batch, length,
+    d_ff/N]`` forces the block choices (a reversible layer replays its forward decisions);
+    the choices made are sown as ``intermediates/indices``.
+    """
+
+    d_model: int
+    d_ff: int
+    dropout_rate: float = 0.0
+    ff_dropout_rate: float = 0.0  # unused: the reference applies only the block dropout here
+    dtype: jnp.dtype = jnp.float32
+    ff_sparsity: int = 64
+    d_lowrank: Optional[int] = None
+    temperature: float = 0.1
+    quant_prob: float = 0.3
+    paper_formula: bool = False
+
+    def setup(self):
+        n_blocks, d_lowrank = sparse_ff_sizes(self.d_ff, self.ff_sparsity, self.d_lowrank)
+        shape = (n_blocks, self.ff_sparsity, self.d_model)
+        names = (axes.MLP, axes.SPARSE_ELEMENTS, axes.EMBED)
+        self.controller_down = Dense(
+            d_lowrank, kernel_axes=(axes.LOWRANK, axes.EMBED), use_bias=False, dtype=self.dtype, name="controller_down"
+        )
+        self.controller_up = Dense(
+            (n_blocks, self.ff_sparsity),
+            kernel_axes=(axes.MLP, axes.SPARSE_ELEMENTS, axes.LOWRANK),
+            dtype=self.dtype,
+            name="controller_up",
+        )
+        self.wi = self.param("wi", nn.with_logical_partitioning(_glorot_for(self.d_model, self.d_ff), names), shape)
+        self.wo = self.param("wo", nn.with_logical_partitioning(_glorot_for(self.d_ff, self.d_model), names), shape)
+        self.wo_bias = self.param("wo_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.EMBED,)), (self.d_model,))
+        if self.paper_formula:
+            self.wi_bias = self.param("wi_bias", nn.with_logical_partitioning(BIAS_INIT, names[:2]), shape[:2])
+        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))
+
+    def controller_logits(self, x: jax.Array) -> jax.Array:
+        """``[..., d_model] -> [..., d_ff/N, N]`` float32."""
+        return self.controller_up(self.controller_down(x)).astype(jnp.float32)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+        indices: Optional[jax.Array] = None,
+    ) -> jax.Array:
+        logits = self.controller_logits(x)
+        train = not deterministic
+        if indices is None:
+            if train and self.temperature > 0:
+                gumbel = jax.random.gumbel(self.make_rng("dropout"), logits.shape, jnp.float32)
+                indices = jnp.argmax(jax.nn.log_softmax(logits) + self.temperature * gumbel, axis=-1)
+            else:
+                indices = jnp.argmax(logits, axis=-1)
+        self.sow("intermediates", "indices", indices)
+        if decode:
+            y = self._gathered(x, indices)
+        else:
+            y = self._masked(x, logits, indices, train)
+        return self.dropout(y.astype(self.dtype), deterministic=deterministic)
+
+    def _masked(self, x, logits, indices, train: bool):
+        """Every unit computed, inactive ones zeroed by the mask (training and eval)."""
+        hard = jax.nn.one_hot(indices, self.ff_sparsity, dtype=jnp.float32)
+        if train:
+            soft = jax.nn.softmax(logits, axis=-1)  # temperature 1, as the reference
+            hard = jax.lax.stop_gradient(hard) + soft - jax.lax.stop_gradient(soft)
+            # One draw per call: the whole call is hard (straight-through) or soft (§1.3).
+            use_hard = jax.random.uniform(self.make_rng("dropout"), ()) < self.quant_prob
+            mask = jnp.where(use_hard, hard, soft)
+        else:
+            mask = hard
+        # 2-D products over the row-major [d_ff, d_model] views (free reshapes; see dense.py).
+        wi = jnp.asarray(self.wi, self.dtype).reshape(self.d_ff, self.d_model)
+        mid = jax.lax.dot_general(x.astype(self.dtype), wi, (((x.ndim - 1,), (1,)), ((), ())))
+        mid = mid.reshape(mid.shape[:-1] + mask.shape[-2:])
+        if self.paper_formula:
+            h = nn.relu(mid + self.wi_bias) * mask.astype(self.dtype)
+        else:
+            h = nn.relu(mid * mask.astype(self.dtype))
+        h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP, axes.SPARSE_ELEMENTS))
+        h = h.reshape(h.shape[:-2] + (self.d_ff,))
+        return h @ jnp.asarray(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
+
+    def _gathered(self, x, indices):
+        """Decode: read only the selected row of every block of W1 and W2."""
+        n_blocks = self.d_ff // self.ff_sparsity
+        flat = indices + jnp.arange(n_blocks) * self.ff_sparsity  # [..., n_blocks] rows of [d_ff, d]
+        wi = jnp.take(self.wi.reshape(self.d_ff, self.d_model), flat, axis=0).astype(self.dtype)
+        wo = jnp.take(self.wo.reshape(self.d_ff, self.d_model), flat, axis=0).astype(self.dtype)
+        mid = jnp.einsum("...d,...bd->...b", x.astype(self.dtype), wi)
+        if self.paper_formula:
+            mid = mid + jnp.take(self.wi_bias.reshape(self.d_ff), flat)
+        return jnp.einsum("...b,...bd->...d", nn.relu(mid), wo) + self.wo_bias
+
+    @staticmethod
+    def params_read_per_token(params) -> int:
+        """Parameters one decoded token reads: the controller, one row of W1 and of W2 per
+        block, the output bias (and the selected first-layer biases)."""
+        n_blocks, _, d_model = params["wi"].shape
+        controller = sum(x.size for x in jax.tree.leaves([params["controller_down"], params["controller_up"]]))
+        read = controller + 2 * n_blocks * d_model + params["wo_bias"].size
+        return read + (n_blocks if "wi_bias" in params else 0)
+
+
+gin.register(SparseFeedForward, module="terra.layers")

@@ -1,0 +1,203 @@
+"""Sparse QKV attention (paper §3.2; reference ``MultiplicativeConvCausalAttention``,
+``trax_reference.md`` §2.2–§2.6).
+
+The dense Q, K, V and output projections of the decoder self-attention are replaced by
+
+  u = mult(x)                      one multiplicative layer shared by Q, K and V: [.., S, M]
+  Q = conv_q(u), K = conv_k(u)     convolution over (length F, modules k=3), causal in length
+  V = conv_v(u)                    the same with a module kernel of 1 (F x 1)
+  out = attention(Q, K, V)         no output projection
+
+With ``S = n_heads`` each module is one head. In decode mode the last ``F - 1`` rows of ``u``
+are kept in the cache (one cache shared by the three convolutions, which all read ``u``), and
+keys/values of past tokens in the usual KV cache. Ablation variants ('mult': multiplicative
+Q, K, V and output; 'conv': convolutions on the raw modules, output convolution over modules
+only) and a sparse query path for encoder-decoder attention are in this module too.
+"""
+
+from typing import Optional
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from terra.layers import axes
+from terra.layers.attention import _AttentionBase
+from terra.layers.dense import BIAS_INIT
+from terra.layers.multiplicative import MultiplicativeDense
+from terra.errors import ConfigError
+
+VARIANTS = ("multconv", "mult", "conv")
+
+
+class ModuleConvolution(nn.Module):
+    """Convolution over (length, modules) with weights shared across modules.
+
+    ``u``: ``[batch, length, S, M_in]`` -> ``[batch, length', S, features]``. The module axis
+    is zero-padded by ``(k - 1) / 2`` on each side. With ``causal_pad`` the length axis is
+    left-padded with ``F - 1`` zero rows (output length = input length); without it the input
+    carries ``F - 1`` rows of history (decode) and the output has ``F - 1`` fewer rows.
+    Kernel ``[F, k, M_in, features]`` ~ N(0, 2/(M_in + features)) (the reference's
+    GlorotNormal with channel fans), bias ``[features]`` ~ N(0, 1e-6).
+    """
+
+    features: int
+    length_kernel_size: int = 3
+    module_kernel_size: int = 3
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, u: jax.Array, *, causal_pad: bool = True) -> jax.Array:
+        f, k = self.length_kernel_size, self.module_kernel_size
+        if k % 2 == 0 or k <= 0 or f <= 0:
+            raise ConfigError(f"ModuleConvolution: module kernel {k} must be odd and positive, length kernel {f} positive.")
+        m_in = u.shape[-1]
+        std = (2.0 / (m_in + self.features)) ** 0.5
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(std), (axes.CONV_LENGTH, axes.CONV_MODULES, axes.KV_IN, axes.KV)),
+            (f, k, m_in, self.features),
+        )
+        bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (axes.KV,)), (self.features,))
+        pad_length = (f - 1, 0) if causal_pad else (0, 0)
+        u = jnp.pad(u.astype(self.dtype), ((0, 0), pad_length, ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+        y = jax.lax.conv_general_dilated(
+            u, jnp.asarray(kernel, self.dtype), (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return y + jnp.asarray(bias, self.dtype)
+
+
+def _sparsity(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:
+    s = n_heads if attention_sparsity is None else attention_sparsity
+    if s <= 0 or d_model % s:
+        raise ConfigError(
+            f"{who}: d_model={d_model} is not divisible by attention_sparsity S={s}; choose S dividing d_model "
+            f"(the paper uses S = n_heads = {n_heads})."
+        )
+    return s
+
+
+class _ConvCacheMixin:
+    """The last ``F - 1`` rows of a convolution's input, kept in the cache for decoding."""
+
+    def _conv_window(self, u: jax.Array, length_kernel_size: int, decode: bool):
+        """Returns ``(window, causal_pad)`` for convolutions over ``u`` ``[b, l, S, M]``."""
+        if not decode or length_kernel_size == 1:
+            return u, True
+        initialized = self.has_variable("cache", "conv_rows")
+        shape = (u.shape[0], length_kernel_size - 1) + u.shape[2:]
+        rows = self.variable("cache", "conv_rows", jnp.zeros, shape, u.dtype)
+        if not initialized:
+            return u, True
+        window = jnp.concatenate([rows.value, u], axis=1)
+        rows.value = window[:, -(length_kernel_size - 1) :]
+        return window, False
+
+
+class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
+    """Decoder causal self-attention with sparse Q, K, V (the paper's "Sparse QKV").
+
+    Same contract as ``CausalSelfAttention``; ``[batch, length, d_model] -> same``.
+
+    Attributes:
+      attention_sparsity: S modules (default ``n_heads``; the paper's 800M model uses 16).
+      length_kernel_size: F, the causal window along the sequence (3).
+      module_kernel_size: k of the Q and K convolutions along the modules (3).
+      value_module_kernel_size: k of the V convolution (1, i.e. F x 1, as the reference).
+      variant: 'multconv' (the paper's), 'mult' (multiplicative Q, K, V and output) or
+        'conv' (convolutions on the raw modules, output convolution over modules only).
+    """
+
+    attention_sparsity: Optional[int] = None
+    length_kernel_size: int = 3
+    module_kernel_size: int = 3
+    value_module_kernel_size: int = 1
+    variant: str = "multconv"
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+        max_decode_length: Optional[int] = None,
+    ) -> jax.Array:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"SparseQKVAttention.variant={self.variant!r}; use one of {VARIANTS}.")
+        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "SparseQKVAttention")
+        m = self.d_model // s
+        batch, length = x.shape[:2]
+
+        def heads(t):  # [b, l, S, M] or [b, l, d] -> [b, h, l, d_head]
+            return self._heads_first(t.reshape(batch, -1, self.n_heads, self.d_head))
+
+        if self.variant == "mult":
+            q, k, v = (
+                heads(MultiplicativeDense(self.d_model, s, dtype=self.dtype, name=name)(x)) for name in ("q", "k", "v")
+            )
+        else:
+            if self.variant == "multconv":
+                u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
+            else:
+                u = x.reshape(batch, length, s, m)
+            window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+
+            def conv(name, module_kernel):
+                return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
+                    window, causal_pad=causal_pad
+                )
+
+            q = heads(conv("q_conv", self.module_kernel_size))
+            k = heads(conv("k_conv", self.module_kernel_size))
+            v = heads(conv("v_conv", self.value_module_kernel_size))
+        y = self._causal_attend(q, k, v, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length)
+        y = self._heads_first(y).reshape(batch, -1, self.d_model)
+        if self.variant == "mult":
+            return MultiplicativeDense(self.d_model, s, dtype=self.dtype, name="out")(y)
+        if self.variant == "conv":
+            y = y.reshape(batch, -1, s, m)
+            return ModuleConvolution(m, 1, self.module_kernel_size, dtype=self.dtype, name="out_conv")(y).reshape(
+                batch, -1, self.d_model
+            )
+        return y  # the paper removes the output projection
+
+
+class SparseQueryCrossAttention(_AttentionBase, _ConvCacheMixin):
+    """Encoder-decoder attention with a sparse query path (the reference's
+    ``enc_dec_attention_sparsity``, §2.6): ``Q = conv(mult(x))`` (causal over decoder
+    positions, F x k), keys and values dense from the encoder output and cached, and no
+    output projection. Same contract as ``CrossAttention``.
+    """
+
+    attention_sparsity: Optional[int] = None
+    length_kernel_size: int = 3
+    module_kernel_size: int = 3
+
+    @nn.compact
+    def __call__(self, x, encoded, encoder_mask, *, deterministic: bool = True, decode: bool = False):
+        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
+        m = self.d_model // s
+        batch = x.shape[0]
+        u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
+        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+        q = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")(
+            window, causal_pad=causal_pad
+        )
+        q = self._heads_first(q.reshape(batch, -1, self.n_heads, self.d_head))
+        keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
+        y = self._attend(q, keys, values, bias, deterministic)
+        return self._heads_first(y).reshape(batch, -1, self.d_model)
+
+
+def sparse_qkv_param_count(d_model: int, n_heads: int, attention_sparsity: int, length_kernel_size: int = 3) -> int:
+    """The paper's count for the default ('multconv') layer:
+    ``S·d + d·M + d`` (shared multiplicative layer) ``+ 2·(F·3·M² + M) + (F·1·M² + M)``."""
+    s, f = attention_sparsity, length_kernel_size
+    m = d_model // s
+    return s * d_model + d_model * m + d_model + 2 * (f * 3 * m * m + m) + (f * m * m + m)
+
+
+for _cls in (SparseQKVAttention, SparseQueryCrossAttention):
+    gin.register(_cls, module="terra.layers")
