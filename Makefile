@@ -10,7 +10,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench clean install
+.PHONY: run test bench params clean install
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m terra.benchmarks.decode_speed --gin_file=models/dense_800m.gin --gin.TransformerConfig.n_encoder_layers=2 --out out/decode_speed
+
+params: $(STAMP)
+	$(PY) -m terra.models.param_count --all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache out

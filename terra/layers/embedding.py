@@ -78,7 +78,7 @@ class MultiplicativeLogits(nn.Module):
         logits = MultiplicativeDense(
             self.vocab_size,
             self.loss_sparsity,
-            kernel_axes=(axes.VOCAB, axes.EMBED),
+            kernel_axes=(axes.EMBED, axes.VOCAB),
             dtype=self.dtype,
             name="multiplicative",
         )(x)

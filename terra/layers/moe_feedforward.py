@@ -63,8 +63,8 @@ class BlockSparseFeedForward(nn.Module):
             index = jnp.argmax(logits, axis=-1)
         x = x.astype(self.dtype)
         if decode:
-            w_in = jnp.take(wi, index, axis=0).astype(self.dtype)  # [..., block, d_model]
-            w_out = jnp.take(wo, index, axis=0).astype(self.dtype)
+            w_in = jnp.take(wi, index, axis=0, mode="clip").astype(self.dtype)  # [..., block, d_model]
+            w_out = jnp.take(wo, index, axis=0, mode="clip").astype(self.dtype)
             h = nn.relu(jnp.einsum("...d,...fd->...f", x, w_in))
             y = jnp.einsum("...f,...fd->...d", h, w_out) + wo_bias
         else:

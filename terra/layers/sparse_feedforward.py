@@ -41,6 +41,15 @@ def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
     return n_blocks, d_lowrank
 
 
+def block_argmax(x: jax.Array) -> jax.Array:
+    """First index of the maximum along the last axis (``jnp.argmax``'s result), computed as a
+    max and a min: XLA:CPU's variadic argmax reduction is the slower of the two, and the
+    controller runs one per block per layer per token."""
+    n = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
 def _glorot_for(fan_in: int, fan_out: int):
     """Glorot-uniform with explicit fans: W1 and W2 are initialised as the ``[d_model, d_ff]``
     and ``[d_ff, d_model]`` matrices the reference draws, whatever their stored shape."""
@@ -86,11 +95,15 @@ class SparseFeedForward(nn.Module):
         self.controller_down = Dense(
             d_lowrank, kernel_axes=(axes.LOWRANK, axes.EMBED), use_bias=False, dtype=self.dtype, name="controller_down"
         )
-        self.controller_up = Dense(
-            (n_blocks, self.ff_sparsity),
-            kernel_axes=(axes.MLP, axes.SPARSE_ELEMENTS, axes.LOWRANK),
-            dtype=self.dtype,
-            name="controller_up",
+        # C2 is stored input-major, [d_lowrank, d_ff/N, N]: with its short contraction
+        # (d_lowrank) XLA:CPU reads it ~20% faster than output-major (measured).
+        self.controller_up = self.param(
+            "controller_up",
+            nn.with_logical_partitioning(_glorot_for(d_lowrank, self.d_ff), (axes.LOWRANK, axes.MLP, axes.SPARSE_ELEMENTS)),
+            (d_lowrank, n_blocks, self.ff_sparsity),
+        )
+        self.controller_bias = self.param(
+            "controller_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.MLP, axes.SPARSE_ELEMENTS)), (n_blocks, self.ff_sparsity)
         )
         self.wi = self.param("wi", nn.with_logical_partitioning(_glorot_for(self.d_model, self.d_ff), names), shape)
         self.wo = self.param("wo", nn.with_logical_partitioning(_glorot_for(self.d_ff, self.d_model), names), shape)
@@ -101,7 +114,10 @@ class SparseFeedForward(nn.Module):
 
     def controller_logits(self, x: jax.Array) -> jax.Array:
         """``[..., d_model] -> [..., d_ff/N, N]`` float32."""
-        return self.controller_up(self.controller_down(x)).astype(jnp.float32)
+        low = self.controller_down(x)
+        up = jnp.asarray(self.controller_up, self.dtype)
+        logits = (low @ up.reshape(up.shape[0], -1)).reshape(low.shape[:-1] + up.shape[1:])
+        return (logits + self.controller_bias).astype(jnp.float32)
 
     def __call__(
         self,
@@ -116,9 +132,9 @@ class SparseFeedForward(nn.Module):
         if indices is None:
             if train and self.temperature > 0:
                 gumbel = jax.random.gumbel(self.make_rng("dropout"), logits.shape, jnp.float32)
-                indices = jnp.argmax(jax.nn.log_softmax(logits) + self.temperature * gumbel, axis=-1)
+                indices = block_argmax(jax.nn.log_softmax(logits) + self.temperature * gumbel)
             else:
-                indices = jnp.argmax(logits, axis=-1)
+                indices = block_argmax(logits)
         self.sow("intermediates", "indices", indices)
         if decode:
             y = self._gathered(x, indices)
@@ -153,11 +169,13 @@ class SparseFeedForward(nn.Module):
         """Decode: read only the selected row of every block of W1 and W2."""
         n_blocks = self.d_ff // self.ff_sparsity
         flat = indices + jnp.arange(n_blocks) * self.ff_sparsity  # [..., n_blocks] rows of [d_ff, d]
-        wi = jnp.take(self.wi.reshape(self.d_ff, self.d_model), flat, axis=0).astype(self.dtype)
-        wo = jnp.take(self.wo.reshape(self.d_ff, self.d_model), flat, axis=0).astype(self.dtype)
+        # mode='clip': the indices are in range by construction, and the default bounds
+        # handling ('fill') makes XLA:CPU's gather twice as slow (measured 21 vs 12 us).
+        wi = jnp.take(self.wi.reshape(self.d_ff, self.d_model), flat, axis=0, mode="clip").astype(self.dtype)
+        wo = jnp.take(self.wo.reshape(self.d_ff, self.d_model), flat, axis=0, mode="clip").astype(self.dtype)
         mid = jnp.einsum("...d,...bd->...b", x.astype(self.dtype), wi)
         if self.paper_formula:
-            mid = mid + jnp.take(self.wi_bias.reshape(self.d_ff), flat)
+            mid = mid + jnp.take(self.wi_bias.reshape(self.d_ff), flat, mode="clip")
         return jnp.einsum("...b,...bd->...d", nn.relu(mid), wo) + self.wo_bias
 
     @staticmethod
@@ -165,7 +183,9 @@ class SparseFeedForward(nn.Module):
         """Parameters one decoded token reads: the controller, one row of W1 and of W2 per
         block, the output bias (and the selected first-layer biases)."""
         n_blocks, _, d_model = params["wi"].shape
-        controller = sum(x.size for x in jax.tree.leaves([params["controller_down"], params["controller_up"]]))
+        controller = sum(
+            x.size for x in jax.tree.leaves([params["controller_down"], params["controller_up"], params["controller_bias"]])
+        )
         read = controller + 2 * n_blocks * d_model + params["wo_bias"].size
         return read + (n_blocks if "wi_bias" in params else 0)
 

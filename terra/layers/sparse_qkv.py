@@ -60,12 +60,27 @@ class ModuleConvolution(nn.Module):
             (f, k, m_in, self.features),
         )
         bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (axes.KV,)), (self.features,))
-        pad_length = (f - 1, 0) if causal_pad else (0, 0)
-        u = jnp.pad(u.astype(self.dtype), ((0, 0), pad_length, ((k - 1) // 2, (k - 1) // 2), (0, 0)))
-        y = jax.lax.conv_general_dilated(
-            u, jnp.asarray(kernel, self.dtype), (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
-        )
+        kernel = jnp.asarray(kernel, self.dtype)
+        u = jnp.pad(u.astype(self.dtype), ((0, 0), (f - 1 if causal_pad else 0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+        if causal_pad:
+            y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        else:
+            y = self._unfolded(u, kernel)
         return y + jnp.asarray(bias, self.dtype)
+
+    def _unfolded(self, u: jax.Array, kernel: jax.Array) -> jax.Array:
+        """The same convolution as one matrix product over unfolded windows. Used in decode,
+        where the input is a few rows: XLA:CPU runs it in ~15 us against ~25 us for the
+        convolution op at the 800M shape (S = 16, M = 64, F = k = 3)."""
+        f, k, m_in, m_out = kernel.shape
+        batch, length, padded_modules, _ = u.shape
+        n_modules, out_length = padded_modules - (k - 1), length - (f - 1)
+        windows = jnp.stack(
+            [jnp.stack([u[:, t : t + out_length, j : j + n_modules] for j in range(k)], axis=3) for t in range(f)],
+            axis=3,
+        )  # [batch, out_length, S, F, k, M_in]
+        windows = windows.reshape(batch, out_length, n_modules, f * k * m_in)
+        return windows @ kernel.reshape(f * k * m_in, m_out)
 
 
 def _sparsity(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:

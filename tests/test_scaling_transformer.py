@@ -1,0 +1,129 @@
+"""Whole Scaling Transformers, built from the shipped gin configs: token-by-token decoding
+equals the teacher-forced pass, each variant trains, bad sizes fail at configuration time,
+and the weights a decoded token reads shrink as the paper says."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from terra import gin_utils
+from terra.models.model_api import shift_right
+from terra.models.param_count import params_read_per_token
+
+VARIANTS = [
+    "models/tiny_sparse_ff.gin",
+    "models/tiny_sparse_qkv.gin",
+    "models/tiny_sparse_ff_qkv.gin",
+    "models/tiny_fully_sparse.gin",
+    "models/tiny_moe_ff.gin",
+    "models/tiny.gin+loss",  # dense with the sparse loss (Table 7)
+]
+SMALL = [
+    "TransformerConfig.vocab_size = 96",
+    "TransformerConfig.max_len = 32",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+]
+
+
+def _build(variant):
+    files, bindings = [variant.split("+")[0]], list(SMALL)
+    if variant.endswith("+loss"):
+        bindings += ["EncoderDecoderTransformer.logits_layer = @MultiplicativeLogits", "MultiplicativeLogits.loss_sparsity = 4"]
+    gin_utils.parse_gin(files, bindings)
+    return gin_utils.build("terra.models.EncoderDecoderModel")
+
+
+def _batch(vocab, batch=2, input_length=9, target_length=8, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(2, vocab, size=(batch, input_length)).astype(np.int32)
+    inputs[1, -3:] = 0
+    targets = rng.integers(2, vocab, size=(batch, target_length)).astype(np.int32)
+    return jnp.asarray(inputs), jnp.asarray(targets)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scaling_transformer_incremental_decode_matches_full_forward(variant):
+    model = _build(variant)
+    params = model.init_params(jax.random.key(0))
+    inputs, targets = _batch(model.config.vocab_size)
+    decoder_inputs = shift_right(targets)
+    full = jax.jit(lambda p: model.module.apply({"params": p}, inputs, decoder_inputs))(params)
+    decoder = model.decoder(10)
+    cache = decoder.prefill(params, inputs)
+    for t in range(decoder_inputs.shape[1]):
+        logits, cache = decoder.step(params, cache, decoder_inputs[:, t])
+        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def fast_compile():
+    """XLA's optimisation passes dominate these tests' time and do not change what they prove."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", False)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_sparse_model_trains(variant, fast_compile):
+    model = _build(variant)
+    params = model.init_params(jax.random.key(0))
+    inputs, targets = _batch(model.config.vocab_size, batch=4, seed=1)
+    batch = {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
+    optimizer = optax.adam(3e-3)
+
+    @jax.jit
+    def step(params, opt_state, rng):
+        (loss, _), grads = jax.value_and_grad(model.loss_fn, has_aux=True)(params, batch, rng)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = optimizer.init(params)
+    losses = []
+    for i in range(40):  # training mode: Gumbel noise, hard/soft masks, dropout rng
+        params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        ("SparseFeedForward.ff_sparsity = 60", "not divisible by ff_sparsity=60"),
+        ("SparseQKVAttention.attention_sparsity = 5", "not divisible by attention_sparsity S=5"),
+        ("MultiplicativeLogits.loss_sparsity = 7", "not divisible by loss_sparsity=7"),
+    ],
+)
+def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, message):
+    gin_utils.parse_gin(["models/fully_sparse_800m.gin"], [binding])
+    with pytest.raises(gin_utils.GinConfigError, match=message):
+        gin_utils.build("terra.models.EncoderDecoderModel")
+
+
+def _reads(gin_file):
+    gin_utils.parse_gin([gin_file])
+    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    return model, params_read_per_token(model.module, model.abstract_variables()["params"])
+
+
+def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape():
+    dense_model, dense = _reads("models/dense_800m.gin")
+    _, sparse = _reads("models/sparse_ff_800m.gin")
+    d, d_ff, n, layers = 1024, 4096, 64, 24
+    dense_ff = 2 * d * d_ff + d_ff + d
+    blocks = d_ff // n  # d_lowrank = blocks as well
+    sparse_ff = d * blocks + blocks * d_ff + d_ff + 2 * blocks * d + d  # C1, C2, b_c, gathered rows, b2
+    assert dense["feed-forward"] == layers * dense_ff
+    assert sparse["feed-forward"] == layers * sparse_ff
+    assert dense["total"] - sparse["total"] == layers * (dense_ff - sparse_ff)
+
+
+def test_each_sparse_layer_lowers_the_weights_read_per_token():
+    totals = {f: _reads(f"models/{f}.gin")[1]["total"] for f in (
+        "dense_800m", "sparse_ff_800m", "sparse_ff_qkv_800m", "sparse_ff_qkv_loss4_800m", "fully_sparse_800m")}
+    order = list(totals.values())
+    assert order == sorted(order, reverse=True), totals
+    assert totals["dense_800m"] / totals["fully_sparse_800m"] > 10

@@ -1,0 +1,168 @@
+"""SparseFeedForward (paper §3.1, trax_reference.md §1 and the §9 checklist) and the
+mixture-of-experts baseline."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.errors import ConfigError
+from terra.layers import BlockSparseFeedForward, SparseFeedForward
+from terra.layers.sparse_feedforward import block_argmax
+
+D_MODEL, D_FF, N = 16, 64, 8  # 8 blocks of 8 units
+
+
+def _layer(**kwargs):
+    return SparseFeedForward(d_model=D_MODEL, d_ff=D_FF, ff_sparsity=N, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def layer_and_vars():
+    layer = _layer()
+    x = jax.random.normal(jax.random.key(0), (3, 5, D_MODEL))
+    return layer, layer.init(jax.random.key(1), x), x
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr, including those inside nested calls (pjit, custom_jvp...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def _indices(layer, variables, x, **kwargs):
+    _, state = layer.apply(variables, x, mutable=["intermediates"], **kwargs)
+    return state["intermediates"]["indices"][0]
+
+
+def test_controller_is_low_rank_with_d_lowrank_d_ff_over_n(layer_and_vars):
+    _, variables, _ = layer_and_vars
+    params = nn.unbox(variables)["params"]
+    assert params["controller_down"]["kernel"].shape == (D_FF // N, D_MODEL)  # C1, output-major
+    assert params["controller_up"].shape == (D_FF // N, D_FF // N, N)  # C2 [d_lowrank, blocks, N]
+    assert params["controller_bias"].shape == (D_FF // N, N)
+    assert params["wi"].shape == params["wo"].shape == (D_FF // N, N, D_MODEL)
+    assert params["wo_bias"].shape == (D_MODEL,) and "wi_bias" not in params  # no first-layer bias
+    explicit = _layer(d_lowrank=5).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
+    assert nn.unbox(explicit)["params"]["controller_down"]["kernel"].shape == (5, D_MODEL)
+
+
+def test_decode_gather_equals_eval_mask(layer_and_vars):
+    layer, variables, x = layer_and_vars
+    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_reads_only_the_selected_row_of_each_block(layer_and_vars):
+    layer, variables, x = layer_and_vars
+    x = x[:1, :1]  # one token
+    idx = _indices(layer, variables, x)[0, 0]
+    params = nn.unbox(variables)["params"]
+    keep = jax.nn.one_hot(idx, N)[..., None]  # [blocks, N, 1]
+    zeroed = {**params, "wi": params["wi"] * keep, "wo": params["wo"] * keep}
+    np.testing.assert_allclose(
+        layer.apply({"params": zeroed}, x, decode=True), layer.apply(variables, x, decode=True), atol=1e-6
+    )
+    # No product in the decode path touches a full [d_ff, d_model] matrix: only gathered rows.
+    jaxpr = jax.make_jaxpr(lambda v, x: layer.apply(v, x, decode=True))(variables, x)
+    eqns = list(_all_eqns(jaxpr.jaxpr))
+    gathers = [e for e in eqns if e.primitive.name == "gather"]
+    assert sorted(tuple(e.outvars[0].aval.shape) for e in gathers) == [(1, 1, D_FF // N, D_MODEL)] * 2
+    assert any(e.primitive.name == "dot_general" for e in eqns)
+    for eqn in eqns:
+        if eqn.primitive.name == "dot_general":
+            assert all(v.aval.size < D_FF * D_MODEL for v in eqn.invars), eqn
+
+
+def test_eval_picks_the_argmax_with_no_noise(layer_and_vars):
+    layer, variables, x = layer_and_vars
+    logits = layer.apply(variables, x, method=layer.controller_logits)
+    np.testing.assert_array_equal(_indices(layer, variables, x), jnp.argmax(logits, -1))
+    ties = jnp.array([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    np.testing.assert_array_equal(block_argmax(ties), jnp.argmax(ties, -1))
+    out = layer.apply(variables, x, rngs={"dropout": jax.random.key(5)})
+    np.testing.assert_array_equal(out, layer.apply(variables, x, rngs={"dropout": jax.random.key(6)}))
+
+
+def test_training_with_temperature_zero_picks_the_eval_indices(layer_and_vars):
+    _, variables, x = layer_and_vars
+    layer = _layer(temperature=0.0)
+    train = _indices(layer, variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_array_equal(train, _indices(layer, variables, x))
+    noisy = _layer(temperature=100.0)
+    assert not np.array_equal(
+        _indices(noisy, variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)}), train
+    )
+
+
+def test_the_hard_mask_is_used_on_about_quant_prob_of_calls(layer_and_vars):
+    _, variables, x = layer_and_vars
+    layer = _layer(temperature=0.0, quant_prob=0.3)
+    eval_out = layer.apply(variables, x)
+
+    @jax.jit
+    def is_hard(key):
+        out = layer.apply(variables, x, deterministic=False, rngs={"dropout": key})
+        return jnp.max(jnp.abs(out - eval_out)) < 1e-5  # the hard branch reproduces eval
+
+    hard = jax.vmap(is_hard)(jax.random.split(jax.random.key(0), 2000))
+    assert abs(float(hard.mean()) - 0.3) < 0.04
+
+
+def test_straight_through_trains_the_controller_and_not_unselected_units(layer_and_vars):
+    _, variables, x = layer_and_vars
+    layer = _layer(temperature=0.0, quant_prob=1.0)  # always the hard branch
+    x = x[:1, :1]
+    params = nn.unbox(variables)["params"]
+    idx = _indices(layer, variables, x)[0, 0]
+
+    def loss(p):
+        return jnp.sum(layer.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(0)}) ** 2)
+
+    grads = jax.grad(loss)(params)
+    assert np.any(grads["controller_up"] != 0) and np.any(grads["controller_down"]["kernel"] != 0)
+    unselected = 1.0 - jax.nn.one_hot(idx, N)[..., None]
+    assert np.all(grads["wi"] * unselected == 0) and np.all(grads["wo"] * unselected == 0)
+    np.testing.assert_allclose(
+        layer.apply({"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(0)}),
+        layer.apply(variables, x),
+        atol=1e-6,
+    )
+
+
+def test_given_indices_replace_the_controllers_choice(layer_and_vars):
+    layer, variables, x = layer_and_vars
+    forced = jnp.zeros((3, 5, D_FF // N), jnp.int32)
+    assert np.array_equal(_indices(layer, variables, x, indices=forced), forced)
+    np.testing.assert_allclose(
+        layer.apply(variables, x, indices=forced, decode=True), layer.apply(variables, x, indices=forced), atol=1e-5
+    )
+
+
+def test_paper_formula_option_adds_the_first_layer_bias_and_decodes_the_same():
+    layer = _layer(paper_formula=True)
+    x = jax.random.normal(jax.random.key(0), (2, 3, D_MODEL))
+    variables = layer.init(jax.random.key(1), x)
+    assert nn.unbox(variables)["params"]["wi_bias"].shape == (D_FF // N, N)
+    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+
+
+def test_d_ff_not_divisible_by_n_is_a_config_error():
+    with pytest.raises(ConfigError, match="d_ff=64 is not divisible by ff_sparsity=12"):
+        SparseFeedForward(d_model=D_MODEL, d_ff=D_FF, ff_sparsity=12).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
+
+
+def test_moe_baseline_decode_equals_eval_and_reads_one_block():
+    layer = BlockSparseFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=4)
+    x = jax.random.normal(jax.random.key(0), (2, 5, D_MODEL))
+    variables = layer.init(jax.random.key(1), x)
+    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+    params = nn.unbox(variables)["params"]
+    assert BlockSparseFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL
+    with pytest.raises(ConfigError, match="n_experts"):
+        BlockSparseFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=5).init(jax.random.key(0), x)

@@ -1,0 +1,126 @@
+"""The multiplicative layer, sparse QKV attention, the sparse query cross-attention and the
+sparse loss (paper §3.2–3.3, trax_reference.md §2–§3 and the §9 checklist)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.errors import ConfigError
+from terra.layers import MultiplicativeDense, MultiplicativeLogits, SparseQKVAttention, SparseQueryCrossAttention
+from terra.layers.sparse_qkv import sparse_qkv_param_count
+
+D, H = 32, 4  # S = H = 4 modules of M = 8
+
+
+def _size(tree):
+    return sum(x.size for x in jax.tree.leaves(nn.unbox(tree)))
+
+
+def test_multiplicative_dense_computes_the_gated_product():
+    layer = MultiplicativeDense(12, n_modules=3)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    variables = layer.init(jax.random.key(1), x)
+    p = nn.unbox(variables)["params"]
+    assert p["gate"].shape == (3, 7) and p["kernel"].shape == (7, 4) and p["bias"].shape == (12,)
+    expected = jnp.einsum("bli,si,im->blsm", x, p["gate"], p["kernel"]).reshape(2, 5, 12) + p["bias"]
+    np.testing.assert_allclose(layer.apply(variables, x), expected, atol=1e-5, rtol=1e-5)
+    assert abs(float(jnp.std(p["gate"])) - 0.5) < 0.2  # D ~ N(0, 0.5^2) as the reference
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_multiplicative_layer_represents_any_permutation(seed):
+    s_modules, m = 4, 6
+    d = s_modules * m
+    perm = np.random.default_rng(seed).permutation(d)  # input i goes to output slot perm[i] = (s, m)
+    gate = np.zeros((s_modules, d), np.float32)
+    kernel = np.zeros((d, m), np.float32)
+    for i, slot in enumerate(perm):
+        gate[slot // m, i] = 1.0
+        kernel[i, slot % m] = 1.0
+    params = {"gate": gate, "kernel": kernel, "bias": np.zeros(d, np.float32)}
+    x = jax.random.normal(jax.random.key(seed), (3, d))
+    y = MultiplicativeDense(d, n_modules=s_modules).apply({"params": params}, x)
+    np.testing.assert_allclose(y[:, perm], x, atol=1e-6)
+
+
+def test_multiplicative_output_not_divisible_by_s_is_a_config_error():
+    with pytest.raises(ConfigError, match="not divisible by S=5"):
+        MultiplicativeDense(12, n_modules=5).init(jax.random.key(0), jnp.ones((1, 4)))
+
+
+@pytest.mark.parametrize("variant", ["multconv", "mult", "conv"])
+def test_sparse_qkv_token_by_token_decode_matches_the_full_pass(variant):
+    layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
+    x = jax.random.normal(jax.random.key(0), (2, 7, D))
+    variables = layer.init(jax.random.key(1), x)
+    full = layer.apply(variables, x)
+    _, cache = layer.apply(variables, x[:, :1], decode=True, max_decode_length=9, mutable=["cache"])
+    for t in range(x.shape[1]):
+        out, cache = layer.apply({**variables, **cache}, x[:, t : t + 1], decode=True, mutable=["cache"])
+        np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["multconv", "mult", "conv"])
+def test_sparse_qkv_is_causal(variant):
+    layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
+    x = jax.random.normal(jax.random.key(0), (1, 8, D))
+    variables = layer.init(jax.random.key(1), x)
+    changed = x.at[:, 4].add(1.0)
+    a, b = layer.apply(variables, x), layer.apply(variables, changed)
+    np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-6)
+    assert not np.allclose(a[:, 4:], b[:, 4:], atol=1e-4)
+
+
+def test_sparse_qkv_shares_one_multiplicative_layer_and_has_no_output_projection():
+    layer = SparseQKVAttention(d_model=D, n_heads=H)
+    variables = layer.init(jax.random.key(0), jnp.ones((1, 3, D)))
+    p = nn.unbox(variables)["params"]
+    assert set(p) == {"mult", "q_conv", "k_conv", "v_conv"}
+    m = D // H
+    assert p["q_conv"]["kernel"].shape == p["k_conv"]["kernel"].shape == (3, 3, m, m)  # F x k over (length, modules)
+    assert p["v_conv"]["kernel"].shape == (3, 1, m, m)
+    assert _size(variables) == sparse_qkv_param_count(D, H, H)
+    # The 800M layer: S = 16, M = 64 -> the paper's ~0.17M against 4.2M for dense QKVO.
+    assert sparse_qkv_param_count(1024, 16, 16) == 16 * 1024 + 1024 * 64 + 1024 + 2 * (9 * 64**2 + 64) + 3 * 64**2 + 64
+
+
+def test_sparse_qkv_d_model_not_divisible_by_s_is_a_config_error():
+    with pytest.raises(ConfigError, match="not divisible by attention_sparsity S=5"):
+        SparseQKVAttention(d_model=D, n_heads=H, attention_sparsity=5).init(jax.random.key(0), jnp.ones((1, 2, D)))
+    with pytest.raises(ConfigError, match="variant"):
+        SparseQKVAttention(d_model=D, n_heads=H, variant="dense").init(jax.random.key(0), jnp.ones((1, 2, D)))
+
+
+def test_sparse_query_cross_attention_decode_matches_the_full_pass():
+    layer = SparseQueryCrossAttention(d_model=D, n_heads=H)
+    x = jax.random.normal(jax.random.key(0), (2, 6, D))
+    encoded = jax.random.normal(jax.random.key(1), (2, 5, D))
+    mask = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    variables = layer.init(jax.random.key(2), x, encoded, mask)
+    full = layer.apply(variables, x, encoded, mask)
+    _, cache = layer.apply(variables, x[:, :1], encoded, mask, decode=True, mutable=["cache"])
+    for t in range(x.shape[1]):
+        out, cache = layer.apply({**variables, **cache}, x[:, t : t + 1], None, None, decode=True, mutable=["cache"])
+        np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+    assert "out" not in nn.unbox(variables)["params"]  # no output projection
+    # Padded encoder positions are ignored.
+    garbage = encoded.at[1, 3:].set(100.0)
+    np.testing.assert_allclose(layer.apply(variables, x, garbage, mask), full, atol=1e-5)
+
+
+def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
+    layer = MultiplicativeLogits(vocab_size=40, loss_sparsity=4)
+    x = jax.random.normal(jax.random.key(0), (2, 3, D))
+    variables = layer.init(jax.random.key(1), x)
+    p = nn.unbox(variables)["params"]["multiplicative"]
+    assert _size(variables) == 4 * D + D * 40 // 4 + 40  # S*d + d*V/S + V
+    logits = layer.apply(variables, x)
+    assert logits.shape == (2, 3, 40) and logits.dtype == jnp.float32
+    # Vocabulary id s*(V/S) + m is module s, element m.
+    s, m = 2, 7
+    expected = jnp.einsum("bli,i,i->bl", x, p["gate"][s], p["kernel"][:, m]) + p["bias"][s * 10 + m]
+    np.testing.assert_allclose(logits[..., s * 10 + m], expected, atol=1e-5)
+    with pytest.raises(ConfigError, match="vocab_size=40 is not divisible by loss_sparsity=3"):
+        MultiplicativeLogits(vocab_size=40, loss_sparsity=3).init(jax.random.key(0), x)
