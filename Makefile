@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
-	$(PY) -m terra.benchmarks.decode_speed --gin_file=models/dense_800m.gin --gin.TransformerConfig.n_encoder_layers=2 --out out/decode_speed
+	$(PY) -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed
 
 params: $(STAMP)
 	$(PY) -m terra.models.param_count --all

@@ -1,27 +1,38 @@
-"""Batch-1 single-token decode latency of a gin-configured model, with random weights.
+"""Batch-1 decode speed of the paper's models on this CPU, against its memory bandwidth.
 
-  python -m terra.benchmarks.decode_speed --gin_file=models/dense_800m.gin [--out DIR]
+  python -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed
+  python -m terra.benchmarks.decode_speed --preset paper_17b_block --out out/decode_17b
+  python -m terra.benchmarks.decode_speed --gin_file=models/fully_sparse_800m.gin   # one config
+  ... --config.tokens=20 --config.repeats=5                                           # override a preset
 
-Follows the reference's timing (``trax_reference.md`` §6): a 16-token encoder input,
-prefill, a warm-up that compiles and runs a few steps, then timed single-token ``step``
-calls with ``block_until_ready``, the first two tokens of each repetition not counted.
-Reports the median and minimum seconds per token over all timed tokens.
+Protocol (the reference's, ``trax_reference.md`` §6): random weights; prefill a 16-token
+encoder input; warm up (compiles and runs a few steps); then, per repetition, prefill again and
+time ``tokens`` single-token ``step`` calls with ``block_until_ready``, the first two not
+counted. Reports the median and minimum seconds per token, seconds per decoder block, the bytes
+each token must read (the parameters the decode step touches, by layer, plus every cache it
+reads), the achieved GB/s and the fraction of the machine's measured read bandwidth. Writes
+``decode_speed.{json,md,png}`` and ``machine.json`` to ``--out``.
 """
 
 import argparse
+import ast
 import dataclasses
-import json
-import os
-import platform
+import gc
+import math
 import time
 from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from terra import gin_utils
+from terra.benchmarks import presets as preset_lib
+from terra.benchmarks import report
+from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
+from terra.models.param_count import params_read_per_token
 
 
 @dataclasses.dataclass
@@ -63,6 +74,8 @@ def measure_decode(
     ``n_skip`` of each not counted)."""
     if n_tokens > decoder.max_decode_length:
         raise ValueError(f"n_tokens={n_tokens} exceeds max_decode_length={decoder.max_decode_length}.")
+    if n_tokens <= n_skip:
+        raise ValueError(f"n_tokens={n_tokens} must exceed the {n_skip} untimed tokens.")
     inputs = jnp.asarray(encoder_input_tokens, jnp.int32)
     batch = inputs.shape[0]
 
@@ -87,46 +100,145 @@ def measure_decode(
     return timing
 
 
+def decode_bytes_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: int = 4) -> dict:
+    """Bytes one batch-1 decode step reads: the parameters it touches and every cache array
+    (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows)."""
+    abstract = model.abstract_variables()["params"]
+    param_reads = params_read_per_token(model.module, abstract)["total"]
+    cache = jax.eval_shape(decoder.prefill, abstract_params(model), jax.ShapeDtypeStruct((1, input_length), jnp.int32))
+    cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    return {"weights": param_reads * weights_itemsize, "caches": cache_bytes, "total": param_reads * weights_itemsize + cache_bytes}
+
+
+def abstract_params(model):
+    import flax.linen as nn
+
+    return nn.unbox(model.abstract_variables())["params"]
+
+
+def _build(gin_files, bindings):
+    gin_utils.parse_gin(gin_files, bindings)
+    return gin_utils.build("terra.models.EncoderDecoderModel")
+
+
+def _time_model(gin_files, bindings, config, seed: int = 0):
+    """Builds one model with random weights, times it, frees it."""
+    model = _build(gin_files, bindings)
+    cfg = model.config
+    params = model.init_params(jax.random.key(seed))
+    if config.weights_dtype != "float32":
+        params = jax.tree.map(lambda x: x.astype(config.weights_dtype), params)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    inputs = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=(1, config.input_length))
+    decoder = IncrementalDecoder(model.module, max(2 * config.input_length, config.tokens))
+    timing = measure_decode(
+        decoder, params, inputs, n_tokens=config.tokens, n_skip=config.skip, n_warmup=config.warmup, repeats=config.repeats
+    )
+    itemsize = jnp.dtype(config.weights_dtype).itemsize
+    reads = decode_bytes_per_token(model, decoder, config.input_length, itemsize)
+    n_layers = cfg.n_decoder_layers
+    del params, decoder
+    gc.collect()
+    return timing, reads, n_params, n_layers
+
+
+def run_row(row, config, bandwidth: float) -> dict:
+    bindings = list(config.common_bindings) + list(row.bindings)
+    if config.weights_dtype != "float32":
+        bindings.append(f"TransformerConfig.dtype = '{config.weights_dtype}'")
+    if config.block_mode == "difference":
+        t1, r1, _, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 1"], config)
+        timing, reads, n_params, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config)
+        per_block = timing.median_token_s - t1.median_token_s
+        block_bytes = reads["total"] - r1["total"]
+        achieved = block_bytes / max(per_block, 1e-9)
+        floor = block_bytes / bandwidth
+    else:
+        timing, reads, n_params, n_layers = _time_model(row.gin_files, bindings, config)
+        per_block = timing.median_token_s / n_layers
+        achieved = reads["total"] / timing.median_token_s
+        floor = reads["total"] / bandwidth
+    return {
+        "name": row.name,
+        "gin_files": list(row.gin_files),
+        "bindings": bindings,
+        "series": row.series,
+        "sparsity": row.sparsity,
+        "block_mode": config.block_mode,
+        "params": int(n_params),
+        "seconds_per_token_median": timing.median_token_s,
+        "seconds_per_token_min": timing.min_token_s,
+        "prefill_seconds": float(np.median(timing.prefill_s)),
+        "seconds_per_block": float(per_block),
+        "bytes_per_token": int(reads["total"]),
+        "weight_bytes_per_token": int(reads["weights"]),
+        "cache_bytes_per_token": int(reads["caches"]),
+        "achieved_gbps": achieved / 1e9,
+        "bandwidth_gbps": bandwidth / 1e9,
+        "fraction_of_bandwidth": achieved / bandwidth,
+        "floor_seconds": float(floor),
+        "timed_tokens": len(timing.token_s),
+    }
+
+
+def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title: str, log=print) -> List[dict]:
+    machine = describe_machine()
+    bandwidth = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
+    log(f"{title}: {machine['cpu']}, {machine['cores']} cores, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for row in config.rows:
+        result = run_row(row, config, bandwidth)
+        rows.append(result)
+        log(
+            f"  {row.name:<40} {result['seconds_per_token_median'] * 1e3:9.3f} ms/token  "
+            f"{result['seconds_per_block'] * 1e3:8.3f} ms/block  {result['bytes_per_token'] / 1e6:9.1f} MB  "
+            f"{100 * result['fraction_of_bandwidth']:5.1f}% of bandwidth"
+        )
+    key = "seconds_per_block" if config.block_mode == "difference" else "seconds_per_token_median"
+    reference = rows[config.dense_row][key]
+    for r in rows:
+        r["speedup_vs_dense"] = reference / r[key]
+    if out_dir:
+        log(report.write_outputs(out_dir, rows, machine, bandwidth / 1e9, title))
+    return rows
+
+
+def _apply_overrides(config: ml_collections.ConfigDict, overrides: List[str]) -> None:
+    for item in overrides:
+        name, _, value = item[len("--config.") :].partition("=")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        if name not in config:
+            raise gin_utils.GinConfigError(f"Unknown preset field {name!r}; fields: {', '.join(sorted(config.keys()))}.")
+        config[name] = parsed
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gin_utils.add_gin_flags(parser)
-    parser.add_argument("--input_length", type=int, default=16, help="Encoder input tokens (reference: 16).")
-    parser.add_argument("--tokens", type=int, default=12, help="Steps per repetition (first two not timed).")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch_size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="Directory for decode_speed.json.")
-    args = gin_utils.parse_flags(parser, argv)
-    if not args.gin_file:
-        gin_utils.parse_gin(["models/tiny.gin"], args.gin_bindings)
-        args.gin_file = ["models/tiny.gin"]
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
-    cfg = model.config
-    params = model.init_params(jax.random.key(args.seed))
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    rng = np.random.default_rng(args.seed)
-    inputs = rng.integers(2, cfg.vocab_size, size=(args.batch_size, args.input_length))
-    decoder = model.decoder(max(2 * args.input_length, args.tokens))
-    timing = measure_decode(decoder, params, inputs, n_tokens=args.tokens, repeats=args.repeats)
-    row = {
-        "config": " + ".join(args.gin_file),
-        "params": n_params,
-        "batch_size": args.batch_size,
-        "input_length": args.input_length,
-        **timing.summary(),
-        "backend": jax.default_backend(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-    print(f"{'config':<34} {'params':>12} {'prefill ms':>11} {'ms/token (median)':>18} {'ms/token (min)':>15}")
-    print(
-        f"{row['config']:<34} {n_params:>12,d} {row['prefill_median_s'] * 1e3:>11.2f} "
-        f"{row['token_median_s'] * 1e3:>18.3f} {row['token_min_s'] * 1e3:>15.3f}"
-    )
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode_speed.json"), "w") as f:
-            json.dump(row, f, indent=2)
+    parser.add_argument("--preset", default=None, choices=sorted(preset_lib.PRESETS), help="A set of models to time.")
+    parser.add_argument("--out", default=None, help="Directory for decode_speed.{json,md,png}.")
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [a for a in argv if a.startswith("--config.")]
+    args = gin_utils.parse_flags(parser, [a for a in argv if not a.startswith("--config.")])
+    if args.preset and args.gin_file:
+        raise gin_utils.GinConfigError("Give either --preset or --gin_file, not both.")
+    if args.preset:
+        config = preset_lib.PRESETS[args.preset]()
+        title = f"decode speed, preset {args.preset}"
+    else:
+        files = args.gin_file or ["models/tiny.gin"]
+        config = preset_lib.tiny()
+        config.rows = [preset_lib._row(" + ".join(files), *files, bindings=args.gin_bindings)]
+        config.common_bindings = []
+        config.tokens, config.repeats, config.warmup = 12, 3, 4
+        title = f"decode speed, {' + '.join(files)}"
+    _apply_overrides(config, overrides)
+    run_preset(config, args.out, title)
     return 0
 
 

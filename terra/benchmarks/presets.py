@@ -1,0 +1,136 @@
+"""Decode-speed presets: which models to time and how (``ml_collections`` ConfigDicts).
+
+A row is a name, the gin files that build its model and extra gin bindings; a preset adds the
+timing protocol. Override any field from the command line, e.g.
+``--config.tokens=20 --config.input_length=32``.
+"""
+
+from typing import Callable, Dict
+
+import ml_collections
+
+# The reference's decode-timing model (trax_reference.md §5.5, "medium"): 2 encoder and 24
+# decoder layers at the 800M widths; dropout is irrelevant to decoding.
+TIMING_SHAPE_800M = ("TransformerConfig.n_encoder_layers = 2",)
+
+
+def _row(name: str, *gin_files: str, bindings=(), series: str = "", sparsity: float = 0.0):
+    return ml_collections.ConfigDict(
+        {"name": name, "gin_files": list(gin_files), "bindings": list(bindings), "series": series, "sparsity": sparsity}
+    )
+
+
+def _preset(rows, **overrides) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict(
+        {
+            "rows": rows,
+            "common_bindings": list(TIMING_SHAPE_800M),
+            "input_length": 16,  # encoder tokens, as the reference
+            "tokens": 12,  # steps per repetition; the first two are not timed
+            "skip": 2,
+            "repeats": 3,
+            "warmup": 4,
+            "block_mode": "divide",  # 'divide': time / decoder layers; 'difference': see paper_17b_block
+            "weights_dtype": "float32",
+            "bandwidth_buffer_mb": 1024,
+            "dense_row": 0,  # the row speed-ups are relative to
+        }
+    )
+    config.update(overrides)
+    return config
+
+
+def paper_800m() -> ml_collections.ConfigDict:
+    """Tables 1 (upper half), 2 and 7 at the 800M shape, the fully sparse model and the MoE baseline."""
+    m = "models/{}_800m.gin".format
+    return _preset(
+        [
+            _row("baseline Transf.", m("dense")),
+            _row("+ Sparse FF", m("sparse_ff")),
+            _row("+ Sparse QKV", m("sparse_qkv")),
+            _row("+ Sparse FF+QKV", m("sparse_ff_qkv")),
+            _row("Sparse FF 128", m("sparse_ff128")),
+            _row("Sparse loss S=2", m("sparse_loss2")),
+            _row("Sparse loss S=4", m("sparse_loss4")),
+            _row("Sparse loss S=8", m("sparse_loss8")),
+            _row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4")),
+            _row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse")),
+            _row("MoE FF (64 experts)", m("moe_ff")),
+        ]
+    )
+
+
+# The 17B model's widths (paper footnote 2; trax_reference.md §5.5): d_model 9216, 96 heads.
+_WIDE = (
+    "TransformerConfig.d_model = 9216",
+    "TransformerConfig.n_heads = 96",
+    "TransformerConfig.n_encoder_layers = 0",
+    "TransformerConfig.vocab_size = 1024",  # the logits are not part of a block
+    "TransformerConfig.max_len = 64",
+)
+
+
+def paper_17b_block() -> ml_collections.ConfigDict:
+    """Per-decoder-block time at the 17B widths (Table 1 lower half, Table 6).
+
+    Each row is timed with 1 and with 2 decoder layers, one model in memory at a time; the
+    block time is the difference. Dense d_ff is the reference's slice (5/8 * 65536 = 40960,
+    "+0% params"); sparse rows use d_ff 65536, FF sparsity 256 with d_lowrank 32, and attention
+    sparsity 64.
+    """
+    m = "models/{}_800m.gin".format
+    dense_ff = ("TransformerConfig.d_ff = 40960",)
+    ff = ("TransformerConfig.d_ff = 65536", "SparseFeedForward.ff_sparsity = 256", "SparseFeedForward.d_lowrank = 32")
+    qkv = ("TransformerConfig.d_ff = 65536", "SparseQKVAttention.attention_sparsity = 64")
+    cross = ("SparseQueryCrossAttention.attention_sparsity = 64",)
+    return _preset(
+        [
+            _row("baseline Transf.", m("dense"), bindings=dense_ff),
+            _row("+ Sparse FF", m("sparse_ff"), bindings=ff),
+            _row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv),
+            _row("+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv),
+            _row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse"), bindings=ff + qkv + cross),
+        ],
+        common_bindings=list(_WIDE),
+        block_mode="difference",
+        tokens=8,
+        repeats=2,
+        warmup=2,
+    )
+
+
+def sparsity_sweep() -> ml_collections.ConfigDict:
+    """Decode time against FF sparsity N (Figure 3's axis) and loss sparsity S."""
+    rows = [_row("dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0)]
+    for n in (16, 32, 64, 128):
+        rows.append(
+            _row(f"Sparse FF {n}", "models/sparse_ff_800m.gin", bindings=(f"SparseFeedForward.ff_sparsity = {n}",), series="ff_sparsity", sparsity=n)
+        )
+    rows.append(_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
+    for s in (2, 4, 8):
+        rows.append(_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s))
+    return _preset(rows)
+
+
+def tiny() -> ml_collections.ConfigDict:
+    """Runs in seconds: a smoke test of the whole benchmark."""
+    return _preset(
+        [
+            _row("baseline Transf.", "models/tiny.gin"),
+            _row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),
+            _row("fully sparse", "models/tiny_fully_sparse.gin"),
+        ],
+        common_bindings=[],
+        tokens=6,
+        repeats=1,
+        warmup=2,
+        bandwidth_buffer_mb=64,
+    )
+
+
+PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
+    "paper_800m": paper_800m,
+    "paper_17b_block": paper_17b_block,
+    "sparsity_sweep": sparsity_sweep,
+    "tiny": tiny,
+}

@@ -1,0 +1,75 @@
+"""Decode-speed results as the paper's table (Markdown), JSON rows and a PNG plot."""
+
+import json
+import os
+from typing import List, Sequence
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:,.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
+def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
+        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s; jax {machine['jax']} ({machine['backend']}).",
+        "",
+        "| model | Params | Dec. time | Dec. time per block | Speedup | MB / token | GB/s | % of bandwidth | floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
+            f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
+            f"{r['speedup_vs_dense']:.2f}x | {r['bytes_per_token'] / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
+            f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = sorted({r["series"] for r in rows if r.get("series")})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if len(series) and all(r.get("series") for r in rows):
+        for name in series:
+            points = sorted((r["sparsity"], r["seconds_per_token_median"] * 1e3) for r in rows if r["series"] == name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xlabel("sparsity (FF: N units per block, 0 = dense; loss: S modules, 1 = dense)")
+        ax.set_ylabel("ms per token (median)")
+        ax.legend()
+    else:
+        names = [r["name"] for r in rows]
+        measured = [r["seconds_per_block" if r.get("block_mode") == "difference" else "seconds_per_token_median"] * 1e3 for r in rows]
+        floors = [r["floor_seconds"] * 1e3 for r in rows]
+        y = range(len(rows))
+        ax.barh(list(y), measured, color="tab:blue", label="measured")
+        ax.scatter(floors, list(y), color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
+        ax.set_yticks(list(y), names, fontsize=8)
+        ax.invert_yaxis()
+        unit = "ms per decoder block" if rows and rows[0].get("block_mode") == "difference" else "ms per token"
+        ax.set_xlabel(f"{unit} (batch 1)")
+        ax.legend()
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out_dir: str, rows: List[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "decode_speed.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    with open(os.path.join(out_dir, "machine.json"), "w") as f:
+        json.dump({**machine, "bandwidth_gbps": bandwidth_gbps}, f, indent=2)
+    table = markdown_table(rows, machine, bandwidth_gbps, title)
+    with open(os.path.join(out_dir, "decode_speed.md"), "w") as f:
+        f.write(table)
+    plot(rows, os.path.join(out_dir, "decode_speed.png"), title)
+    return table
