@@ -116,6 +116,30 @@ def abstract_params(model):
     return nn.unbox(model.abstract_variables())["params"]
 
 
+# Above this, initialise leaf by leaf: XLA schedules a whole-model random init with several
+# temporaries per parameter alive at once (a 2-layer slice at the 17B widths, 11.5 GB of
+# weights, peaked above 24 GB and was killed).
+_LEAFWISE_INIT_BYTES = 4 << 30
+
+
+def random_params(model, seed: int):
+    """Random weights for timing. Small models use their real initialisers; large ones get
+    N(0, 1/fan_in) per leaf (timing does not depend on the distribution), one leaf at a time."""
+    import flax.linen as nn
+
+    abstract = nn.unbox(model.abstract_variables())["params"]
+    leaves, treedef = jax.tree.flatten(abstract)
+    if sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) < _LEAFWISE_INIT_BYTES:
+        return model.init_params(jax.random.key(seed))
+
+    @jax.jit(static_argnums=(1, 2))
+    def leaf(key, shape, dtype):
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[-1])).astype(dtype)
+
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [leaf(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
 def _build(gin_files, bindings):
     gin_utils.parse_gin(gin_files, bindings)
     return gin_utils.build("terra.models.EncoderDecoderModel")
@@ -125,7 +149,7 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
     """Builds one model with random weights, times it, frees it."""
     model = _build(gin_files, bindings)
     cfg = model.config
-    params = model.init_params(jax.random.key(seed))
+    params = random_params(model, seed)
     if config.weights_dtype != "float32":
         params = jax.tree.map(lambda x: x.astype(config.weights_dtype), params)
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -151,6 +175,7 @@ def run_row(row, config, bandwidth: float) -> dict:
         timing, reads, n_params, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config)
         per_block = timing.median_token_s - t1.median_token_s
         block_bytes = reads["total"] - r1["total"]
+        extra = {"bytes_per_block": int(block_bytes), "seconds_per_token_one_block": t1.median_token_s}
         achieved = block_bytes / max(per_block, 1e-9)
         floor = block_bytes / bandwidth
     else:
@@ -158,6 +183,7 @@ def run_row(row, config, bandwidth: float) -> dict:
         per_block = timing.median_token_s / n_layers
         achieved = reads["total"] / timing.median_token_s
         floor = reads["total"] / bandwidth
+        extra = {}
     return {
         "name": row.name,
         "gin_files": list(row.gin_files),
@@ -178,6 +204,7 @@ def run_row(row, config, bandwidth: float) -> dict:
         "fraction_of_bandwidth": achieved / bandwidth,
         "floor_seconds": float(floor),
         "timed_tokens": len(timing.token_s),
+        **extra,
     }
 
 
@@ -185,6 +212,7 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     machine = describe_machine()
     bandwidth = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
     log(f"{title}: {machine['cpu']}, {machine['cores']} cores, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    machine["bandwidth_before_gbps"] = bandwidth / 1e9
     rows = []
     for row in config.rows:
         result = run_row(row, config, bandwidth)
@@ -194,6 +222,11 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
             f"{result['seconds_per_block'] * 1e3:8.3f} ms/block  {result['bytes_per_token'] / 1e6:9.1f} MB  "
             f"{100 * result['fraction_of_bandwidth']:5.1f}% of bandwidth"
         )
+    # Bandwidth on a shared machine drifts; measure again and note both, so a reader can
+    # tell whether the rows ran on a quiet or a busy machine.
+    after = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
+    machine["bandwidth_after_gbps"] = after / 1e9
+    log(f"read bandwidth after the rows: {after / 1e9:.1f} GB/s")
     key = "seconds_per_block" if config.block_mode == "difference" else "seconds_per_token_median"
     reference = rows[config.dense_row][key]
     for r in rows:

@@ -10,20 +10,31 @@ def _millions(n: int) -> str:
 
 
 def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    block_mode = bool(rows) and rows[0].get("block_mode") == "difference"
     lines = [
         f"### {title}",
         "",
         f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
-        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s; jax {machine['jax']} ({machine['backend']}).",
+        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows"
+        + (f", {machine['bandwidth_after_gbps']:.1f} GB/s after" if "bandwidth_after_gbps" in machine else "")
+        + f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before.",
         "",
-        "| model | Params | Dec. time | Dec. time per block | Speedup | MB / token | GB/s | % of bandwidth | floor |",
+        (
+            "Slices of 1 and 2 decoder blocks are timed; Dec. time is the 2-block slice, per block is the "
+            "difference, and MB, GB/s, % and floor are per block."
+            if block_mode
+            else "GB/s, % of bandwidth and floor are per token."
+        ),
+        "",
+        f"| model | Params | Dec. time | Dec. time per block | Speedup | MB / {'block' if block_mode else 'token'} "
+        "| GB/s | % of bandwidth | floor |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
             f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
-            f"{r['speedup_vs_dense']:.2f}x | {r['bytes_per_token'] / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
+            f"{r['speedup_vs_dense']:.2f}x | {r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
             f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms |"
         )
     return "\n".join(lines) + "\n"
