@@ -7,6 +7,8 @@ machine both match a vectorised C read loop on two threads (34 GB/s there at the
 measurement).
 """
 
+import os
+import platform
 import time
 
 import jax
@@ -39,9 +41,6 @@ def measure_read_bandwidth(buffer_bytes: int = 1 << 30, repeats: int = 7) -> flo
 
 def describe_machine() -> dict:
     """CPU model, cores and the XLA configuration the timings ran under."""
-    import os
-    import platform
-
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

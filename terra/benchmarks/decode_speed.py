@@ -19,9 +19,11 @@ import ast
 import dataclasses
 import gc
 import math
+import sys
 import time
 from typing import List, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -111,8 +113,6 @@ def decode_bytes_per_token(model, decoder: IncrementalDecoder, input_length: int
 
 
 def abstract_params(model):
-    import flax.linen as nn
-
     return nn.unbox(model.abstract_variables())["params"]
 
 
@@ -125,8 +125,6 @@ _LEAFWISE_INIT_BYTES = 4 << 30
 def random_params(model, seed: int):
     """Random weights for timing. Small models use their real initialisers; large ones get
     N(0, 1/fan_in) per leaf (timing does not depend on the distribution), one leaf at a time."""
-    import flax.linen as nn
-
     abstract = nn.unbox(model.abstract_variables())["params"]
     leaves, treedef = jax.tree.flatten(abstract)
     if sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) < _LEAFWISE_INIT_BYTES:
@@ -253,8 +251,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     gin_utils.add_gin_flags(parser)
     parser.add_argument("--preset", default=None, choices=sorted(preset_lib.PRESETS), help="A set of models to time.")
     parser.add_argument("--out", default=None, help="Directory for decode_speed.{json,md,png}.")
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = [a for a in argv if a.startswith("--config.")]
     args = gin_utils.parse_flags(parser, [a for a in argv if not a.startswith("--config.")])
