@@ -9,7 +9,7 @@ import pytest
 
 from terra.errors import ConfigError
 from terra.layers import BlockSparseFeedForward, SparseFeedForward
-from terra.layers.sparse_feedforward import block_argmax
+from terra.layers.selection import block_argmax
 
 D_MODEL, D_FF, N = 16, 64, 8  # 8 blocks of 8 units
 

@@ -107,13 +107,10 @@ def decode_bytes_per_token(model, decoder: IncrementalDecoder, input_length: int
     (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows)."""
     abstract = model.abstract_variables()["params"]
     param_reads = params_read_per_token(model.module, abstract)["total"]
-    cache = jax.eval_shape(decoder.prefill, abstract_params(model), jax.ShapeDtypeStruct((1, input_length), jnp.int32))
+    inputs = jax.ShapeDtypeStruct((1, input_length), jnp.int32)
+    cache = jax.eval_shape(decoder.prefill, nn.unbox(abstract), inputs)
     cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
     return {"weights": param_reads * weights_itemsize, "caches": cache_bytes, "total": param_reads * weights_itemsize + cache_bytes}
-
-
-def abstract_params(model):
-    return nn.unbox(model.abstract_variables())["params"]
 
 
 # Above this, initialise leaf by leaf: XLA schedules a whole-model random init with several
@@ -262,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         files = args.gin_file or ["models/tiny.gin"]
         config = preset_lib.tiny()
-        config.rows = [preset_lib._row(" + ".join(files), *files, bindings=args.gin_bindings)]
+        config.rows = [preset_lib.make_row(" + ".join(files), *files, bindings=args.gin_bindings)]
         config.common_bindings = []
         config.tokens, config.repeats, config.warmup = 12, 3, 4
         title = f"decode speed, {' + '.join(files)}"

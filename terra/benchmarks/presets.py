@@ -14,7 +14,7 @@ import ml_collections
 TIMING_SHAPE_800M = ("TransformerConfig.n_encoder_layers = 2",)
 
 
-def _row(name: str, *gin_files: str, bindings=(), series: str = "", sparsity: float = 0.0):
+def make_row(name: str, *gin_files: str, bindings=(), series: str = "", sparsity: float = 0.0):
     return ml_collections.ConfigDict(
         {"name": name, "gin_files": list(gin_files), "bindings": list(bindings), "series": series, "sparsity": sparsity}
     )
@@ -45,17 +45,17 @@ def paper_800m() -> ml_collections.ConfigDict:
     m = "models/{}_800m.gin".format
     return _preset(
         [
-            _row("baseline Transf.", m("dense")),
-            _row("+ Sparse FF", m("sparse_ff")),
-            _row("+ Sparse QKV", m("sparse_qkv")),
-            _row("+ Sparse FF+QKV", m("sparse_ff_qkv")),
-            _row("Sparse FF 128", m("sparse_ff128")),
-            _row("Sparse loss S=2", m("sparse_loss2")),
-            _row("Sparse loss S=4", m("sparse_loss4")),
-            _row("Sparse loss S=8", m("sparse_loss8")),
-            _row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4")),
-            _row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse")),
-            _row("MoE FF (64 experts)", m("moe_ff")),
+            make_row("baseline Transf.", m("dense")),
+            make_row("+ Sparse FF", m("sparse_ff")),
+            make_row("+ Sparse QKV", m("sparse_qkv")),
+            make_row("+ Sparse FF+QKV", m("sparse_ff_qkv")),
+            make_row("Sparse FF 128", m("sparse_ff128")),
+            make_row("Sparse loss S=2", m("sparse_loss2")),
+            make_row("Sparse loss S=4", m("sparse_loss4")),
+            make_row("Sparse loss S=8", m("sparse_loss8")),
+            make_row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4")),
+            make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse")),
+            make_row("MoE FF (64 experts)", m("moe_ff")),
         ]
     )
 
@@ -85,11 +85,11 @@ def paper_17b_block() -> ml_collections.ConfigDict:
     cross = ("SparseQueryCrossAttention.attention_sparsity = 64",)
     return _preset(
         [
-            _row("baseline Transf.", m("dense"), bindings=dense_ff),
-            _row("+ Sparse FF", m("sparse_ff"), bindings=ff),
-            _row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv),
-            _row("+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv),
-            _row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse"), bindings=ff + qkv + cross),
+            make_row("baseline Transf.", m("dense"), bindings=dense_ff),
+            make_row("+ Sparse FF", m("sparse_ff"), bindings=ff),
+            make_row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv),
+            make_row("+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv),
+            make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse"), bindings=ff + qkv + cross),
         ],
         common_bindings=list(_WIDE),
         block_mode="difference",
@@ -100,14 +100,14 @@ def paper_17b_block() -> ml_collections.ConfigDict:
 
 def sparsity_sweep() -> ml_collections.ConfigDict:
     """Decode time against FF sparsity N (Figure 3's axis) and loss sparsity S."""
-    rows = [_row("dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0)]
+    rows = [make_row("dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0)]
     for n in (16, 32, 64, 128):
         rows.append(
-            _row(f"Sparse FF {n}", "models/sparse_ff_800m.gin", bindings=(f"SparseFeedForward.ff_sparsity = {n}",), series="ff_sparsity", sparsity=n)
+            make_row(f"Sparse FF {n}", "models/sparse_ff_800m.gin", bindings=(f"SparseFeedForward.ff_sparsity = {n}",), series="ff_sparsity", sparsity=n)
         )
-    rows.append(_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
+    rows.append(make_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
     for s in (2, 4, 8):
-        rows.append(_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s))
+        rows.append(make_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s))
     return _preset(rows)
 
 
@@ -115,9 +115,9 @@ def tiny() -> ml_collections.ConfigDict:
     """Runs in seconds: a smoke test of the whole benchmark."""
     return _preset(
         [
-            _row("baseline Transf.", "models/tiny.gin"),
-            _row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),
-            _row("fully sparse", "models/tiny_fully_sparse.gin"),
+            make_row("baseline Transf.", "models/tiny.gin"),
+            make_row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),
+            make_row("fully sparse", "models/tiny_fully_sparse.gin"),
         ],
         common_bindings=[],
         tokens=6,

@@ -21,6 +21,12 @@ Features = Union[int, Sequence[int]]
 BIAS_INIT = nn.initializers.normal(stddev=1e-6)
 
 
+def output_major_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in]`` times a 2-D output-major ``kernel [out, in]`` -> ``[..., out]``, read in
+    place (no transpose of the kernel; see the module docstring)."""
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def _as_tuple(features: Features) -> Tuple[int, ...]:
     return (features,) if isinstance(features, int) else tuple(features)
 
@@ -81,8 +87,7 @@ class Dense(nn.Module):
         n_features, n_inputs = math.prod(features), math.prod(in_shape)
         x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (n_inputs,))
         kernel2 = jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs)
-        y = lax.dot_general(x2, kernel2, (((x2.ndim - 1,), (1,)), ((), ())))
-        y = y.reshape(y.shape[:-1] + features)
+        y = output_major_product(x2, kernel2).reshape(x.shape[: x.ndim - n_in] + features)
         if self.use_bias:
             bias = self.param(
                 "bias",

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.dense import BIAS_INIT, Dense
-from terra.layers.sparse_feedforward import _glorot_for
+from terra.layers.dense import BIAS_INIT, Dense, output_major_product
+from terra.layers.selection import block_argmax, glorot_uniform, gumbel_block_argmax, straight_through_mask, take_rows
 
 
 class BlockSparseFeedForward(nn.Module):
@@ -49,33 +49,29 @@ class BlockSparseFeedForward(nn.Module):
             )
         block = self.d_ff // self.n_experts
         shape, names = (self.n_experts, block, self.d_model), (axes.EXPERTS, axes.MLP, axes.EMBED)
-        wi = self.param("wi", nn.with_logical_partitioning(_glorot_for(self.d_model, self.d_ff), names), shape)
-        wo = self.param("wo", nn.with_logical_partitioning(_glorot_for(self.d_ff, self.d_model), names), shape)
+        wi = self.param("wi", nn.with_logical_partitioning(glorot_uniform(self.d_model, self.d_ff), names), shape)
+        wo = self.param("wo", nn.with_logical_partitioning(glorot_uniform(self.d_ff, self.d_model), names), shape)
         wo_bias = self.param("wo_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.EMBED,)), (self.d_model,))
         logits = Dense(
             self.n_experts, kernel_axes=(axes.EXPERTS, axes.EMBED), use_bias=False, dtype=self.dtype, name="router"
         )(x).astype(jnp.float32)
         train = not deterministic
         if train:
-            gumbel = jax.random.gumbel(self.make_rng("dropout"), logits.shape, jnp.float32)
-            index = jnp.argmax(jax.nn.log_softmax(logits) + self.temperature * gumbel, axis=-1)
+            index = gumbel_block_argmax(logits, self.temperature, self.make_rng("dropout"))
         else:
-            index = jnp.argmax(logits, axis=-1)
+            index = block_argmax(logits)
         x = x.astype(self.dtype)
         if decode:
-            w_in = jnp.take(wi, index, axis=0, mode="clip").astype(self.dtype)  # [..., block, d_model]
-            w_out = jnp.take(wo, index, axis=0, mode="clip").astype(self.dtype)
+            w_in = take_rows(wi, index).astype(self.dtype)  # [..., block, d_model]
+            w_out = take_rows(wo, index).astype(self.dtype)
             h = nn.relu(jnp.einsum("...d,...fd->...f", x, w_in))
             y = jnp.einsum("...f,...fd->...d", h, w_out) + wo_bias
         else:
-            mask = jax.nn.one_hot(index, self.n_experts, dtype=jnp.float32)
             if train:
-                soft = jax.nn.softmax(logits, axis=-1)
-                hard = jax.lax.stop_gradient(mask) + soft - jax.lax.stop_gradient(soft)
-                use_hard = jax.random.uniform(self.make_rng("dropout"), ()) < self.hard_prob
-                mask = jnp.where(use_hard, hard, soft)
-            w_in = jnp.asarray(wi, self.dtype).reshape(self.d_ff, self.d_model)
-            mid = jax.lax.dot_general(x, w_in, (((x.ndim - 1,), (1,)), ((), ())))
+                mask = straight_through_mask(logits, index, self.hard_prob, self.make_rng("dropout"))
+            else:
+                mask = jax.nn.one_hot(index, self.n_experts, dtype=jnp.float32)
+            mid = output_major_product(x, jnp.asarray(wi, self.dtype).reshape(self.d_ff, self.d_model))
             mid = mid.reshape(mid.shape[:-1] + (self.n_experts, block)) * mask[..., None].astype(self.dtype)
             h = nn.relu(mid).reshape(mid.shape[:-2] + (self.d_ff,))
             y = h @ jnp.asarray(wo, self.dtype).reshape(self.d_ff, self.d_model) + wo_bias

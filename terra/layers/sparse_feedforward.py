@@ -21,9 +21,16 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from terra.layers import axes
-from terra.layers.dense import BIAS_INIT, Dense
 from terra.errors import ConfigError
+from terra.layers import axes
+from terra.layers.dense import BIAS_INIT, Dense, output_major_product
+from terra.layers.selection import (
+    block_argmax,
+    glorot_uniform,
+    gumbel_block_argmax,
+    straight_through_mask,
+    take_rows,
+)
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
@@ -39,26 +46,6 @@ def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
     if d_lowrank <= 0:
         raise ConfigError(f"SparseFeedForward: d_lowrank={d_lowrank} must be positive.")
     return n_blocks, d_lowrank
-
-
-def block_argmax(x: jax.Array) -> jax.Array:
-    """First index of the maximum along the last axis (``jnp.argmax``'s result), computed as a
-    max and a min: XLA:CPU's variadic argmax reduction is the slower of the two, and the
-    controller runs one per block per layer per token."""
-    n = x.shape[-1]
-    top = jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-
-
-def _glorot_for(fan_in: int, fan_out: int):
-    """Glorot-uniform with explicit fans: W1 and W2 are initialised as the ``[d_model, d_ff]``
-    and ``[d_ff, d_model]`` matrices the reference draws, whatever their stored shape."""
-    limit = (6.0 / (fan_in + fan_out)) ** 0.5
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -limit, limit)
-
-    return init
 
 
 class SparseFeedForward(nn.Module):
@@ -99,14 +86,14 @@ class SparseFeedForward(nn.Module):
         # (d_lowrank) XLA:CPU reads it ~20% faster than output-major (measured).
         self.controller_up = self.param(
             "controller_up",
-            nn.with_logical_partitioning(_glorot_for(d_lowrank, self.d_ff), (axes.LOWRANK, axes.MLP, axes.SPARSE_ELEMENTS)),
+            nn.with_logical_partitioning(glorot_uniform(d_lowrank, self.d_ff), (axes.LOWRANK, axes.MLP, axes.SPARSE_ELEMENTS)),
             (d_lowrank, n_blocks, self.ff_sparsity),
         )
         self.controller_bias = self.param(
             "controller_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.MLP, axes.SPARSE_ELEMENTS)), (n_blocks, self.ff_sparsity)
         )
-        self.wi = self.param("wi", nn.with_logical_partitioning(_glorot_for(self.d_model, self.d_ff), names), shape)
-        self.wo = self.param("wo", nn.with_logical_partitioning(_glorot_for(self.d_ff, self.d_model), names), shape)
+        self.wi = self.param("wi", nn.with_logical_partitioning(glorot_uniform(self.d_model, self.d_ff), names), shape)
+        self.wo = self.param("wo", nn.with_logical_partitioning(glorot_uniform(self.d_ff, self.d_model), names), shape)
         self.wo_bias = self.param("wo_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.EMBED,)), (self.d_model,))
         if self.paper_formula:
             self.wi_bias = self.param("wi_bias", nn.with_logical_partitioning(BIAS_INIT, names[:2]), shape[:2])
@@ -131,8 +118,7 @@ class SparseFeedForward(nn.Module):
         train = not deterministic
         if indices is None:
             if train and self.temperature > 0:
-                gumbel = jax.random.gumbel(self.make_rng("dropout"), logits.shape, jnp.float32)
-                indices = block_argmax(jax.nn.log_softmax(logits) + self.temperature * gumbel)
+                indices = gumbel_block_argmax(logits, self.temperature, self.make_rng("dropout"))
             else:
                 indices = block_argmax(logits)
         self.sow("intermediates", "indices", indices)
@@ -144,18 +130,13 @@ class SparseFeedForward(nn.Module):
 
     def _masked(self, x, logits, indices, train: bool):
         """Every unit computed, inactive ones zeroed by the mask (training and eval)."""
-        hard = jax.nn.one_hot(indices, self.ff_sparsity, dtype=jnp.float32)
-        if train:
-            soft = jax.nn.softmax(logits, axis=-1)  # temperature 1, as the reference
-            hard = jax.lax.stop_gradient(hard) + soft - jax.lax.stop_gradient(soft)
-            # One draw per call: the whole call is hard (straight-through) or soft (§1.3).
-            use_hard = jax.random.uniform(self.make_rng("dropout"), ()) < self.quant_prob
-            mask = jnp.where(use_hard, hard, soft)
+        if train:  # softmax at temperature 1, one hard/soft draw per call (§1.3)
+            mask = straight_through_mask(logits, indices, self.quant_prob, self.make_rng("dropout"))
         else:
-            mask = hard
+            mask = jax.nn.one_hot(indices, self.ff_sparsity, dtype=jnp.float32)
         # 2-D products over the row-major [d_ff, d_model] views (free reshapes; see dense.py).
         wi = jnp.asarray(self.wi, self.dtype).reshape(self.d_ff, self.d_model)
-        mid = jax.lax.dot_general(x.astype(self.dtype), wi, (((x.ndim - 1,), (1,)), ((), ())))
+        mid = output_major_product(x.astype(self.dtype), wi)
         mid = mid.reshape(mid.shape[:-1] + mask.shape[-2:])
         if self.paper_formula:
             h = nn.relu(mid + self.wi_bias) * mask.astype(self.dtype)
@@ -169,13 +150,11 @@ class SparseFeedForward(nn.Module):
         """Decode: read only the selected row of every block of W1 and W2."""
         n_blocks = self.d_ff // self.ff_sparsity
         flat = indices + jnp.arange(n_blocks) * self.ff_sparsity  # [..., n_blocks] rows of [d_ff, d]
-        # mode='clip': the indices are in range by construction, and the default bounds
-        # handling ('fill') makes XLA:CPU's gather twice as slow (measured 21 vs 12 us).
-        wi = jnp.take(self.wi.reshape(self.d_ff, self.d_model), flat, axis=0, mode="clip").astype(self.dtype)
-        wo = jnp.take(self.wo.reshape(self.d_ff, self.d_model), flat, axis=0, mode="clip").astype(self.dtype)
+        wi = take_rows(self.wi.reshape(self.d_ff, self.d_model), flat).astype(self.dtype)
+        wo = take_rows(self.wo.reshape(self.d_ff, self.d_model), flat).astype(self.dtype)
         mid = jnp.einsum("...d,...bd->...b", x.astype(self.dtype), wi)
         if self.paper_formula:
-            mid = mid + jnp.take(self.wi_bias.reshape(self.d_ff), flat, mode="clip")
+            mid = mid + take_rows(self.wi_bias.reshape(self.d_ff), flat)
         return jnp.einsum("...b,...bd->...d", nn.relu(mid), wo) + self.wo_bias
 
     @staticmethod

@@ -97,7 +97,7 @@ def _model_summary(gin_file: str, bindings=()):
     gin_utils.parse_gin([gin_file], bindings)
     model = gin_utils.build("terra.models.EncoderDecoderModel")
     abstract = model.abstract_variables()["params"]
-    return model, count_params(abstract), params_read_per_token(model.module, abstract)
+    return count_params(abstract), params_read_per_token(model.module, abstract)
 
 
 def print_all(bindings=()) -> None:
@@ -105,7 +105,7 @@ def print_all(bindings=()) -> None:
     print(f"{'config':<36} {'params':>14} {'read / token':>14} {'float32 MB / token':>19}")
     for path in files:
         name = os.path.relpath(path, gin_utils.CONFIGS_DIR)
-        _, counts, reads = _model_summary(name, bindings)
+        counts, reads = _model_summary(name, bindings)
         print(f"{name:<36} {counts['total']:>14,d} {reads['total']:>14,d} {reads['total'] * 4 / 1e6:>19.1f}")
 
 
