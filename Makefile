@@ -10,7 +10,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench params clean install
+.PHONY: run test bench bench-input params clean install
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed
+
+bench-input: $(STAMP)
+	$(PY) -m terra.benchmarks.input_pipeline --out out/input_pipeline
 
 params: $(STAMP)
 	$(PY) -m terra.models.param_count --all

@@ -3,3 +3,8 @@
 
 class ConfigError(ValueError):
     """A configuration that cannot work (sizes, sparsity, bindings)."""
+
+
+class DataNotFoundError(FileNotFoundError):
+    """Data a task needs is not on disk (or not prepared); the message names the path tried and
+    how to obtain or prepare the data. terra never falls back to a network download."""

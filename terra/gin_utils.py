@@ -168,21 +168,28 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_flags(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None):
-    """Parses ``argv`` (``--gin.X=Y`` included) and the gin config; returns the argparse namespace."""
+def parse_flags(
+    parser: argparse.ArgumentParser,
+    argv: Optional[Sequence[str]] = None,
+    flag_bindings: Optional[Callable[[argparse.Namespace], List[str]]] = None,
+):
+    """Parses ``argv`` (``--gin.X=Y`` included) and the gin config; returns the argparse namespace.
+    ``flag_bindings(args)`` turns convenience flags (e.g. ``--tfds_data_dir``) into bindings
+    applied after the gin files and before the explicit ``--gin`` bindings."""
     argv = list(sys.argv[1:] if argv is None else argv)
     bindings, rest = split_gin_args(argv)
     args = parser.parse_args(rest)
-    parse_gin(args.gin_file, list(args.gin_bindings) + bindings)
+    from_flags = flag_bindings(args) if flag_bindings else []
+    parse_gin(args.gin_file, from_flags + list(args.gin_bindings) + bindings)
     return args
 
 
 def run_cli(main: Callable[[], int]) -> None:
     """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
-    from terra.errors import ConfigError  # local: keep gin_utils import-light
+    from terra.errors import ConfigError, DataNotFoundError  # local: keep gin_utils import-light
 
     try:
         sys.exit(main() or 0)
-    except (GinConfigError, ConfigError) as e:
+    except (GinConfigError, ConfigError, DataNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

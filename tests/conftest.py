@@ -6,6 +6,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The embedded corpus and its vocabulary are built once per test session, not in the user's cache.
+if "TERRA_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TERRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="terra-test-cache-")
 
 import gin  # noqa: E402
 import jax  # noqa: E402

@@ -1,0 +1,149 @@
+"""The embedded corpus and the vocabularies: what lets terra train and test with no network.
+
+The corpus and its vocabulary are built once per module into a temporary cache (a few
+seconds each); the checks on newlines matter because ROUGE-Lsum splits summaries on them.
+"""
+
+import json
+import os
+import re
+
+import pytest
+import sentencepiece as spm
+
+from terra.data import embedded, vocabularies
+
+NEWLINE_TEXT = "first sentence .\nsecond sentence ."
+UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  "
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("terra-cache"))
+    embedded.build_corpus(cache_dir=root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def vocab(cache_root):
+    return vocabularies.embedded_vocabulary(cache_dir=cache_root)
+
+
+def _manifest(directory):
+    with open(os.path.join(directory, embedded.MANIFEST), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_embedded_corpus_is_large_and_identical_across_two_builds(cache_root, tmp_path):
+    first = embedded.build_corpus(cache_dir=cache_root)
+    second = embedded.build_corpus(cache_dir=str(tmp_path))
+    assert first != second
+    manifest = _manifest(first)
+    assert manifest["text_bytes"] >= 1_000_000
+    assert manifest == _manifest(second)
+    for name, entry in manifest["files"].items():
+        with open(os.path.join(second, name), "rb") as a, open(os.path.join(first, name), "rb") as b:
+            assert a.read() == b.read(), name
+        assert entry["bytes"] > 0
+    # No temporary build directories are left beside the corpus.
+    assert os.listdir(str(tmp_path)) == [os.path.basename(second)]
+    texts = {split: list(embedded.corpus_texts(split=split, cache_dir=cache_root)) for split in embedded.SPLITS}
+    assert sum(len(t.encode("utf-8")) for ts in texts.values() for t in ts) == manifest["text_bytes"]
+    assert len(texts["train"]) > 5_000 and len(texts["validation"]) > 100
+    assert not set(texts["train"]) & set(texts["validation"])
+    assert all(embedded.split_of(t) == "validation" for t in texts["validation"])
+    assert sum("\n" in t for t in texts["train"]) > len(texts["train"]) // 2
+
+
+def test_embedded_corpus_has_at_least_a_thousand_summarization_pairs(cache_root):
+    source = embedded.summarization_source(cache_dir=cache_root)
+    manifest = _manifest(embedded.corpus_dir(cache_dir=cache_root))["summarization"]
+    assert manifest["train"]["pairs"] + manifest["validation"]["pairs"] >= 1_000
+    for split in embedded.SPLITS:
+        assert manifest[split]["docstring"] > 0 and manifest[split]["module"] > 0
+    pairs = list(source.get_dataset(split="validation", shuffle=False).as_numpy_iterator())
+    assert len(pairs) == manifest["validation"]["pairs"] == source.num_input_examples("validation")
+    assert {p["kind"] for p in pairs} == {b"docstring", b"module"}
+    for p in pairs:
+        abstract, article = p["abstract"].decode(), p["article"].decode()
+        assert 3 <= len(abstract.split()) <= 40 and "\n" not in abstract
+        assert len(article.split()) > len(abstract.split())
+    modules = [p["article"].decode() for p in pairs if p["kind"] == b"module"]
+    assert all(len(a.split()) >= 200 and "\n" in a for a in modules)
+
+
+def test_sources_read_through_seqio(cache_root):
+    lm = embedded.lm_source(cache_dir=cache_root)
+    assert set(lm.splits) == {"train", "validation"}
+    (example,) = lm.get_dataset(split="train", shuffle=False).take(1).as_numpy_iterator()
+    assert set(example) == {"text"} and len(example["text"]) >= 40
+    assert example["text"].decode() == next(embedded.corpus_texts(split="train", cache_dir=cache_root))
+    summarization = embedded.summarization_source(cache_dir=cache_root)
+    (pair,) = summarization.get_dataset(split="train", shuffle=True, seed=0).take(1).as_numpy_iterator()
+    assert set(pair) == {"article", "abstract", "kind"}
+    assert pair["kind"] in (b"docstring", b"module")
+
+
+def test_embedded_vocabulary_round_trips_text_with_newlines(vocab):
+    for text in (NEWLINE_TEXT, UNICODE_TEXT):
+        ids = vocab.encode(text)
+        assert vocab.decode(ids) == text
+    newline_ids = vocab.encode(NEWLINE_TEXT)
+    assert [vocab.tokenizer.id_to_piece(i) for i in newline_ids].count("\n") == 1
+    assert vocab.decode_tf(vocab.encode_tf(NEWLINE_TEXT)).numpy().decode() == NEWLINE_TEXT
+    assert (vocab.pad_id, vocab.eos_id, vocab.unk_id) == (0, 1, 2)
+    trained = spm.SentencePieceProcessor(model_file=vocab.sentencepiece_model_file).get_piece_size()
+    assert trained == vocabularies.DEFAULT_EMBEDDED_VOCAB_SIZE
+    assert vocab.vocab_size == trained + 100
+    assert vocab.encode("<extra_id_0>") == [vocab.vocab_size - 1]
+    # A vocabulary that earns its keep compresses English well beyond one byte per token.
+    sample = "Return the value of the attribute, or raise an exception if it is missing."
+    assert len(vocab.encode(sample)) < len(sample.encode("utf-8")) / 2.5
+
+
+def test_vocabulary_is_cached_and_reused(vocab, cache_root, monkeypatch):
+    path = vocabularies.embedded_vocabulary_path(cache_dir=cache_root)
+    assert vocab.sentencepiece_model_file == path
+    mtime = os.stat(path).st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("retrained a cached vocabulary")
+
+    monkeypatch.setattr(vocabularies, "train_sentencepiece", fail)
+    again = vocabularies.embedded_vocabulary(cache_dir=cache_root)
+    assert os.stat(path).st_mtime_ns == mtime
+    assert again.encode(NEWLINE_TEXT) == vocab.encode(NEWLINE_TEXT)
+
+
+def test_missing_sentencepiece_model_names_the_path(tmp_path):
+    missing = tmp_path / "nowhere" / "spm.model"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))) as info:
+        vocabularies.sentencepiece_vocabulary(str(missing))
+    assert "train_vocab.py" in str(info.value)
+    assert vocabularies.byte_vocabulary().decode(vocabularies.byte_vocabulary().encode(UNICODE_TEXT)) == UNICODE_TEXT
+
+
+def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
+    corpus = tmp_path / "docs.txt"
+    paragraphs = [
+        f"Document {i} talks about sparse layers.\nIts second line mentions decoding speed {i}."
+        for i in range(50)
+    ]
+    corpus.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    out = tmp_path / "vocab" / "small.model"
+    argv = ["--input", str(corpus), "--out", str(out), "--vocab_size", "400", "--no-hard_vocab_limit"]
+    assert vocabularies.main(argv) == 0
+    assert out.is_file() and out.with_suffix(".vocab").is_file()
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
+    printed = capsys.readouterr().out
+    assert str(out) in printed and "round trip ok" in printed
+    vocab = vocabularies.sentencepiece_vocabulary(str(out))
+    assert vocab.decode(vocab.encode(paragraphs[3])) == paragraphs[3]
+    assert vocab.tokenizer.piece_to_id("\n") == 3
+
+
+def test_train_vocab_cli_reports_a_missing_input_without_a_traceback(tmp_path, capsys):
+    missing = tmp_path / "absent.txt"
+    assert vocabularies.main(["--input", str(missing), "--out", str(tmp_path / "x.model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err

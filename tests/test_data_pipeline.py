@@ -1,0 +1,215 @@
+"""Tasks, feature converters and batches: every shipped task config builds its task, streams are
+deterministic, resumable and sharded per host, and the batches feed the model's loss."""
+
+import glob
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+import seqio
+
+from terra import gin_utils
+from terra.data import feature_converters, fixtures, pipeline, tasks
+from terra.data.__main__ import main as data_cli
+from terra.errors import ConfigError, DataNotFoundError
+from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
+
+TASK_CONFIGS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "tasks", "*.gin")))
+DOCS = [f"Document {i}: sparse layers make decoding fast. " * 8 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def c4_json_dir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("c4"))
+    fixtures.write_c4_json(root, {"train": DOCS, "validation": DOCS[:4]}, shards=2)
+    return root
+
+
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def _assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.mark.parametrize("path", TASK_CONFIGS, ids=os.path.basename)
+def test_every_task_config_builds_its_task(path):
+    gin_utils.parse_gin([path], [])
+    name = gin.query_parameter("%TASK")
+    lengths = gin.query_parameter("%TASK_FEATURE_LENGTHS")
+    task = tasks.get_task(name)
+    assert task.name == name and name in seqio.TaskRegistry.names()
+    assert set(lengths) == {"inputs", "targets"}
+    assert isinstance(gin.query_parameter("%FEATURE_CONVERTER").scoped_configurable_fn(), seqio.FeatureConverter)
+
+
+def test_registration_is_idempotent_and_names_are_stable():
+    names = tasks.register_all()
+    assert tasks.register_all() == names
+    for expected in ("c4_span_corruption", "c4_lm", "arxiv_summarization", "synthetic_copy", "synthetic_addition",
+                     "embedded_lm", "embedded_summarization", "synthetic"):
+        assert expected in names
+    assert isinstance(tasks.get_task("synthetic"), seqio.Mixture)
+
+
+def test_unknown_task_suggests_the_closest_name():
+    with pytest.raises(ConfigError, match="Did you mean 'c4_span_corruption'"):
+        tasks.get_task("c4_span_coruption")
+
+
+def test_data_flags_bind_the_sources(c4_json_dir):
+    gin_utils.parse_gin([], tasks.data_flag_bindings(type("Args", (), {"c4_json": c4_json_dir, "tfds_data_dir": "/x"})()))
+    task = tasks.get_task("c4_span_corruption")
+    assert len(task.source.list_shards("train")) == 2
+    assert tasks.arxiv_source().data_dir == "/x"
+
+
+def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4_json_dir):
+    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+    ds = pipeline.get_dataset("c4_span_corruption", feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)
+    batch = next(pipeline.BatchIterator(ds))
+    assert batch["encoder_input_tokens"].shape == (2, 64)
+    assert batch["decoder_target_tokens"].shape == batch["decoder_loss_weights"].shape == (2, 16)
+    vocab_size = tasks.get_task("c4_span_corruption").output_features["targets"].vocabulary.vocab_size
+    assert (batch["decoder_target_tokens"] == vocab_size - 1).any()  # the first sentinel, <extra_id_0>
+    np.testing.assert_array_equal(batch["decoder_loss_weights"], batch["decoder_target_tokens"] != 0)
+
+
+@pytest.mark.parametrize("task", ["embedded_span_corruption", "c4_span_corruption"])
+def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir, tmp_path):
+    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+
+    def stream():
+        return pipeline.BatchIterator(pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3))
+
+    straight = stream()
+    _take(straight, 3)
+    state = straight.save(str(tmp_path / "data" / "step3"))
+    expected = _take(straight, 4)
+    resumed = stream()
+    resumed.restore(state)
+    _assert_same_batches(_take(resumed, 4), expected)
+    with pytest.raises(FileNotFoundError, match="no saved input-pipeline state"):
+        stream().restore(str(tmp_path / "missing"))
+
+
+def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
+    def first_batches(seed):
+        it = pipeline.BatchIterator(pipeline.get_dataset(
+            "embedded_span_corruption", feature_lengths={"inputs": 32, "targets": 8}, batch_size=4, seed=seed))
+        return _take(it, 2)
+
+    a, b, c = first_batches(1), first_batches(1), first_batches(2)
+    _assert_same_batches(a, b)
+    assert any(not np.array_equal(x["encoder_input_tokens"], y["encoder_input_tokens"]) for x, y in zip(a, c))
+
+
+def test_each_host_reads_a_disjoint_shard():
+    def inputs(index):
+        ds = pipeline.get_dataset(
+            "synthetic_copy", split="validation", feature_lengths={"inputs": 160, "targets": 160}, batch_size=1,
+            shuffle=False, num_epochs=1, shard_info=seqio.ShardInfo(index, 2))
+        return [bytes(b["encoder_input_tokens"][0]) for b in pipeline.BatchIterator(ds)]
+
+    everything = pipeline.get_dataset(
+        "synthetic_copy", split="validation", feature_lengths={"inputs": 160, "targets": 160}, batch_size=1,
+        shuffle=False, num_epochs=1, shard_info=seqio.ShardInfo(0, 1))
+    total = sum(1 for _ in pipeline.BatchIterator(everything))
+    host0, host1 = inputs(0), inputs(1)
+    assert len(host0) + len(host1) == total and not set(host0) & set(host1)
+
+
+def test_length_concat_moves_the_input_padding_after_the_targets():
+    gin_utils.parse_gin([], [])
+    ds = pipeline.get_dataset(
+        "synthetic_addition", split="validation", feature_lengths={"inputs": 302, "targets": 216}, batch_size=2,
+        shuffle=False, num_epochs=1, feature_converter=feature_converters.length_concat_converter())
+    b = next(pipeline.BatchIterator(ds))
+    for i in range(2):
+        n = int(b["encoder_lengths"][i])
+        assert n == int((b["encoder_input_tokens"][i] != 0).sum())
+        concat = b["concat_input_tokens"][i]
+        np.testing.assert_array_equal(concat[:n], b["encoder_input_tokens"][i][:n])
+        np.testing.assert_array_equal(concat[n:n + 216], b["decoder_input_tokens"][i])
+        assert not concat[n + 216:].any()
+        np.testing.assert_array_equal(b["concat_target_tokens"][i][n:n + 216], b["decoder_target_tokens"][i])
+        weights = b["concat_loss_weights"][i]
+        assert weights.sum() == b["decoder_loss_weights"][i].sum() and not weights[:n].any()
+
+
+def test_lm_format_puts_the_loss_on_the_answer_only():
+    ds = pipeline.get_dataset(
+        "synthetic_addition", split="validation", feature_lengths={"inputs": 302, "targets": 216}, batch_size=1,
+        shuffle=False, num_epochs=1, feature_converter=feature_converters.prefix_lm_converter())
+    b = next(pipeline.BatchIterator(ds))
+    tokens, weights = b["decoder_target_tokens"][0], b["decoder_loss_weights"][0]
+    vocab = tasks.get_task("synthetic_addition").output_features["targets"].vocabulary
+    question = vocab.decode([int(t) for t in tokens[weights == 0] if t != 0])
+    answer = vocab.decode([int(t) for t in tokens[weights == 1]])
+    x, y = question.split("+")
+    assert int(answer[::-1]) == int(x[::-1]) + int(y[::-1])  # little-endian digits
+
+
+def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
+    gin_utils.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {str(tmp_path)!r}"])
+    with pytest.raises(DataNotFoundError, match=str(tmp_path / "scientific_papers" / "arxiv" / "1.1.1")):
+        pipeline.get_dataset("arxiv_summarization", feature_lengths={"inputs": 64, "targets": 16}, batch_size=1)
+
+
+def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
+    assert data_cli(["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--n", "2", "--inputs_length", "64",
+                     "--targets_length", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- example") == 4 and "<extra_id_0>" in out
+
+
+def test_summarization_batches_train_the_model(tiny_config_for_vocab):
+    task = tasks.get_task("embedded_summarization")
+    vocab_size = task.output_features["targets"].vocabulary.vocab_size
+    model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config_for_vocab(vocab_size)))
+    params = model.init_params(jax.random.key(0))
+    batch = next(pipeline.BatchIterator(pipeline.get_dataset(
+        task, feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)))
+    loss, _ = jax.jit(model.loss_fn)(params, batch, None)
+    assert np.isfinite(float(loss)) and float(loss) > np.log(vocab_size) * 0.5
+
+
+@pytest.fixture
+def tiny_config_for_vocab():
+    from conftest import tiny_config
+
+    return lambda vocab_size: tiny_config(vocab_size=vocab_size)
+
+
+def test_train_vocab_reads_a_tasks_raw_text(c4_json_dir, tmp_path, capsys):
+    from terra.data import vocabularies
+
+    out = tmp_path / "c4.model"
+    argv = ["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--out", str(out), "--vocab_size", "300",
+            "--no-hard_vocab_limit"]
+    assert vocabularies.main(argv) == 0
+    vocab = vocabularies.sentencepiece_vocabulary(str(out))
+    assert vocab.decode(vocab.encode(DOCS[0])) == DOCS[0]
+    assert vocabularies.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
+                              "--out", str(tmp_path / "a.model")]) == 2
+    assert "scientific_papers" in capsys.readouterr().err
+
+
+def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
+    from terra.benchmarks import input_pipeline
+
+    out = tmp_path / "bench"
+    assert input_pipeline.main(["--out", str(out), "--seconds", "0.2", "--copies", "1", "--batch_size", "2"]) == 0
+    import json
+
+    rows = json.loads((out / "input_pipeline.json").read_text())["rows"]
+    assert [r["task"] for r in rows] == ["c4_span_corruption"] * 2 + ["arxiv_summarization"] * 2
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert "tokens/s" in (out / "input_pipeline.md").read_text() and "tokens/s" in capsys.readouterr().out

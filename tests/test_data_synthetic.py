@@ -1,0 +1,222 @@
+"""The synthetic addition and copy tasks (paper Table 4): formats, lengths, determinism."""
+
+import gin
+import pytest
+import seqio
+import tensorflow as tf
+
+from terra.data import synthetic
+from terra.errors import ConfigError
+
+N = 200
+
+
+def take(dataset, n=N):
+    return [{k: v.decode() for k, v in ex.items()} for ex in dataset.take(n).as_numpy_iterator()]
+
+
+def little_endian(digits: str) -> int:
+    return int(digits[::-1])
+
+
+def operands(example):
+    x, y = example["inputs"].split("+")
+    return x, y
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_every_addition_target_is_the_little_endian_sum(split):
+    for ex in take(synthetic.addition_dataset(split, seed=3)):
+        x, y = operands(ex)
+        assert x.isdigit() and y.isdigit(), ex
+        total = little_endian(x) + little_endian(y)
+        assert ex["targets"] == str(total)[::-1], ex
+
+
+def test_carries_propagate_through_long_chains_of_nines():
+    nines = tf.constant([9] * 250, tf.int32)
+    one = tf.constant([1], tf.int32)
+    assert synthetic._add_little_endian(nines, one).numpy().tolist() == [0] * 250 + [1]
+    zero = tf.constant([0], tf.int32)
+    assert synthetic._add_little_endian(zero, zero).numpy().tolist() == [0]
+
+
+def test_addition_lengths_fall_in_the_train_and_eval_ranges():
+    def check(split, first_range, max_input):
+        first_lengths = []
+        for ex in take(synthetic.addition_dataset(split, seed=1)):
+            x, y = operands(ex)
+            assert first_range[0] <= len(x) <= first_range[1], ex
+            assert len(y) >= 1 and len(ex["inputs"]) <= max_input, ex
+            assert len(ex["targets"]) <= max_input, ex
+            for number in (x, y, ex["targets"]):
+                # Little-endian: the most significant digit is the last one.
+                assert len(number) == 1 or number[-1] != "0", ex
+            first_lengths.append(len(x))
+        # The whole range is used, not just a corner of it.
+        assert min(first_lengths) <= first_range[0] + 5 and max(first_lengths) >= first_range[1] - 5
+
+    check("train", (1, 64), 129)
+    check("validation", (128, 214), 301)
+
+
+def test_single_digit_operands_take_all_ten_digits_and_longer_ones_never_lead_with_zero():
+    # min_length = max_length = 3 leaves only "d+d".
+    examples = take(synthetic.addition_dataset("train", train_min_length=3, train_max_length=3))
+    assert {len(ex["inputs"]) for ex in examples} == {3}
+    for side in (0, 1):
+        assert {operands(ex)[side] for ex in examples} == set("0123456789")
+    tops = {operands(ex)[0][-1] for ex in take(synthetic.addition_dataset("validation"))}
+    assert tops == set("123456789")
+
+
+def test_copy_targets_equal_sources_and_lengths_are_in_range():
+    for split, low, high in [("train", 1, 63), ("validation", 128, 159)]:
+        lengths = []
+        for ex in take(synthetic.copy_dataset(split, seed=2)):
+            assert ex["targets"] == ex["inputs"]
+            assert set(ex["inputs"]) <= set("0123456789")
+            assert low <= len(ex["inputs"]) <= high, ex
+            lengths.append(len(ex["inputs"]))
+        assert min(lengths) <= low + 3 and max(lengths) >= high - 3
+
+
+def test_copy_uses_the_given_alphabet():
+    examples = take(synthetic.copy_dataset("train", alphabet="ab\u00e9", train_length=40))
+    symbols = set("".join(ex["inputs"] for ex in examples))
+    assert symbols == set("ab\u00e9")
+
+
+@pytest.mark.parametrize("make", [synthetic.addition_dataset, synthetic.copy_dataset])
+def test_same_seed_gives_the_same_stream_and_different_seeds_differ(make):
+    first = take(make("train", seed=7), 50)
+    assert take(make("train", seed=7), 50) == first
+    assert take(make("train", seed=8), 50) != first
+    assert take(make("validation", seed=7), 50) == take(make("validation", seed=7), 50)
+
+
+@pytest.mark.parametrize("make", [synthetic.addition_dataset, synthetic.copy_dataset])
+def test_train_and_validation_streams_differ(make):
+    # Equal lengths make the two splits comparable symbol for symbol.
+    if make is synthetic.addition_dataset:
+        kwargs = dict(eval_min_length=3, eval_max_length=129)
+    else:
+        kwargs = dict(train_length=50, eval_min_length=1, eval_max_length=50)
+    train = take(make("train", **kwargs), 100)
+    validation = take(make("validation", **kwargs), 100)
+    assert not {ex["inputs"] for ex in train} & {ex["inputs"] for ex in validation}
+
+
+def test_validation_has_num_eval_examples_and_train_is_endless():
+    assert len(take(synthetic.addition_dataset("validation", num_eval_examples=17), 1000)) == 17
+    assert synthetic.copy_dataset("validation", num_eval_examples=5).cardinality().numpy() == 5
+    assert synthetic.copy_dataset("train").cardinality().numpy() >= 2**62
+
+
+def test_sharding_splits_the_stream_without_overlap():
+    whole = take(synthetic.addition_dataset("train", seed=4), 40)
+    shards = [take(synthetic.addition_dataset("train", seed=4).shard(2, i), 20) for i in range(2)]
+    assert shards[0] == whole[0::2] and shards[1] == whole[1::2]
+
+
+@pytest.mark.parametrize("make", [synthetic.addition_dataset, synthetic.copy_dataset])
+def test_iterator_state_can_be_checkpointed_and_resumed(make, tmp_path):
+    def read(iterator, n):
+        return [{k: v.numpy() for k, v in next(iterator).items()} for _ in range(n)]
+
+    iterator = iter(make("train", seed=5))
+    read(iterator, 7)
+    path = tf.train.Checkpoint(iterator=iterator).save(str(tmp_path / "ckpt"))
+    expected = read(iterator, 5)
+
+    resumed = iter(make("train", seed=5))
+    tf.train.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+    assert read(resumed, 5) == expected
+
+
+@pytest.mark.parametrize(
+    "source, make, check",
+    [
+        (
+            synthetic.addition_source,
+            synthetic.addition_dataset,
+            lambda i, t: little_endian(t) == sum(little_endian(n) for n in i.split("+")),
+        ),
+        (synthetic.copy_source, synthetic.copy_dataset, lambda i, t: i == t),
+    ],
+)
+def test_sources_work_through_a_seqio_task(source, make, check):
+    name = f"terra_test_synthetic_{source.__name__}"
+    vocabulary = seqio.ByteVocabulary()
+    seqio.TaskRegistry.add(
+        name,
+        source=source(seed=11, num_eval_examples=20),
+        preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos],
+        output_features={
+            "inputs": seqio.Feature(vocabulary),
+            "targets": seqio.Feature(vocabulary),
+        },
+    )
+    try:
+        task = seqio.get_mixture_or_task(name)
+        dataset = task.get_dataset(
+            sequence_length={"inputs": 512, "targets": 512}, split="validation", shuffle=False
+        )
+        examples = list(dataset.as_numpy_iterator())
+        assert len(examples) == 20
+        direct = take(make("validation", seed=11, num_eval_examples=20))
+        for ex, raw in zip(examples, direct):
+            assert ex["inputs"][-1] == vocabulary.eos_id and ex["targets"][-1] == vocabulary.eos_id
+            inputs = vocabulary.decode(ex["inputs"].tolist())
+            targets = vocabulary.decode(ex["targets"].tolist())
+            assert (inputs, targets) == (raw["inputs"], raw["targets"])
+            assert check(inputs, targets)
+        # A seed from seqio overrides the configured one.
+        reseeded = task.get_dataset(
+            sequence_length={"inputs": 512, "targets": 512}, split="validation", shuffle=False, seed=12
+        )
+        assert [ex["inputs"].tolist() for ex in reseeded.as_numpy_iterator()] != [
+            ex["inputs"].tolist() for ex in examples
+        ]
+    finally:
+        seqio.TaskRegistry.remove(name)
+
+
+def test_functions_are_gin_configurable():
+    gin.bind_parameter("terra.data.copy_dataset.train_length", 3)
+    lengths = {len(ex["inputs"]) for ex in take(synthetic.copy_source().get_dataset("train"), 50)}
+    assert lengths == {1, 2}  # the binding reaches the dataset the source builds
+
+
+@pytest.mark.parametrize("make", [synthetic.addition_dataset, synthetic.copy_dataset])
+def test_a_bad_split_raises_config_error_naming_the_valid_splits(make):
+    with pytest.raises(ConfigError) as info:
+        make("test")
+    assert "'test'" in str(info.value) and "'train', 'validation'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, fragment",
+    [
+        (
+            synthetic.addition_dataset,
+            dict(train_min_length=130, train_max_length=129),
+            "train_min_length (130)",
+        ),
+        (synthetic.addition_dataset, dict(eval_min_length=2), "eval_min_length must be at least 3"),
+        (synthetic.addition_dataset, dict(num_eval_examples=0), "num_eval_examples must be at least 1"),
+        (synthetic.copy_dataset, dict(eval_min_length=160, eval_max_length=128), "eval_min_length (160)"),
+        (synthetic.copy_dataset, dict(train_length=1), "train_length must be at least 2"),
+        (synthetic.copy_dataset, dict(alphabet=""), "alphabet must be a non-empty string"),
+        (synthetic.copy_dataset, dict(seed=1.5), "seed must be an int"),
+    ],
+)
+def test_bad_lengths_raise_config_error_with_a_helpful_message(make, kwargs, fragment):
+    with pytest.raises(ConfigError) as info:
+        make("train", **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_sources_reject_a_bad_configuration_when_built():
+    with pytest.raises(ConfigError, match="eval_min_length"):
+        synthetic.copy_source(eval_min_length=10, eval_max_length=10)
