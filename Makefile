@@ -24,8 +24,11 @@ $(STAMP): requirements.txt setup.cfg pyproject.toml
 run: $(STAMP)
 	$(PY) -m terra.quickstart
 
+# Two workers: most of the suite's time is single-threaded XLA compilation.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed

@@ -8,3 +8,7 @@ class ConfigError(ValueError):
 class DataNotFoundError(FileNotFoundError):
     """Data a task needs is not on disk (or not prepared); the message names the path tried and
     how to obtain or prepare the data. terra never falls back to a network download."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. the loss diverged); saved checkpoints are left intact."""

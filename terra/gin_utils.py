@@ -34,6 +34,7 @@ def register_terra_configurables() -> None:
     """Import the modules whose classes gin files refer to (registration is an import side effect)."""
     import terra.layers  # noqa: F401
     import terra.models  # noqa: F401
+    import terra.training.optimizers  # noqa: F401
 
 
 def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -186,10 +187,13 @@ def parse_flags(
 
 def run_cli(main: Callable[[], int]) -> None:
     """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
-    from terra.errors import ConfigError, DataNotFoundError  # local: keep gin_utils import-light
+    from terra.errors import ConfigError, DataNotFoundError, TrainingError  # local: keep gin_utils import-light
 
     try:
         sys.exit(main() or 0)
     except (GinConfigError, ConfigError, DataNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -4,7 +4,7 @@ import os
 
 # Sharding tests need several devices; this must happen before JAX initialises its backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The embedded corpus and its vocabulary are built once per test session, not in the user's cache.
 if "TERRA_CACHE_DIR" not in os.environ:

@@ -38,8 +38,9 @@ def test_the_shipped_configs_include_the_paper_baseline_and_tiny():
 
 
 def test_every_gin_file_belongs_to_a_family_whose_files_are_all_instantiated():
-    # models/ and sizes/ are instantiated here, tasks/ in test_data_pipeline.py.
-    assert all(f.startswith(("models/", "sizes/", "tasks/")) for f in GIN_FILES), GIN_FILES
+    # models/ and sizes/ are instantiated here, tasks/ in test_data_pipeline.py, experiments/
+    # (which include runs/) in test_trainer.py.
+    assert all(f.startswith(("models/", "sizes/", "tasks/", "runs/", "experiments/")) for f in GIN_FILES), GIN_FILES
 
 
 @pytest.mark.parametrize("gin_file", MODEL_FILES)

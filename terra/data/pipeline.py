@@ -101,7 +101,7 @@ class BatchIterator:
 
     def save(self, path: str) -> str:
         """Write the position under the prefix ``path`` (its directory is created)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tf.io.gfile.makedirs(os.path.dirname(path) or ".")
         return self._checkpoint.write(path)
 
     def restore(self, path: str) -> None:

@@ -32,6 +32,8 @@ reproduces exactly the examples it would have seen.
 
 from __future__ import annotations
 
+import logging
+
 import gin
 import seqio
 import tensorflow as tf
@@ -292,6 +294,17 @@ def copy_source(**kwargs) -> seqio.FunctionDataSource:
     """
     return _function_source(copy_dataset, kwargs)
 
+
+class _DropUncachedSourceWarning(logging.Filter):
+    """seqio warns that an uncached FunctionDataSource repeats data after a restart; these
+    streams are a pure function of (seed, index) and a restart restores the iterator's position,
+    so the warning does not apply."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "uncached FunctionDataset" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_DropUncachedSourceWarning())
 
 # Wrapped (not only registered) so that bindings such as `addition_dataset.train_max_length`
 # reach the calls the sources make from Python.

@@ -4,10 +4,10 @@ With no network there is no pretrained T5 vocabulary to download, so terra train
 :func:`embedded_vocabulary` trains a SentencePiece model on the embedded corpus
 (:mod:`terra.data.embedded`) on first use and caches it next to the corpus.
 
-Every model trained here keeps ``"\\n"`` as a piece of its own and normalizes nothing
-(identity normalization, no whitespace collapsing, byte fallback), so
-``decode(encode(text)) == text`` for any text. SentencePiece's defaults would turn newlines
-and tabs into spaces, and ROUGE-Lsum, which splits summaries into sentences on newlines,
+Every model trained here keeps ``"\\n"`` as a piece of its own and only applies Unicode NFKC
+(no whitespace collapsing, byte fallback), so ``decode(encode(text)) == text`` for any
+NFKC-normal text, tabs and newlines included. SentencePiece's default ``nmt_nfkc`` would turn
+newlines and tabs into spaces, and ROUGE-Lsum, which splits summaries into sentences on newlines,
 would then score decoded summaries differently from their references.
 
 Train a model on your own text with ``python scripts/train_vocab.py`` (or
@@ -78,8 +78,9 @@ def train_sentencepiece(
     """Trains a SentencePiece model on ``texts`` (one document each) and returns its ``.model`` path.
 
     T5 id layout (pad 0, eos 1, unk 2, no bos), full character coverage with byte fallback,
-    and a lossless text mapping: ``"\\n"`` is a user-defined piece, whitespace is kept as is
-    and nothing is normalized. Each document is passed as one SentencePiece sentence (the
+    and a lossless text mapping for NFKC text: ``"\\n"`` is a user-defined piece, whitespace is
+    kept as is and only NFKC is applied (not ``identity``, whose empty character map makes
+    every TF-text tokenizer load log a line). Each document is passed as one SentencePiece sentence (the
     trainer would otherwise split on newlines and never see one); documents longer than
     ``max_sentence_length`` bytes are skipped by the trainer. ``input_sentence_size`` caps
     how many documents are sampled.
@@ -109,7 +110,7 @@ def train_sentencepiece(
             byte_fallback=True,
             user_defined_symbols=["\n"],
             remove_extra_whitespaces=False,
-            normalization_rule_name="identity",
+            normalization_rule_name="nfkc",
             input_sentence_size=input_sentence_size,
             shuffle_input_sentence=True,
             max_sentence_length=max_sentence_length,

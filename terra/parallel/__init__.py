@@ -1,0 +1,1 @@
+"""Device meshes, multi-host start-up and logical-to-mesh sharding."""

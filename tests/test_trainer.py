@@ -1,0 +1,225 @@
+"""The trainer end to end on tiny models: sharded equivalence, resume after SIGKILL, SIGTERM,
+fine-tuning, divergence, early failures, the written artifacts and multi-host."""
+
+import json
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from terra import gin_utils
+from terra.errors import ConfigError
+from terra.training import checkpointing, trainer
+
+from conftest import REPO_ROOT
+
+# A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
+TINY = [
+    "TransformerConfig.vocab_size = 259",
+    "TransformerConfig.d_model = 32",
+    "TransformerConfig.d_ff = 64",
+    "TransformerConfig.n_heads = 4",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+    "TransformerConfig.max_len = 64",
+    "TASK_FEATURE_LENGTHS = {'inputs': 24, 'targets': 24}",
+    "terra.data.copy_dataset.train_length = 20",
+    "terra.train.log_every = 1",
+    "terra.train.eval_every = 0",
+    "terra.train.progress = False",
+]
+FILES = ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"]
+# XLA's optimizations only cost compile time at this size; off in this process and in every
+# subprocess, so that parameters compare exactly across them.
+FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compile():
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _env(**extra):
+    return dict(os.environ, **FAST_COMPILE_ENV, **extra)
+
+
+def _bindings(model_dir, steps, *extra):
+    return TINY + [f"MODEL_DIR = {str(model_dir)!r}", "BATCH_SIZE = 8", f"TRAIN_STEPS = {steps}", *extra]
+
+
+def _parse(model_dir, steps, *extra):
+    gin_utils.parse_gin(FILES, _bindings(model_dir, steps, *extra))
+
+
+def _losses(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [row["train/loss"] for row in map(json.loads, f) if "train/loss" in row]
+
+
+def _cli(model_dir, steps, *extra):
+    args = [f"--gin_file={f}" for f in FILES] + [f"--gin.{b.replace(' = ', '=', 1)}" for b in _bindings(model_dir, steps, *extra)]
+    return [sys.executable, "-m", "terra.train", *args]
+
+
+def _assert_same_params(a, b, **tol):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol), a, b)
+
+
+def _leaf(params, name):
+    return [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if name in jax.tree_util.keystr(path)][0]
+
+
+EXPERIMENTS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "experiments", "*.gin")))
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=os.path.basename)
+def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path):
+    from terra.data import tasks
+
+    gin_utils.parse_gin([path], [f"MODEL_DIR = {str(tmp_path)!r}", f"INIT_FROM = {str(tmp_path)!r}"])
+    model = gin.query_parameter("terra.train.model").scoped_configurable_fn()  # sizes checked abstractly
+    task = tasks.get_task(gin.query_parameter("%TASK"))
+    assert model.config.vocab_size >= task.output_features["targets"].vocabulary.vocab_size
+    assert gin.query_parameter("%BATCH_SIZE") > 0 and gin.query_parameter("%TRAIN_STEPS") > 0
+
+
+def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
+    assert len(jax.devices()) == 8
+    _parse(tmp_path / "mesh", 4, "terra.train.mesh_shape = {'data': 4, 'model': 2}")
+    sharded = trainer.train()
+    _parse(tmp_path / "one", 4, "terra.train.num_devices = 1")
+    single = trainer.train()
+    np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
+    wi = _leaf(sharded.params, "wi")  # the feed-forward's d_ff axis is split over 'model'
+    assert "model" in tuple(wi.sharding.spec) and wi.addressable_shards[0].data.shape != wi.shape
+    _assert_same_params(sharded.params, single.params, rtol=1e-4, atol=1e-5)
+
+
+def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path):
+    _parse(tmp_path / "a", 6, "terra.train.checkpoint_every = 3", "terra.train.eval_every = 6", "terra.train.eval_steps = 1")
+    first = trainer.train()
+    run = tmp_path / "a"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert {"train/loss", "train/learning_rate", "train/tokens_per_second"} <= set(rows[0])
+    assert {"eval/loss", "eval/token_accuracy", "eval/sequence_accuracy"} <= set(rows[-1])
+    assert any(name.startswith("events.out.tfevents") for _, _, names in os.walk(run / "tensorboard") for name in names)
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
+    # The written operative config alone reproduces the run.
+    gin_utils.parse_gin([str(run / "config.gin")], [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.train.model_dir = {str(tmp_path / 'b')!r}"])
+    second = trainer.train()
+    assert _losses(tmp_path / "b") == _losses(run)
+    _assert_same_params(first.params, second.params, rtol=0, atol=0)
+
+
+def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimizer(tmp_path):
+    _parse(tmp_path / "pre", 3)
+    pretrained = trainer.train()
+    # Learning rate 0: after one step the parameters are still exactly the pretrained ones.
+    _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(tmp_path / 'pre')!r}",
+           "terra.train.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 0.0")
+    fine = trainer.train()
+    _assert_same_params(fine.params, pretrained.params, rtol=0, atol=0)
+    assert fine.step == 1 and checkpointing.Checkpointer(str(tmp_path / "fine")).latest_step() == 1
+
+
+def test_a_non_finite_loss_stops_training_and_leaves_the_last_checkpoint(tmp_path):
+    _parse(tmp_path / "nan", 20, "terra.train.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 1e30",
+           "terra.train.checkpoint_every = 1")
+    with pytest.raises(trainer.TrainingDiverged, match="not finite") as error:
+        trainer.train()
+    assert "intact" in str(error.value)
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "nan"))
+    last = ckpt.latest_step()
+    assert last is not None and last < 20
+    with open(tmp_path / "nan" / "metrics.jsonl") as f:
+        assert all(np.isfinite(row["train/loss"]) for row in map(json.loads, f) if row["step"] <= last)
+
+
+def test_a_model_task_mismatch_fails_before_model_dir_is_written(tmp_path):
+    _parse(tmp_path / "bad", 2, "TransformerConfig.vocab_size = 64")
+    with pytest.raises(ConfigError, match="vocab_size = 259"):
+        trainer.train()
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_misspelled_binding_fails_before_model_dir_is_written(tmp_path):
+    result = subprocess.run(_cli(tmp_path / "typo", 2, "terra.train.chekpoint_every = 3"),
+                            cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "checkpoint_every" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "typo").exists()
+
+
+def _wait_for_checkpoint(model_dir, at_least, process, timeout=240):
+    start = time.time()
+    while time.time() - start < timeout:
+        # Only list committed step folders: opening a Checkpointer here would clean up the
+        # running trainer's in-progress save.
+        folder = model_dir / "checkpoints"
+        steps = [int(n) for n in os.listdir(folder) if n.isdigit()] if folder.exists() else []
+        if steps and max(steps) >= at_least:
+            return max(steps)
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint appeared")
+
+
+def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(tmp_path):
+    steps, run = 60, tmp_path / "run"
+    extra = ("terra.train.checkpoint_every = 5", "terra.train.log_every = 5")
+    command = _cli(run, steps, *extra)
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_after = _wait_for_checkpoint(run, 10, first)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_checkpoint(run, killed_after + 5, second)
+    second.send_signal(signal.SIGTERM)
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 0 and "preempted" in out, out
+    resumed_from = re.search(r"resumed from step (\d+)", out)
+    assert resumed_from and int(resumed_from.group(1)) >= killed_after, out
+    preempted_at = checkpointing.Checkpointer(str(run)).latest_step()
+    assert killed_after < preempted_at < steps
+    # The same run, resumed in this process, finishes where an uninterrupted one does.
+    _parse(run, steps, *extra)
+    resumed = trainer.train()
+    assert resumed.step == steps
+    _parse(tmp_path / "straight", steps, *extra)
+    straight = trainer.train()
+    _assert_same_params(resumed.params, straight.params, rtol=1e-6, atol=1e-7)
+
+
+def test_two_processes_reach_the_same_loss_as_one(tmp_path):
+    extra = ("terra.train.shuffle = False",)
+    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4", TERRA_LOG_DIR=str(tmp_path / "logs"))
+    result = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "scripts", "launch_local_multihost.sh"), "2",
+         *_cli(tmp_path / "multi", 5, *extra)[3:]],
+        cwd=REPO_ROOT, env=dict(env, PYTHON=sys.executable), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "over 8 cpu devices, 2 processes" in result.stdout
+    _parse(tmp_path / "single", 5, *extra)
+    trainer.train()
+    np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=1e-4)
+
+
+def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, capsys):
+    from terra.benchmarks import train_speed
+
+    argv = ["--out", str(tmp_path), "--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8",
+            "--rows", "dense", "--rows", "scaling"]
+    assert train_speed.main(argv) == 0
+    rows = json.loads((tmp_path / "train_speed.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["tokens_per_second"] > 0 and np.isfinite(r["final_loss"]) for r in rows)
+    assert "tokens/s" in capsys.readouterr().out
