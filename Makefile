@@ -10,7 +10,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench bench-input params clean install
+.PHONY: run test bench bench-input bench-train params clean install
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ bench: $(STAMP)
 
 bench-input: $(STAMP)
 	$(PY) -m terra.benchmarks.input_pipeline --out out/input_pipeline
+
+bench-train: $(STAMP)
+	$(PY) -m terra.benchmarks.train_speed --out out/train_speed
 
 params: $(STAMP)
 	$(PY) -m terra.models.param_count --all

@@ -12,7 +12,6 @@ they read the user's data instead. Writes ``input_pipeline.{json,md}``.
 """
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -22,6 +21,7 @@ import gin
 import numpy as np
 
 from terra import gin_utils
+from terra.benchmarks import report
 
 
 def _write_local_datasets(root: str, copies: int) -> Dict[str, str]:
@@ -115,13 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    **measure(task, lengths, batch_size=args.batch_size, seconds=args.seconds)}
             print(f"{name:42s} {row['tokens_per_second']:>12,.0f} tokens/s {row['examples_per_second']:>8,.1f} examples/s", flush=True)
             results.append(row)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "input_pipeline.json"), "w") as f:
-        json.dump({"rows": results, "note": note}, f, indent=2)
-    table = markdown(results, note)
-    with open(os.path.join(args.out, "input_pipeline.md"), "w") as f:
-        f.write(table)
-    print(table)
+    report.write_rows(args.out, "input_pipeline", results, note, markdown(results, note))
     return 0
 
 

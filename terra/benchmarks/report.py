@@ -84,3 +84,14 @@ def write_outputs(out_dir: str, rows: List[dict], machine: dict, bandwidth_gbps:
         f.write(table)
     plot(rows, os.path.join(out_dir, "decode_speed.png"), title)
     return table
+
+
+def write_rows(out_dir: str, stem: str, rows: List[dict], note: str, table: str) -> None:
+    """``<stem>.json`` (rows and note) and ``<stem>.md`` (the table) in ``out_dir``, and the table
+    on standard output: the outputs of the throughput benchmarks."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump({"rows": rows, "note": note}, f, indent=2)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(table)
+    print(table)

@@ -10,8 +10,6 @@ decoding), so training is not expected to be faster. Writes ``train_speed.{json,
 """
 
 import argparse
-import json
-import os
 import time
 from typing import List, Optional, Sequence
 
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from terra import gin_utils
+from terra.benchmarks import report
 from terra.training import metrics as metrics_lib
 from terra.training import optimizers
 from terra.training.train_state import TrainState
@@ -127,13 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     note = (f"Batch {args.batch_size} x (inputs {args.inputs} + targets {args.targets}) tokens; Adafactor; median of "
             f"{args.steps} steps after one warm-up; {jax.device_count()} {jax.default_backend()} device(s); sizes: "
             + ", ".join(b.split('.')[-1] for b in size[:7]) + ". Sparse-QKV rows use d_ff 1.5x to match parameters.")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "train_speed.json"), "w") as f:
-        json.dump({"rows": results, "note": note}, f, indent=2)
-    table = markdown(results, note)
-    with open(os.path.join(args.out, "train_speed.md"), "w") as f:
-        f.write(table)
-    print(table)
+    report.write_rows(args.out, "train_speed", results, note, markdown(results, note))
     return 0
 
 

@@ -514,16 +514,6 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored[STATE_ITEM]
 
-    @staticmethod
-    def restore_params(
-        checkpoint_dir: str,
-        abstract_params: Any,
-        *,
-        step: Optional[int] = None,
-        param_map: Optional[Callable[[Any], Any]] = None,
-    ) -> Any:
-        """The same as the module-level :func:`restore_params` (reads another run's params)."""
-        return restore_params(checkpoint_dir, abstract_params, step=step, param_map=param_map)
 
     # -- lifetime ----------------------------------------------------------------------------
 

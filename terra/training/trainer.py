@@ -221,7 +221,7 @@ def train(
             start_step = 0
             origin = "initialised from seed"
             if init_from:
-                params = checkpointer.restore_params(init_from, abstract_params, param_map=param_map)
+                params = checkpointing.restore_params(init_from, abstract_params, param_map=param_map)
                 opt_state = jax.jit(tx.init, out_shardings=o_shardings)(params)
                 state = TrainState(step=state.step, params=params, opt_state=opt_state)
                 origin = f"parameters from {init_from}"
