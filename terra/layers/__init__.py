@@ -15,6 +15,7 @@ from terra.layers.normalization import LayerNorm
 from terra.layers.positional import TrainablePositionalEmbedding
 from terra.layers.sparse_feedforward import SparseFeedForward
 from terra.layers.sparse_qkv import ModuleConvolution, SparseQKVAttention, SparseQueryCrossAttention
+from terra.layers.sru import LowRankSRU
 
 __all__ = [
     "axes",
@@ -31,6 +32,7 @@ __all__ = [
     "DenseLogits",
     "FeedForward",
     "LayerNorm",
+    "LowRankSRU",
     "SelfAttention",
     "TokenEmbedding",
     "TrainablePositionalEmbedding",

@@ -30,6 +30,8 @@ KV_IN = "kv_in"  # a convolution's input features per module
 CONV_LENGTH = "conv_length"  # F: a convolution's window along the sequence
 CONV_MODULES = "conv_modules"  # k: a convolution's window along the modules
 EXPERTS = "experts"  # blocks of the mixture-of-experts feed-forward
+SRU_UNITS = "sru_units"  # the low-rank SRU's width n (its input, carry and output features)
+SRU_GATES = "sru_gates"  # the SRU's fused [r, f, y] projection, 3n
 
 # Mesh axis names.
 DATA_AXIS = "data"
@@ -65,5 +67,7 @@ def default_axis_rules(
         (CONV_LENGTH, None),
         (CONV_MODULES, None),
         (EXPERTS, None),
+        (SRU_UNITS, None),
+        (SRU_GATES, None),
     )
     return tuple(additional_rules) + rules
