@@ -15,6 +15,7 @@ from terra.layers.normalization import LayerNorm
 from terra.layers.positional import TrainablePositionalEmbedding
 from terra.layers.sparse_feedforward import SparseFeedForward
 from terra.layers.sparse_qkv import ModuleConvolution, SparseQKVAttention, SparseQueryCrossAttention
+from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.layers.sru import LowRankSRU
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "FeedForward",
     "LayerNorm",
     "LowRankSRU",
+    "HalfResidual",
+    "ReversibleStack",
     "SelfAttention",
     "TokenEmbedding",
     "TrainablePositionalEmbedding",

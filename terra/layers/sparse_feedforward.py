@@ -116,9 +116,13 @@ class SparseFeedForward(nn.Module):
     ) -> jax.Array:
         logits = self.controller_logits(x)
         train = not deterministic
+        # The Gumbel key is drawn even when indices are given, so that the later draws (the
+        # straight-through coin, dropout) see the same keys in a reversible layer's recomputation
+        # with stored indices as in its forward pass.
+        gumbel_rng = self.make_rng("dropout") if train and self.temperature > 0 else None
         if indices is None:
-            if train and self.temperature > 0:
-                indices = gumbel_block_argmax(logits, self.temperature, self.make_rng("dropout"))
+            if gumbel_rng is not None:
+                indices = gumbel_block_argmax(logits, self.temperature, gumbel_rng)
             else:
                 indices = block_argmax(logits)
         self.sow("intermediates", "indices", indices)
