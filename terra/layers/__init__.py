@@ -9,6 +9,7 @@ from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAtte
 from terra.layers.dense import Dense
 from terra.layers.embedding import DenseLogits, MultiplicativeLogits, TokenEmbedding
 from terra.layers.feedforward import FeedForward
+from terra.layers.lsh_attention import LSHSelfAttention
 from terra.layers.moe_feedforward import BlockSparseFeedForward
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.normalization import LayerNorm
@@ -34,6 +35,7 @@ __all__ = [
     "FeedForward",
     "LayerNorm",
     "LowRankSRU",
+    "LSHSelfAttention",
     "HalfResidual",
     "ReversibleStack",
     "SelfAttention",

@@ -1,0 +1,529 @@
+"""LSH (locality-sensitive hashing) self-attention, the Reformer attention that the
+Terraformer uses for long sequences (paper §4; reference ``efficient_attention.py:
+LSHSelfAttention``, ``trax_reference.md`` §4.5 and, for the sparse projections, §2.5b).
+
+Full forward (train/eval), per example and head, as the reference's ``forward_unbatched``:
+
+  q, v = projections of x             shared QK: keys are the RMS-normalised queries,
+  k = q / sqrt(mean(q²) + 1e-6) / sqrt(d_head)      queries are not normalised
+  buckets = argmax([qR, -qR])         R ~ N(0, 1) [d_head, n_hashes, n_buckets/2] per head;
+                                      padding positions go to an extra bucket, and each
+                                      hash round's ids are offset so rounds never mix
+  sort by (round, bucket, position),  split the n_hashes·L sorted entries into chunks of
+                                      ``chunk_len``; each chunk attends to itself plus
+                                      ``n_chunks_before`` previous and ``n_chunks_after``
+                                      next chunks (cyclically, as ``look_adjacent``)
+  masks                               causal −1e9 where q_pos < k_pos; exclude-self −1e5
+                                      where q_pos == k_pos (a token sees itself only when
+                                      nothing else is visible); padding −1e9
+  unsort and combine the rounds       o = Σ_r softmax_r(logsumexp_r) · o_r
+
+A sequence whose length is not a multiple of ``chunk_len`` is padded at the end (the padded
+positions are masked keys in the extra bucket), so a sequence of at most ``chunk_len``
+tokens is one chunk per round and LSH attention then equals full shared-QK attention with
+the same masks (``full_shared_qk_attention``; also the module's ``std_length`` path).
+
+Causality. Queries never attend to later keys. The *chunk assignment* however depends on
+every position's bucket (a later token hashed into a lower bucket shifts the chunk
+boundaries), exactly as in the reference, so with buckets recomputed an earlier output can
+change when a later token changes which *earlier* keys share its chunk. With the buckets
+fixed (``buckets=``) the output at position i depends only on tokens ≤ i.
+
+Hash rotations come from, in order: the ``'lsh'`` rng stream if the caller provides one;
+the ``'dropout'`` stream in training (``deterministic=False``), so a fresh hash is drawn
+per step like the reference's per-call state rng; otherwise a fixed seed,
+``(hash_seed, crc32(module path))`` (deterministic eval, distinct per layer). The normal
+draw itself uses an ``'rbg'`` key seeded from that key (``hashing_key``).
+Rotations are drawn per head and shared by the examples of a batch (the reference draws
+them per example and head); an example's output therefore never depends on its batch.
+
+The buckets used are sown as ``intermediates/buckets`` ``[batch, heads, n_hashes, length]``
+(int32; padding positions hold the extra bucket id) and can be passed back with
+``buckets=`` so a reversible layer's recomputation makes the same hashing decisions (the
+reference keeps them in the layer state for ``reverse_and_grad``).
+
+Decode (causal only; the reference's ``_incremental_forward_unbatched``). The cache holds,
+head-major as ``CausalSelfAttention``'s, the normalised keys and the values of every past
+token ``[batch, heads, max_decode_length, d_head]``, their buckets
+``[batch, heads, n_hashes, max_decode_length]`` (−1 = empty or padding) and the rotations.
+For the new token, past keys are ranked as the reference ranks them — first those sharing
+its bucket in any hash round, then by recency — and the top
+``n_hashes · chunk_len · (1 + n_chunks_before) − 1`` are attended to together with the token
+itself (the reference keeps ``n_hashes · chunk_len · (1 + n_chunks_before)`` keys including
+the token itself), with the same causal/exclude-self/padding masks and one softmax (no
+per-round combination, as the reference). Differences from the reference: keys/values are
+cached instead of recomputed from a cache of inputs; the memory is the full
+``max_decode_length`` cache (the reference's ``predict_mem_len`` with rolling
+``predict_drop_len`` drops is not implemented: a cache never wraps); auto ``n_buckets`` is
+computed from ``max_decode_length`` (the reference recomputes it from the 2-row query
+buffer); like ``CausalSelfAttention`` the cache-creating call runs the full forward and
+writes nothing (no multi-token prefill). Decode equals the full forward whenever every past
+key is kept, e.g. for sequences of at most ``chunk_len`` tokens; beyond that both are
+approximations of full attention by different selection rules (as in the reference).
+"""
+
+import math
+import zlib
+from typing import Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from terra.errors import ConfigError
+from terra.layers import axes
+from terra.layers.attention import MASK_VALUE, _after, _stacked_glorot
+from terra.layers.dense import Dense
+from terra.layers.multiplicative import MultiplicativeDense
+from terra.layers.sparse_qkv import ModuleConvolution, _ConvCacheMixin, _sparsity
+
+# Additive logit for a query's own key (the reference's exclude_self: dots - 1e5).
+SELF_MASK_VALUE = -1e5
+# Above this many buckets the automatic choice factorises the hash (as the reference).
+MAX_UNFACTORED_BUCKETS = 128
+WEIGHTS_FORMATS = ("model", "sparse")
+
+NBuckets = Union[int, Sequence[int], None]
+
+
+def length_normalized(x: jax.Array, epsilon: float = 1e-6) -> jax.Array:
+    """``x / sqrt(mean(x²) + eps)`` over the last axis (the shared-QK key normalisation)."""
+    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * lax.rsqrt(variance + jnp.asarray(epsilon, x.dtype))
+
+
+def bucket_factors(n_buckets: NBuckets, length: int, chunk_len: int) -> Tuple[int, ...]:
+    """The hash's bucket factors: ``(n,)`` for ``n`` buckets, several for a factorised hash.
+
+    ``None`` means automatic: ``n = 2·max(1, length // chunk_len)``, factorised above 128
+    buckets as ``[2^ceil(log2 sqrt n), 2·(n // (2·that))]`` (the reference's rule).
+    """
+    if n_buckets is None:
+        n = 2 * max(1, length // chunk_len)
+        if n <= MAX_UNFACTORED_BUCKETS:
+            factors: Tuple[int, ...] = (n,)
+        else:
+            first = 2 ** math.ceil(math.log2(math.sqrt(n)))
+            factors = (first, 2 * (n // (2 * first)))
+    elif isinstance(n_buckets, int):
+        factors = (n_buckets,)
+    else:
+        factors = tuple(int(f) for f in n_buckets)
+    if not factors or any(f <= 0 or f % 2 for f in factors):
+        raise ConfigError(
+            f"LSH n_buckets={n_buckets!r} gives factors {factors}; every factor must be even and positive."
+        )
+    return factors
+
+
+def hashing_key(key: jax.Array) -> jax.Array:
+    """An ``'rbg'`` key (XLA's RngBitGenerator) seeded from ``key`` (a typed key of any
+    implementation, or raw ``uint32`` key data).
+
+    Hashing needs no more than a fair draw, and XLA:CPU compiles threefry bits slowly:
+    measured 0.86 s per draw site against 0.13 s with RngBitGenerator, per LSH layer of a
+    compiled model. The values drawn may differ across XLA versions and backends; a
+    reversible layer replays *buckets* (``buckets=``), not rotations, so nothing relies on
+    bitwise-stable rotations.
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    data = jnp.resize(jnp.asarray(key).reshape(-1).astype(jnp.uint32), (4,))
+    data = data ^ jnp.asarray([0, 0, 0x9E3779B9, 0x85EBCA6B], jnp.uint32)
+    return jax.random.wrap_key_data(data, impl="rbg")
+
+
+def draw_rotations(key: jax.Array, n_heads: int, d_head: int, n_hashes: int, factors: Tuple[int, ...]) -> jax.Array:
+    """Random rotations ``R ~ N(0, 1)`` ``[heads, d_head, n_hashes, sum(factors) / 2]``."""
+    return jax.random.normal(hashing_key(key), (n_heads, d_head, n_hashes, sum(factors) // 2), jnp.float32)
+
+
+def hash_vectors(vecs: jax.Array, rotations: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
+    """Angular LSH: ``vecs`` ``[batch, heads, length, d]`` -> buckets ``[batch, heads,
+    n_hashes, length]`` in ``[0, prod(factors))``; ``bucket = argmax([xR, -xR])`` per factor,
+    combined mixed-radix for a factorised hash."""
+    rotated = jnp.einsum("bhld,hdrk->bhrlk", vecs.astype(jnp.float32), rotations)
+    buckets, start, radix = None, 0, 1
+    for factor in factors:
+        part = rotated[..., start : start + factor // 2]
+        start += factor // 2
+        b = jnp.argmax(jnp.concatenate([part, -part], axis=-1), axis=-1).astype(jnp.int32)
+        buckets = b if buckets is None else buckets + radix * b
+        radix *= factor
+    return buckets
+
+
+def look_adjacent(x: jax.Array, n_chunks_before: int, n_chunks_after: int, axis: int) -> jax.Array:
+    """``[..., n_chunks, chunk_len, ...]`` -> each chunk followed (along ``axis + 1``) by its
+    ``n_chunks_before`` previous and ``n_chunks_after`` next chunks, cyclically (the
+    reference's ``look_adjacent``: chunk 0's previous chunk is the last one)."""
+    if n_chunks_before == 0 and n_chunks_after == 0:
+        return x
+    parts = [x if i == 0 else jnp.roll(x, -i, axis=axis) for i in range(-n_chunks_before, n_chunks_after + 1)]
+    return jnp.concatenate(parts, axis=axis + 1)
+
+
+def _mask_bias(q_pos, k_pos, k_valid, causal: bool) -> jax.Array:
+    """Additive float32 bias from positions ``q_pos [..., q, 1]``, ``k_pos [..., 1, k]`` and
+    key validity ``k_valid [..., 1, k]`` (the reference's ``mask_self_attention``)."""
+    # A padding key is never "self" (the reference negates padded keys' position info).
+    bias = jnp.where((q_pos == k_pos) & k_valid, SELF_MASK_VALUE, 0.0)
+    if causal:
+        bias = bias + jnp.where(q_pos < k_pos, MASK_VALUE, 0.0)
+    bias = bias + jnp.where(k_valid, 0.0, MASK_VALUE)
+    return bias.astype(jnp.float32)
+
+
+def full_shared_qk_attention(
+    q: jax.Array, v: jax.Array, key_mask: Optional[jax.Array] = None, *, causal: bool = True
+) -> jax.Array:
+    """Dense reference: full shared-QK attention with LSH attention's masks (causal,
+    exclude-self, padding). ``q``, ``v`` ``[batch, heads, length, d]``; ``key_mask``
+    ``[batch, length]`` (1 = real token) -> ``[batch, heads, length, d]``."""
+    length = q.shape[2]
+    k = length_normalized(q) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
+    pos = jnp.arange(length)
+    valid = jnp.ones((q.shape[0], length), bool) if key_mask is None else key_mask.astype(bool)
+    logits = logits + _mask_bias(pos[:, None], pos[None, :], valid[:, None, None, :], causal)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+
+
+def lsh_attention(
+    q: jax.Array,
+    v: jax.Array,
+    buckets: jax.Array,
+    n_total_buckets: int,
+    key_mask: jax.Array,
+    *,
+    chunk_len: int,
+    n_chunks_before: int,
+    n_chunks_after: int,
+    causal: bool,
+    dropout=None,
+) -> jax.Array:
+    """Sort-and-chunk shared-QK attention over given buckets.
+
+    ``q``, ``v``: ``[batch, heads, length, d]`` with ``length % chunk_len == 0``;
+    ``buckets``: ``[batch, heads, n_hashes, length]`` in ``[0, n_total_buckets)`` (padding
+    positions already in their own bucket); ``key_mask``: ``[batch, length]`` bool;
+    ``dropout``: optional ``probs -> probs`` applied to ``[b, h, chunks, chunk_len,
+    window]`` attention probabilities. Returns ``[batch, heads, length, d]``.
+    """
+    batch, heads, length, d = q.shape
+    n_hashes = buckets.shape[2]
+    if length % chunk_len:
+        raise ValueError(f"lsh_attention: length {length} is not a multiple of chunk_len {chunk_len}.")
+    offsets = (jnp.arange(n_hashes, dtype=jnp.int32) * n_total_buckets)[:, None]
+    flat = lax.stop_gradient((buckets + offsets).reshape(batch, heads, n_hashes * length))
+    # A stable sort of the offset bucket ids orders by (round, bucket, position): the
+    # entries of each round are laid out in position order before sorting.
+    perm = jnp.argsort(flat, axis=-1, stable=True)
+    undo = jnp.argsort(perm, axis=-1)
+    pos = perm % length  # sorted entry -> position  [b, h, n_hashes·length]
+
+    def gather(t):
+        return jnp.take_along_axis(t, pos[..., None], axis=2)
+
+    sq, sv = gather(q), gather(v)
+    sk = length_normalized(sq) * jnp.asarray(d**-0.5, sq.dtype)
+    svalid = jnp.take_along_axis(jnp.broadcast_to(key_mask[:, None, :], (batch, heads, length)), pos, axis=2)
+
+    n_chunks = n_hashes * length // chunk_len
+    chunked = lambda t: t.reshape((batch, heads, n_chunks, chunk_len) + t.shape[3:])  # noqa: E731
+    cq, cpos = chunked(sq), chunked(pos)
+    ck = look_adjacent(chunked(sk), n_chunks_before, n_chunks_after, axis=2)
+    cv = look_adjacent(chunked(sv), n_chunks_before, n_chunks_after, axis=2)
+    kpos = look_adjacent(cpos, n_chunks_before, n_chunks_after, axis=2)
+    kvalid = look_adjacent(chunked(svalid), n_chunks_before, n_chunks_after, axis=2)
+
+    logits = jnp.einsum("bhncd,bhnkd->bhnck", cq, ck).astype(jnp.float32)
+    logits = logits + _mask_bias(cpos[..., :, None], kpos[..., None, :], kvalid[..., None, :], causal)
+    # Normalise against the row maximum (not as exp(logits - logsumexp)): a row whose best
+    # key is its own (-1e5) would otherwise lose float32 precision in the probabilities.
+    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    unnormalized = jnp.exp(logits - row_max)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    probs = unnormalized / total
+    lse = row_max + jnp.log(total)
+    if dropout is not None:
+        probs = dropout(probs)
+    so = jnp.einsum("bhnck,bhnkd->bhncd", probs.astype(v.dtype), cv).reshape(batch, heads, n_hashes * length, d)
+    slse = lse.reshape(batch, heads, n_hashes * length)
+
+    o = jnp.take_along_axis(so, undo[..., None], axis=2).reshape(batch, heads, n_hashes, length, d)
+    round_lse = jnp.take_along_axis(slse, undo, axis=2).reshape(batch, heads, n_hashes, length)
+    weights = jax.nn.softmax(round_lse, axis=2)
+    return jnp.sum(o * weights[..., None].astype(o.dtype), axis=2)
+
+
+class LSHSelfAttention(nn.Module, _ConvCacheMixin):
+    """LSH self-attention, ``[batch, length, d_model] -> [batch, length, d_model]``.
+
+    Injected-layer contract as ``CausalSelfAttention`` (constructed with ``d_model, n_heads,
+    dropout_rate, dtype``; see the module docstring for the algorithm and decode).
+
+    Attributes:
+      d_head: per-head size (default ``d_model // n_heads``; the 'sparse' format needs that).
+      chunk_len, n_chunks_before, n_chunks_after: sort-and-chunk geometry (128, 1, 0).
+      n_hashes: hash rounds (2).
+      n_buckets: buckets per round, an even int, a list of even factors (factorised hash),
+        or ``None`` for ``2·max(1, L // chunk_len)`` (factorised above 128).
+      causal: causal masking (decode needs it).
+      dropout_rate: attention-probability dropout (the contract's argument).
+      attention_dropout: if set, overrides ``dropout_rate`` (so a gin binding such as the
+        reference's 0.2 wins over the model-wide value the model passes explicitly). The
+        mask is shared across chunks, as the reference's. There is no output dropout: the
+        residual dropout belongs to the calling block.
+      use_bias: biases on the 'model' projections.
+      weights_format: 'model' (fused Q/V ``Dense`` plus output ``Dense``) or 'sparse' (§2.5b:
+        the multiplicative layer and Q, K, V convolutions of ``SparseQKVAttention`` with the
+        same parameter names, Q and K averaged into the shared QK, no output projection, so
+        a model trained with sparse-QKV full attention can be fine-tuned with LSH).
+      attention_sparsity, length_kernel_size, module_kernel_size, value_module_kernel_size:
+        the 'sparse' format's S, F and module kernels (as ``SparseQKVAttention``).
+      std_length: if set, sequences (and decode caches) of at most this length use full
+        shared-QK attention with the same masks (the reference's ``MixedLSHSelfAttention``;
+        with a large value it is the dense reference path).
+      hash_seed: seed of the fixed rotations used when no rng stream supplies them.
+
+    ``__call__(x, mask=None, *, deterministic=True, decode=False, max_decode_length=None,
+    buckets=None)``: ``mask`` ``[batch, length]`` (1 = real token) marks keys that are never
+    attended to; ``buckets`` ``[batch, heads, n_hashes, length]`` replays a previous call's
+    hashing (as sown in ``intermediates/buckets``).
+    """
+
+    d_model: int
+    n_heads: int
+    dropout_rate: float = 0.0
+    d_head: Optional[int] = None
+    chunk_len: int = 128
+    n_chunks_before: int = 1
+    n_chunks_after: int = 0
+    n_hashes: int = 2
+    n_buckets: NBuckets = None
+    causal: bool = True
+    attention_dropout: Optional[float] = None
+    use_bias: bool = True
+    weights_format: str = "model"
+    attention_sparsity: Optional[int] = None
+    length_kernel_size: int = 3
+    module_kernel_size: int = 3
+    value_module_kernel_size: int = 1
+    std_length: Optional[int] = None
+    hash_seed: int = 0
+    dtype: jnp.dtype = jnp.float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head or self.d_model // self.n_heads
+
+    @property
+    def _dropout(self) -> float:
+        return self.dropout_rate if self.attention_dropout is None else self.attention_dropout
+
+    def _check(self, decode: bool) -> None:
+        if self.weights_format not in WEIGHTS_FORMATS:
+            raise ConfigError(f"LSHSelfAttention.weights_format={self.weights_format!r}; use one of {WEIGHTS_FORMATS}.")
+        if self.weights_format == "sparse" and self.head_dim * self.n_heads != self.d_model:
+            raise ConfigError(
+                f"LSHSelfAttention: weights_format='sparse' needs d_head * n_heads == d_model, got "
+                f"{self.head_dim} * {self.n_heads} != {self.d_model}."
+            )
+        if self.chunk_len <= 0 or self.n_chunks_before < 0 or self.n_chunks_after < 0 or self.n_hashes <= 0:
+            raise ConfigError(
+                f"LSHSelfAttention: chunk_len={self.chunk_len}, n_chunks_before={self.n_chunks_before}, "
+                f"n_chunks_after={self.n_chunks_after}, n_hashes={self.n_hashes} must be positive (chunks >= 0)."
+            )
+        if decode and not self.causal:
+            raise ConfigError(
+                "LSHSelfAttention: decode needs causal=True (the reference supports only causal fast inference)."
+            )
+        if decode and self.n_chunks_after:
+            raise ConfigError(
+                f"LSHSelfAttention: decode needs n_chunks_after=0, got {self.n_chunks_after} (as the reference)."
+            )
+
+    # ----------------------------------------------------------------- projections
+    def _project(self, x: jax.Array, decode: bool) -> Tuple[jax.Array, jax.Array]:
+        """``x`` -> head-major shared QK and values ``[batch, heads, length, d_head]``."""
+        batch = x.shape[0]
+        heads_first = lambda t: jnp.swapaxes(t.reshape(batch, -1, self.n_heads, self.head_dim), 1, 2)  # noqa: E731
+        if self.weights_format == "model":
+            y = Dense(
+                (self.n_heads, 2, self.head_dim),
+                kernel_axes=(axes.HEADS, axes.QKV, axes.KV, axes.EMBED),
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                kernel_init=_stacked_glorot(),
+                name="qv",
+            )(x)
+            return heads_first(y[..., 0, :]), heads_first(y[..., 1, :])
+        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "LSHSelfAttention")
+        m = self.d_model // s
+        u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
+        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+
+        def conv(name, module_kernel):
+            return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
+                window, causal_pad=causal_pad
+            )
+
+        q = conv("q_conv", self.module_kernel_size)
+        k = conv("k_conv", self.module_kernel_size)
+        v = conv("v_conv", self.value_module_kernel_size)
+        return heads_first((q + k) * jnp.asarray(0.5, q.dtype)), heads_first(v)  # the reference's QKAvg
+
+    def _output(self, y: jax.Array) -> jax.Array:
+        """Head-major ``[batch, heads, length, d_head]`` -> ``[batch, length, d_model]``."""
+        y = jnp.swapaxes(y, 1, 2)
+        if self.weights_format == "sparse":
+            return y.reshape(y.shape[0], y.shape[1], self.d_model)  # no output projection (§2.5b)
+        return Dense(
+            self.d_model,
+            kernel_axes=(axes.EMBED, axes.HEADS, axes.KV),
+            n_contract=2,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name="out",
+        )(y)
+
+    # --------------------------------------------------------------------- hashing
+    def _rotation_key(self, deterministic: bool) -> jax.Array:
+        if self.has_rng("lsh"):
+            return self.make_rng("lsh")
+        if not deterministic and self.has_rng("dropout"):
+            return self.make_rng("dropout")
+        path = "/".join(str(p) for p in self.path)
+        return jnp.asarray([self.hash_seed & 0xFFFFFFFF, zlib.crc32(path.encode())], jnp.uint32)
+
+    # --------------------------------------------------------------------- forward
+    def _forward(self, q, v, mask, buckets, deterministic: bool) -> jax.Array:
+        batch, _, length, _ = q.shape
+        key_mask = jnp.ones((batch, length), bool) if mask is None else mask.astype(bool)
+        if self.std_length is not None and length <= self.std_length:
+            return full_shared_qk_attention(q, v, key_mask, causal=self.causal)
+        padded = -(-length // self.chunk_len) * self.chunk_len
+        factors = bucket_factors(self.n_buckets, padded, self.chunk_len)
+        n_real = math.prod(factors)  # id n_real is the padding bucket
+        if buckets is None:
+            key = self._rotation_key(deterministic)
+            buckets = hash_vectors(q, draw_rotations(key, self.n_heads, self.head_dim, self.n_hashes, factors), factors)
+        else:
+            expected = (batch, self.n_heads, self.n_hashes, length)
+            if tuple(buckets.shape) != expected:
+                raise ValueError(f"LSHSelfAttention: buckets have shape {tuple(buckets.shape)}, expected {expected}.")
+            buckets = jnp.clip(buckets.astype(jnp.int32), 0, n_real)
+        buckets = lax.stop_gradient(jnp.where(key_mask[:, None, None, :], buckets, n_real))
+        self.sow("intermediates", "buckets", buckets)
+        pad = padded - length
+        if pad:
+            q, v = (jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in (q, v))
+            key_mask = jnp.pad(key_mask, ((0, 0), (0, pad)))
+            buckets = jnp.pad(buckets, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=n_real)
+        dropout = None
+        if self._dropout > 0.0 and not deterministic:
+            layer = nn.Dropout(self._dropout, broadcast_dims=(2,))
+            dropout = lambda p: layer(p, deterministic=False)  # noqa: E731
+        y = lsh_attention(
+            q,
+            v,
+            buckets,
+            n_real + 1,
+            key_mask,
+            chunk_len=self.chunk_len,
+            n_chunks_before=self.n_chunks_before,
+            n_chunks_after=self.n_chunks_after,
+            causal=self.causal,
+            dropout=dropout,
+        )
+        return y[:, :, :length]
+
+    # ---------------------------------------------------------------------- decode
+    def _decode_step(self, q, v, mask, *, deterministic: bool, max_decode_length: Optional[int]):
+        """Returns the head-major output, or ``None`` on the cache-creating call."""
+        initialized = self.has_variable("cache", "cached_key")
+        if not initialized and max_decode_length is None:
+            raise ValueError("LSHSelfAttention: the cache-creating decode call needs max_decode_length.")
+        batch, heads, _, d = q.shape
+        max_len = max_decode_length or 0
+        if initialized:
+            max_len = self.get_variable("cache", "cached_key").shape[2]
+        factors = bucket_factors(self.n_buckets, max_len, self.chunk_len)
+        shape = (batch, heads, max_len, d)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, q.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+        cached_buckets = self.variable(
+            "cache", "cached_buckets", lambda: jnp.full((batch, heads, self.n_hashes, max_len), -1, jnp.int32)
+        )
+        rotations = self.variable(
+            "cache",
+            "rotations",
+            lambda: draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors),
+        )
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not initialized:
+            return None
+        if q.shape[2] != 1:
+            raise ValueError(f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions.")
+        index = cache_index.value
+        k = length_normalized(q)
+        q_buckets = hash_vectors(q, rotations.value, factors)  # [b, h, n_hashes, 1]
+        if mask is not None:
+            q_buckets = jnp.where(mask.astype(bool).reshape(batch, 1, 1, 1), q_buckets, -1)
+        past = cached_buckets.value
+        valid = past[:, :, 0, :] >= 0  # written and not padding
+        n_keep = self.n_hashes * self.chunk_len * (1 + self.n_chunks_before) - 1
+        if self.std_length is not None and max_len <= self.std_length:
+            n_keep = max_len
+        keys, values = cached_key.value, cached_value.value
+        if n_keep < max_len:
+            # The reference's priority: same bucket in any round first, then recency.
+            same = jnp.any(past == q_buckets, axis=2)
+            position = jnp.arange(max_len, dtype=jnp.int32)
+            priority = jnp.where(valid, position + max_len * same.astype(jnp.int32), -1)
+            _, kept = lax.top_k(priority, n_keep)  # [b, h, n_keep]
+            keys = jnp.take_along_axis(keys, kept[..., None], axis=2)
+            values = jnp.take_along_axis(values, kept[..., None], axis=2)
+            valid = jnp.take_along_axis(valid, kept, axis=2)
+        scale = jnp.asarray(d**-0.5, q.dtype)
+        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q, keys * scale).astype(jnp.float32)
+        past_logits = past_logits + jnp.where(valid, 0.0, MASK_VALUE)[:, :, None, :].astype(jnp.float32)
+        self_logits = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
+        probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
+        probs = nn.Dropout(self._dropout)(probs, deterministic=deterministic).astype(v.dtype)
+        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values)
+        y = past_values + probs[..., -1:] * v
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, _after(k, past_logits, index), (0, 0, index, 0))
+        cached_value.value = lax.dynamic_update_slice(
+            cached_value.value, _after(v, past_values, index), (0, 0, index, 0)
+        )
+        cached_buckets.value = lax.dynamic_update_slice(past, q_buckets, (0, 0, 0, index))
+        cache_index.value = index + 1
+        return y
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: Optional[jax.Array] = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+        max_decode_length: Optional[int] = None,
+        buckets: Optional[jax.Array] = None,
+    ) -> jax.Array:
+        self._check(decode)
+        q, v = self._project(x, decode)
+        y = None
+        if decode:
+            y = self._decode_step(q, v, mask, deterministic=deterministic, max_decode_length=max_decode_length)
+        if y is None:
+            y = self._forward(q, v, mask, buckets, deterministic)
+        return self._output(y)
+
+
+gin.register(LSHSelfAttention, module="terra.layers")

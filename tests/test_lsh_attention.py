@@ -1,0 +1,390 @@
+"""LSH self-attention (paper §4, ``trax_reference.md`` §4.5 and §2.5b)."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.errors import ConfigError
+from terra.layers import SparseQKVAttention, axes
+from terra.layers.lsh_attention import (
+    LSHSelfAttention,
+    bucket_factors,
+    full_shared_qk_attention,
+    lsh_attention,
+)
+
+D, H = 32, 4  # d_head = 8
+CHUNK = 8
+
+
+def _layer(**kw):
+    return LSHSelfAttention(**{"d_model": D, "n_heads": H, "chunk_len": CHUNK, **kw})
+
+
+def _x(length, batch=2, seed=0):
+    return jax.random.normal(jax.random.key(seed), (batch, length, D))
+
+
+def _init(layer):
+    """Parameters for ``layer`` (they depend only on the sizes and the weights format)."""
+    return _canonical_params(layer.weights_format)
+
+
+@functools.lru_cache(maxsize=None)
+def _canonical_params(weights_format):
+    """The layer's parameter tree (shapes and logical names from its own init, traced but not
+    compiled) filled with seeded N(0, 1/last-axis) values (biases N(0, 0.01)). These tests check the attention, not
+    the initialisers (``Dense``'s and the sparse layers' are tested with them); compiling
+    every initialiser's threefry draws would cost seconds of XLA:CPU time per format."""
+    shapes = _shapes(LSHSelfAttention(d_model=D, n_heads=H, weights_format=weights_format), jnp.zeros((1, CHUNK, D)))
+    rng = np.random.default_rng(1)
+
+    def fill(path, leaf):
+        scale = 0.1 if "bias" in jax.tree_util.keystr(path) else leaf.shape[-1] ** -0.5
+        return jnp.asarray(scale * rng.normal(size=leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def _shapes(layer, x, **kwargs):
+    """The variables' shapes and logical names, without computing them."""
+    return jax.eval_shape(lambda x: layer.init(jax.random.key(0), x, **kwargs), x)
+
+
+@functools.partial(
+    jax.jit, static_argnums=0, static_argnames=("deterministic", "decode", "max_decode_length", "mutable")
+)
+def _apply(
+    layer,
+    variables,
+    x,
+    mask=None,
+    buckets=None,
+    rngs=None,
+    *,
+    deterministic=True,
+    decode=False,
+    max_decode_length=None,
+    mutable=False,
+):
+    """``layer.apply``, compiled once per configuration and signature and shared by the tests
+    (op-by-op dispatch would compile every small op of the sort-and-chunk path separately)."""
+    return layer.apply(
+        variables,
+        x,
+        mask,
+        deterministic=deterministic,
+        decode=decode,
+        max_decode_length=max_decode_length,
+        buckets=buckets,
+        rngs=rngs,
+        mutable=mutable,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(layer, variables, cache, token):
+    """One compiled decode step."""
+    return layer.apply({**variables, **cache}, token, decode=True, mutable=["cache"])
+
+
+def _no_padding(x):
+    """An all-real mask (passed where it lets tests share one compiled signature)."""
+    return jnp.ones(x.shape[:2], jnp.float32)
+
+
+def _full(layer):
+    """The same layer computing full shared-QK attention with the same masks."""
+    return layer.clone(std_length=10**9)
+
+
+def _reference_forward_unbatched(q, v, buckets, n_total, mask, chunk_len, n_before, n_after, causal):
+    """A line-by-line NumPy port of the reference's ``forward_unbatched`` for one example and
+    head after the projections (``efficient_attention.py``: ``hash_vectors`` offsets,
+    ``buckets_and_t`` sort, ``attend`` with ``look_adjacent`` and 1-indexed
+    ``mask_self_attention`` info, negative ``kv_info`` for padding, ``logsumexp`` rounds)."""
+    length = q.shape[0]
+    n_hashes = buckets.shape[0]
+    buckets = (buckets + np.arange(n_hashes)[:, None] * n_total).reshape(-1)
+    ticker = np.arange(n_hashes * length)
+    buckets_and_t = length * buckets + (ticker % length)
+    sticker = np.argsort(buckets_and_t, kind="stable")
+    undo_sort = np.argsort(sticker, kind="stable")
+    st = sticker % length
+    sq, sv = q[st], v[st]
+    q_info = st + 1
+    kv_info = q_info * np.where(mask[st], 1, -1)
+    sq = sq.reshape(-1, chunk_len, q.shape[-1])
+    sk = sq / np.sqrt(np.mean(sq**2, axis=-1, keepdims=True) + 1e-6) / np.sqrt(q.shape[-1])
+    sv = sv.reshape(-1, chunk_len, v.shape[-1])
+    q_info = q_info.reshape(-1, chunk_len)
+    kv_info = kv_info.reshape(-1, chunk_len)
+
+    def look_adjacent(x):
+        slices = [x if i == 0 else np.concatenate([x[i:], x[:i]], axis=0) for i in range(-n_before, n_after + 1)]
+        return np.concatenate(slices, axis=1)
+
+    sk, sv, kv_info = look_adjacent(sk), look_adjacent(sv), look_adjacent(kv_info)
+    dots = sq @ np.swapaxes(sk, -1, -2)
+    qi, ki = q_info[..., :, None].astype(np.float64), kv_info[..., None, :].astype(np.float64)
+    if causal:
+        dots = dots - 1e9 * (qi < ki)
+    dots = dots - 1e5 * (qi == ki)
+    dots = dots - 1e9 * (ki < 0)
+    m = dots.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(dots - m).sum(axis=-1, keepdims=True))
+    so = (np.exp(dots - lse) @ sv).reshape(-1, v.shape[-1])
+    slogits = lse.reshape(-1)
+    o, logits = so[undo_sort], slogits[undo_sort]
+    o = o.reshape(n_hashes, length, -1)
+    logits = logits.reshape(n_hashes, length, 1)
+    probs = np.exp(logits - logits.max(0) - np.log(np.exp(logits - logits.max(0)).sum(0)))
+    return (o * probs).sum(0)
+
+
+@pytest.mark.parametrize("n_hashes,n_before,n_after,causal", [(2, 1, 0, True), (3, 2, 1, False)])
+def test_sort_and_chunk_attention_matches_a_port_of_the_reference(n_hashes, n_before, n_after, causal):
+    rng = np.random.default_rng(0)
+    batch, heads, length, d, n_buckets = 2, 2, 32, 8, 6
+    q = rng.normal(size=(batch, heads, length, d)).astype(np.float32)
+    v = rng.normal(size=(batch, heads, length, d)).astype(np.float32)
+    mask = rng.random((batch, length)) > 0.2
+    buckets = rng.integers(0, n_buckets, (batch, heads, n_hashes, length)).astype(np.int32)
+    buckets = np.where(mask[:, None, None, :], buckets, n_buckets)  # padding -> the extra bucket
+    attend = functools.partial(
+        lsh_attention,
+        n_total_buckets=n_buckets + 1,
+        chunk_len=CHUNK,
+        n_chunks_before=n_before,
+        n_chunks_after=n_after,
+        causal=causal,
+    )
+    got = jax.jit(attend)(q, v, buckets, key_mask=mask)
+    for b in range(batch):
+        for h in range(heads):
+            q_bh, v_bh = q[b, h].astype(np.float64), v[b, h].astype(np.float64)
+            want = _reference_forward_unbatched(
+                q_bh, v_bh, buckets[b, h], n_buckets + 1, mask[b], CHUNK, n_before, n_after, causal
+            )
+            # Padded queries see only masked keys (logits near -1e9, below float32 resolution):
+            # their outputs are meaningless in both, so only real positions are compared.
+            np.testing.assert_allclose(np.asarray(got[b, h])[mask[b]], want[mask[b]], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("length,n_hashes", [(CHUNK, 2), (CHUNK - 3, 4)])
+def test_one_chunk_lsh_equals_full_shared_qk_attention(length, n_hashes):
+    layer = _layer(n_hashes=n_hashes)
+    x = _x(length)
+    mask = jnp.ones((2, length)).at[1, -2:].set(0)
+    variables = _init(layer)
+    y = _apply(layer, variables, x, mask)
+    np.testing.assert_allclose(y, _apply(_full(layer), variables, x, mask), atol=1e-5, rtol=1e-5)
+    # and the dense path is the textbook formula: causal, exclude-self (-1e5), padding
+    q = jax.random.normal(jax.random.key(2), (1, 1, 4, 8))
+    v = jax.random.normal(jax.random.key(3), (1, 1, 4, 8))
+    k = q / jnp.sqrt(jnp.mean(q**2, -1, keepdims=True) + 1e-6) / jnp.sqrt(8.0)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) - 1e5 * jnp.eye(4) - 1e9 * jnp.triu(jnp.ones((4, 4)), 1)
+    want = jax.nn.softmax(logits, -1) @ v
+    np.testing.assert_allclose(jax.jit(full_shared_qk_attention)(q, v), want, atol=1e-6)
+    np.testing.assert_allclose(want[0, 0, 0], v[0, 0, 0], atol=1e-6)  # only itself to attend to
+
+
+def test_lsh_is_causal():
+    """Queries never see later keys. The sort-and-chunk assignment depends on every
+    position's bucket (as in the reference), so the hashing decisions are held fixed when
+    later tokens change; within one chunk causality holds with fresh hashing too."""
+    layer = _layer(n_hashes=2)
+    x = _x(4 * CHUNK)
+    variables = _init(layer)
+    y, state = _apply(layer, variables, x, rngs={"lsh": jax.random.key(5)}, mutable=("intermediates",))
+    (buckets,) = state["intermediates"]["buckets"]
+    for t in (1, CHUNK + 3, 3 * CHUNK):
+        changed = x.at[:, t:].set(10.0 * jax.random.normal(jax.random.key(t), x[:, t:].shape))
+        y_changed = _apply(layer, variables, changed, buckets=buckets, rngs={"lsh": jax.random.key(t)})
+        np.testing.assert_allclose(y_changed[:, :t], y[:, :t], atol=1e-6, rtol=1e-6)
+        assert not np.allclose(y_changed[:, t:], y[:, t:], atol=1e-3)
+
+    short = x[:, :CHUNK]
+    changed = short.at[:, 5:].set(-3.0)
+    y_short, y_changed = (_apply(layer, variables, t, _no_padding(t)) for t in (short, changed))
+    np.testing.assert_allclose(y_changed[:, :5], y_short[:, :5], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padding_is_never_attended(causal):
+    layer = _layer(n_hashes=2, causal=causal)
+    length = 4 * CHUNK
+    x = _x(length)
+    mask = np.ones((2, length), np.float32)
+    mask[0, -5:] = 0  # trailing padding
+    mask[1, 10:14] = 0  # a gap, as the Terraformer's [encoder, padding, decoder] input
+    variables = _init(layer)
+    y = _apply(layer, variables, x, mask)
+    garbage = jnp.where(mask[..., None] > 0, x, 1e3 * jax.random.normal(jax.random.key(9), x.shape))
+    y_garbage = _apply(layer, variables, garbage, mask)
+    real = mask > 0
+    np.testing.assert_allclose(np.asarray(y_garbage)[real], np.asarray(y)[real], atol=1e-5, rtol=1e-5)
+    assert np.isfinite(np.asarray(y_garbage)).all()
+
+
+def test_buckets_are_reused_when_given():
+    layer = _layer(n_hashes=2)
+    x = _x(4 * CHUNK)
+    variables = _init(layer)
+
+    def hashed(key):
+        return _apply(layer, variables, x, rngs={"lsh": key}, mutable=("intermediates",))
+
+    y, state = hashed(jax.random.key(5))
+    (buckets,) = state["intermediates"]["buckets"]
+    assert buckets.shape == (2, H, 2, 4 * CHUNK) and buckets.dtype == jnp.int32
+    assert int(buckets.max()) < bucket_factors(None, 4 * CHUNK, CHUNK)[0]  # no padding here
+    # A different hash draw changes the output; replaying the sown buckets restores it.
+    y_other, _ = hashed(jax.random.key(6))
+    assert not np.allclose(y_other, y, atol=1e-3)
+    replayed = _apply(layer, variables, x, buckets=buckets, rngs={"lsh": jax.random.key(6)})
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(y))
+    different = jnp.roll(buckets, 3, axis=-1)
+    y_different = _apply(layer, variables, x, buckets=different, rngs={"lsh": jax.random.key(5)})
+    assert not np.allclose(y_different, y, atol=1e-3)
+
+
+def test_training_draws_a_fresh_hash_per_step_and_eval_is_deterministic():
+    layer = _layer(n_hashes=2)
+    x = _x(4 * CHUNK)
+    variables = _init(layer)
+    mask = _no_padding(x)
+    np.testing.assert_array_equal(_apply(layer, variables, x, mask), _apply(layer, variables, x, mask))
+    train = [_apply(layer, variables, x, rngs={"dropout": jax.random.key(s)}, deterministic=False) for s in range(2)]
+    assert not np.allclose(train[0], train[1], atol=1e-3)
+
+
+def test_more_hash_rounds_approach_full_attention():
+    """With L = 4 chunks, the mean relative error against full shared-QK attention (same
+    parameters and masks), averaged over 6 hash draws, falls as rounds are added. Measured
+    here: 0.68, 0.43, 0.28, 0.19 for 1, 2, 4, 8 rounds; over 3 inputs x 3 draw seeds the
+    means ranged 0.68-0.85, 0.42-0.54, 0.28-0.35, 0.20-0.24, with per-draw spread <= 0.05."""
+    layer = _layer(n_hashes=1)
+    x = _x(4 * CHUNK)
+    variables = _init(layer)
+    full = _apply(_full(layer), variables, x)
+    keys = jax.random.split(jax.random.key(7), 6)
+    errors = {}
+    for n_hashes in (1, 2, 4, 8):
+        run = jax.jit(jax.vmap(lambda key, r=n_hashes: layer.clone(n_hashes=r).apply(variables, x, rngs={"lsh": key})))
+        ys = run(keys)
+        errors[n_hashes] = float(jnp.mean(jnp.abs(ys - full)) / jnp.mean(jnp.abs(full)))
+    assert errors[1] > errors[2] > errors[4] > errors[8], errors
+    assert errors[8] < 0.5 * errors[1], errors
+
+
+@pytest.mark.parametrize(
+    "weights_format,n_hashes,max_len",
+    [("model", 2, 64), ("sparse", 1, CHUNK)],
+)
+def test_incremental_decode_matches_full_forward_within_one_chunk(weights_format, n_hashes, max_len):
+    """For at most ``chunk_len`` tokens the full forward attends to every earlier key, and so
+    does the decode step, which keeps the top n_hashes·chunk_len·(1 + n_chunks_before) - 1 past
+    keys (max_len 64 > 31 exercises that selection; with one round and max_len 8 the whole
+    cache is kept)."""
+    layer = _layer(n_hashes=n_hashes, weights_format=weights_format)
+    x = _x(CHUNK)
+    variables = _init(layer)
+    full = _apply(layer, variables, x, _no_padding(x))
+    _, cache = _apply(layer, variables, x[:, :1], decode=True, max_decode_length=max_len, mutable=("cache",))
+    assert cache["cache"]["cached_key"].shape == (2, H, max_len, D // H)  # head-major
+    assert int(cache["cache"]["cache_index"]) == 0  # the cache-creating call writes nothing
+    outputs = []
+    for t in range(CHUNK):
+        y, cache = _step(layer, variables, cache, x[:, t : t + 1])
+        outputs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=1e-5, rtol=1e-5)
+    assert int(cache["cache"]["cache_index"]) == CHUNK
+    assert (np.asarray(cache["cache"]["cached_buckets"])[..., :CHUNK] >= 0).all()
+
+
+def test_decode_beyond_one_chunk_prefers_same_bucket_keys():
+    """Past one chunk the step keeps the reference's choice of keys: same bucket in any round
+    first, then the most recent. Here n_hashes·chunk_len·(1 + n_chunks_before) - 1 = 3 of
+    12 past keys are kept, plus the token itself at -1e5 (exclude-self)."""
+    layer = _layer(chunk_len=2, n_chunks_before=0, n_hashes=2, n_buckets=4)
+    x = _x(13, batch=1)
+    variables = _init(layer)
+    _, cache = _apply(layer, variables, x[:, :1], decode=True, max_decode_length=16, mutable=("cache",))
+    for t in range(12):
+        _, cache = _step(layer, variables, cache, x[:, t : t + 1])
+    y, _ = _step(layer, variables, cache, x[:, 12:13])
+
+    c = jax.tree.map(np.asarray, cache["cache"])
+    p = jax.tree.map(np.asarray, nn.unbox(variables["params"]))
+    qv = np.einsum("hsed,d->hse", p["qv"]["kernel"], np.asarray(x[0, 12])) + p["qv"]["bias"]  # [h, 2, 8]
+    q, v = qv[:, 0], qv[:, 1]
+    rotated = np.einsum("hd,hdrk->hrk", q, c["rotations"])
+    q_buckets = np.argmax(np.concatenate([rotated, -rotated], -1), -1)  # [h, rounds]
+    q_norm = q / np.sqrt(np.mean(q**2, -1, keepdims=True) + 1e-6)
+    heads, distant = [], False
+    for h in range(H):
+        same = (c["cached_buckets"][0, h, :, :12] == q_buckets[h][:, None]).any(0)
+        kept = np.argsort(np.arange(12) + 12 * same)[-3:]
+        distant |= set(kept.tolist()) != {9, 10, 11}
+        logits = np.append(c["cached_key"][0, h, kept] @ q[h], q_norm[h] @ q[h] - 1e5 * np.sqrt(8)) / np.sqrt(8)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        heads.append(probs[:-1] @ c["cached_value"][0, h, kept] + probs[-1] * v[h])
+    want = np.einsum("ehd,hd->e", p["out"]["kernel"], np.stack(heads)) + p["out"]["bias"]
+    np.testing.assert_allclose(np.asarray(y)[0, 0], want, atol=1e-4, rtol=1e-4)
+    assert distant  # some head keeps a same-bucket key older than the 3 most recent
+
+
+def test_parameters_have_logical_axis_names():
+    rules = {name for name, _ in axes.default_axis_rules()}
+    x = _x(CHUNK)
+    params = _shapes(_layer(), x)["params"]
+    leaves = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned))
+    assert leaves and all(isinstance(leaf, nn.LogicallyPartitioned) for leaf in leaves)
+    for leaf in leaves:
+        assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= rules
+    assert params["qv"]["kernel"].names == (axes.HEADS, axes.QKV, axes.KV, axes.EMBED)
+    assert params["out"]["kernel"].names == (axes.EMBED, axes.HEADS, axes.KV)
+    sparse = _shapes(_layer(weights_format="sparse"), x)["params"]
+    for leaf in jax.tree.leaves(sparse, is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned)):
+        assert isinstance(leaf, nn.LogicallyPartitioned) and set(leaf.names) <= rules
+
+
+def test_sparse_weights_format_has_the_sparse_qkv_parameter_tree():
+    """§2.5b: the 'sparse' projections are SparseQKVAttention's, so a model trained with
+    full sparse-QKV attention can be fine-tuned with LSH attention."""
+    x = _x(CHUNK)
+    lsh = nn.unbox(_shapes(_layer(weights_format="sparse"), x)["params"])
+    dense = nn.unbox(_shapes(SparseQKVAttention(d_model=D, n_heads=H), x)["params"])
+    assert jax.tree.map(jnp.shape, lsh) == jax.tree.map(jnp.shape, dense)
+
+
+def test_gradients_reach_every_parameter_with_attention_dropout():
+    layer = _layer(n_hashes=2, attention_dropout=0.2)
+    x = _x(2 * CHUNK)
+    params = _init(layer)["params"]
+
+    def loss(p):
+        y = layer.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+        return jnp.mean(y**2)
+
+    grads = jax.jit(jax.grad(loss))(params)
+    for g in jax.tree.leaves(nn.unbox(grads)):
+        assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).max()) > 0
+
+
+def test_bad_configurations_are_config_errors():
+    x = _x(CHUNK)
+    with pytest.raises(ConfigError, match="even"):
+        _shapes(_layer(n_buckets=5), x)
+    with pytest.raises(ConfigError, match="causal"):
+        _shapes(_layer(causal=False), x, decode=True, max_decode_length=8)
+    with pytest.raises(ConfigError, match="n_chunks_after"):
+        _shapes(_layer(n_chunks_after=1), x, decode=True, max_decode_length=8)
+    assert bucket_factors(None, 64 * 128, 128) == (128,)
+    assert bucket_factors(None, 512 * 128, 128) == (32, 32)  # factorised above 128, as the reference
