@@ -118,9 +118,30 @@ def _quiet_gin_path_probes():
         root.removeFilter(log_filter)
 
 
+def _tolerate_directories_named_like_config_folders() -> None:
+    """gin also looks for an ``include 'runs/train.gin'`` as a file of a Python package ``runs``;
+    a plain ``runs/`` directory in the working directory (where users put MODEL_DIRs) is a
+    namespace package without a file, and gin's check then raises TypeError instead of moving
+    on to the next search path. Treat that as "not found"."""
+    from gin import config as gin_config
+    from gin import resource_reader
+
+    for i, (reader, exists) in enumerate(gin_config._FILE_READERS):
+        if exists is resource_reader.system_path_file_exists:
+
+            def safe_exists(path, _exists=exists):
+                try:
+                    return _exists(path)
+                except TypeError:
+                    return False
+
+            gin_config._FILE_READERS[i] = (reader, safe_exists)
+
+
 def parse_gin(gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (), *, finalize: bool = True) -> None:
     """Parses files then bindings into the global gin config (clearing any earlier one)."""
     register_terra_configurables()
+    _tolerate_directories_named_like_config_folders()
     gin.clear_config()
     gin.add_config_file_search_path(CONFIGS_DIR)
     files = [resolve_gin_file(f) for f in gin_files]

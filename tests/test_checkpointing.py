@@ -249,3 +249,17 @@ def test_save_only_at_the_interval_unless_forced(tmp_path, mesh):
         assert ckpt.save(12, state, force=True)
         assert not ckpt.save(12, state)  # already there
         assert ckpt.all_steps() == [5, 10, 12]
+
+
+def test_a_relative_model_dir_is_accepted(tmp_path, mesh, monkeypatch):
+    # `--gin.MODEL_DIR="'runs/x'"` is the common spelling; orbax itself needs absolute paths.
+    monkeypatch.chdir(tmp_path)
+    state = make_state(mesh, seed=3, step=1)
+    with Checkpointer("runs/x", save_interval_steps=1) as ckpt:
+        assert ckpt.save(1, state, force=True)
+    assert (tmp_path / "runs" / "x" / "checkpoints" / "1").is_dir()
+    with Checkpointer("runs/x") as ckpt:
+        restored, step = ckpt.restore(abstract_of(state))
+    assert step == 1
+    assert_trees_equal(restored.params, state.params)
+    assert_trees_equal(restore_params("runs/x", abstract_of(state).params), state.params)

@@ -127,3 +127,13 @@ def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("error: Invalid gin configuration") and "n_heads=5" in result.stderr
+
+
+def test_a_runs_directory_in_the_working_directory_does_not_break_includes(tmp_path, monkeypatch):
+    # Users keep MODEL_DIRs under ./runs; gin must still find configs/runs/train.gin.
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    gin_utils.parse_gin(["experiments/quickstart.gin"], ["MODEL_DIR = 'runs/q'"])
+    assert gin.query_parameter("%TASK") == "embedded_span_corruption"

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -255,6 +256,13 @@ def _json_metrics(metrics: Optional[dict]) -> Optional[Dict[str, float]]:
 
 
 @gin.configurable(module="terra.training")
+def _absolute(path: str) -> epath.Path:
+    """orbax's OCDBT writer rejects relative paths (``runs/x`` from the command line); local
+    paths are made absolute, URLs (``gs://...``) are left as they are."""
+    path = str(path)
+    return epath.Path(path if "://" in path else os.path.abspath(os.path.expanduser(path)))
+
+
 class Checkpointer:
     """One orbax ``CheckpointManager`` over ``<model_dir>/checkpoints``.
 
@@ -293,7 +301,7 @@ class Checkpointer:
             raise ConfigError(f"keep_best must be >= 0; got {keep_best}.")
         if best_mode not in ("min", "max"):
             raise ConfigError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
-        self.model_dir = epath.Path(model_dir)
+        self.model_dir = _absolute(model_dir)
         self.directory = self.model_dir / CHECKPOINTS_SUBDIR
         self.save_interval_steps = save_interval_steps
         self.keep_last = keep_last
@@ -540,7 +548,7 @@ class _TargetMismatch(Exception):
 
 def _resolve_step_dir(checkpoint_dir: str, step: Optional[int]) -> epath.Path:
     """Accepts a model_dir, its ``checkpoints`` folder, or one step directory."""
-    path = epath.Path(checkpoint_dir)
+    path = _absolute(checkpoint_dir)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist.")
     if (path / STATE_ITEM).is_dir() and (path / STEP_METADATA_FILE).exists():
