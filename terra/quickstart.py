@@ -25,7 +25,7 @@ import numpy as np
 from terra import gin_utils
 from terra.benchmarks.decode_speed import measure_decode
 from terra.data import pipeline, tasks
-from terra.training import checkpointing, trainer
+from terra.training import trainer
 
 
 def _losses(model_dir: str, key: str) -> List[float]:
@@ -67,8 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print("== 3/3 summarizing validation documents (greedy, jitted single-token decode step)")
     model = gin_utils.build("terra.models.EncoderDecoderModel")
-    params = checkpointing.restore_params(finetune_dir, model.init_params(jax.random.key(0))) if result.params is None else result.params
-    params = jax.device_get(params)
+    params = jax.device_get(result.params)
     task = tasks.get_task("embedded_summarization")
     vocab = task.output_features["targets"].vocabulary
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")

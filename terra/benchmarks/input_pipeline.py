@@ -17,8 +17,6 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-import gin
-import numpy as np
 
 from terra import gin_utils
 from terra.benchmarks import report
@@ -63,7 +61,7 @@ def measure(task: str, feature_lengths: Dict[str, int], *, batch_size: int, seco
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         batch = next(it)
-        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]) + np.count_nonzero(batch["decoder_target_tokens"]))
+        tokens += pipeline.count_tokens(batch)
         examples += batch_size
     elapsed = time.perf_counter() - start
     return {"tokens_per_second": tokens / elapsed, "examples_per_second": examples / elapsed, "seconds": elapsed}
@@ -103,14 +101,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         note += f" Batch {args.batch_size}, {args.seconds:.0f} s per row after 3 warm-up batches{vocab}; tokens = non-padding inputs + targets."
         results: List[dict] = []
         for name, task, key, lengths in ROWS:
-            bindings = [f"terra.data.c4_source.json_path = {given['c4_json']!r}" if key == "c4_json" else "",
-                        f"terra.data.arxiv_source.cohan_path = {given['arxiv_cohan']!r}" if key == "arxiv_cohan" else "",
-                        f"terra.data.c4_source.tfds_data_dir = {given['tfds_data_dir']!r}",
-                        f"terra.data.arxiv_source.tfds_data_dir = {given['tfds_data_dir']!r}"]
-            if args.vocabulary:
-                bindings.append(f"terra.data.text_vocabulary.spm_path = {args.vocabulary!r}")
-            with gin.unlock_config():
-                gin_utils.parse_gin(args.gin_file, [b for b in bindings if b] + list(args.gin_bindings))
+            # The row's source: the JSON-lines files when the row names them, else the TFDS directory.
+            flags = argparse.Namespace(
+                tfds_data_dir=given["tfds_data_dir"], vocabulary=args.vocabulary,
+                c4_json=given["c4_json"] if key == "c4_json" else None,
+                arxiv_cohan=given["arxiv_cohan"] if key == "arxiv_cohan" else None)
+            gin_utils.parse_gin(args.gin_file, tasks.data_flag_bindings(flags) + list(args.gin_bindings))
             row = {"name": name, "task": task, "feature_lengths": lengths, "batch_size": args.batch_size,
                    **measure(task, lengths, batch_size=args.batch_size, seconds=args.seconds)}
             print(f"{name:42s} {row['tokens_per_second']:>12,.0f} tokens/s {row['examples_per_second']:>8,.1f} examples/s", flush=True)

@@ -80,6 +80,12 @@ def get_dataset(
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
+def count_tokens(batch: Mapping[str, np.ndarray]) -> int:
+    """Non-padding tokens of a batch's inputs and targets (throughput accounting)."""
+    keys = ("encoder_input_tokens", "decoder_target_tokens")
+    return int(sum(np.count_nonzero(batch[k]) for k in keys if k in batch))
+
+
 class BatchIterator:
     """Numpy batches from a ``tf.data`` dataset, with a checkpointable position.
 

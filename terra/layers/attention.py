@@ -43,6 +43,19 @@ def causal_bias(length: int) -> jax.Array:
     return jnp.where(idx[:, None] >= idx[None, :], 0.0, MASK_VALUE)[None, None].astype(jnp.float32)
 
 
+def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> jax.Array:
+    """The heads' output projection ``[batch, length, heads, d_head] -> [batch, length, d_model]``,
+    created as the submodule ``out`` of the calling (compact) attention module."""
+    return Dense(
+        d_model,
+        kernel_axes=(axes.EMBED, axes.HEADS, axes.KV),
+        n_contract=2,
+        use_bias=use_bias,
+        dtype=dtype,
+        name="out",
+    )(y)
+
+
 class _AttentionBase(nn.Module):
     """Shared sizes, projections and the softmax core.
 
@@ -89,14 +102,7 @@ class _AttentionBase(nn.Module):
 
     def _output(self, y: jax.Array) -> jax.Array:
         """``[batch, length, heads, d_head] -> [batch, length, d_model]``."""
-        return Dense(
-            self.d_model,
-            kernel_axes=(axes.EMBED, axes.HEADS, axes.KV),
-            n_contract=2,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="out",
-        )(y)
+        return output_projection(y, d_model=self.d_model, use_bias=self.use_bias, dtype=self.dtype)
 
     def _attend(self, q, k, v, bias, deterministic: bool) -> jax.Array:
         """Head-major core: q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, bias broadcastable to

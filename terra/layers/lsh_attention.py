@@ -74,7 +74,7 @@ from jax import lax
 
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.attention import MASK_VALUE, _after, _stacked_glorot
+from terra.layers.attention import MASK_VALUE, _after, _stacked_glorot, output_projection
 from terra.layers.dense import Dense
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.sparse_qkv import ModuleConvolution, _ConvCacheMixin, _sparsity
@@ -382,14 +382,7 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
         y = jnp.swapaxes(y, 1, 2)
         if self.weights_format == "sparse":
             return y.reshape(y.shape[0], y.shape[1], self.d_model)  # no output projection (§2.5b)
-        return Dense(
-            self.d_model,
-            kernel_axes=(axes.EMBED, axes.HEADS, axes.KV),
-            n_contract=2,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="out",
-        )(y)
+        return output_projection(y, d_model=self.d_model, use_bias=self.use_bias, dtype=self.dtype)
 
     # --------------------------------------------------------------------- hashing
     def _rotation_key(self, deterministic: bool) -> jax.Array:

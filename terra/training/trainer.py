@@ -19,6 +19,7 @@ Each host feeds its own shard of the data (``batch_size`` is global); only host 
 """
 
 import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -102,9 +103,18 @@ def _host_batch_size(batch_size: int) -> int:
     return batch_size // n
 
 
-def _count_tokens(batch: Mapping[str, np.ndarray]) -> int:
-    keys = ("encoder_input_tokens", "decoder_target_tokens")
-    return int(sum(np.count_nonzero(batch[k]) for k in keys if k in batch))
+def _raise_if_diverged(metrics, last_step: int, model_dir: str, to_close) -> None:
+    """Raise :class:`TrainingDiverged` naming the first of the steps ``last_step - len + 1 ..
+    last_step`` whose loss or gradient norm was not finite."""
+    for i, m in enumerate(metrics):
+        if int(m["nonfinite"]):
+            for resource in to_close:
+                resource.close()
+            raise TrainingDiverged(
+                f"step {last_step - len(metrics) + 1 + i}: the loss or gradient norm is not finite "
+                f"(loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}); training stopped. Non-finite "
+                f"steps left the parameters unchanged, and the last checkpoint in {model_dir} is intact. Lower "
+                f"the learning rate, enable clip_grad_norm, or check the data.")
 
 
 @gin.configurable(module="terra")
@@ -164,7 +174,7 @@ def train(
     if steps <= 0 or batch_size <= 0:
         raise ConfigError(f"steps ({steps}) and batch_size ({batch_size}) must be positive.")
     provider = tasks.get_task(task)
-    tasks.check_task_data(provider, "train")
+    # The train split is checked when its first batch is read, below, still before model_dir.
     if eval_every and eval_steps:
         tasks.check_task_data(provider, eval_split)
     _check_model_and_task(model, provider, feature_lengths)
@@ -240,8 +250,7 @@ def train(
         # the batch read above to check the data, so the stream continues where it stopped.
         host_next = first if first is not None else next(train_batches)
         pending = sharding.global_batch(host_next, mesh)
-        example = pending
-        compiled = step_fn.lower(state, example, rng).compile()
+        compiled = step_fn.lower(state, pending, rng).compile()
         param_count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_params)))
         summary = metrics_lib.summarize_start(
             mesh_description=mesh_lib.describe_mesh(mesh), param_count=param_count,
@@ -251,14 +260,15 @@ def train(
             with open(os.path.join(model_dir, "config.gin"), "w") as f:
                 f.write(gin.operative_config_str())
 
+        eval_batches = []  # the same unshuffled batches every evaluation: read them once
+
         def evaluate(params) -> Dict[str, float]:
+            if not eval_batches:
+                hosts = batches(eval_split, eval_feature_lengths or feature_lengths, 1, False)
+                eval_batches.extend(sharding.global_batch(h, mesh) for h in itertools.islice(hosts, eval_steps))
             totals = None
-            lengths = eval_feature_lengths or feature_lengths
-            it = batches(eval_split, lengths, 1, False)
-            for i, host in enumerate(it):
-                if i >= eval_steps:
-                    break
-                m = eval_fn(params, sharding.global_batch(host, mesh))
+            for batch in eval_batches:
+                m = eval_fn(params, batch)
                 totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
             return summarize_eval(totals) if totals is not None else {}
 
@@ -268,25 +278,26 @@ def train(
         last_train: Dict[str, float] = {}
         last_eval: Dict[str, float] = {}
         window = []
+        unchecked = []  # steps whose finiteness the host has not looked at yet
         tokens = 0
         window_start = time.perf_counter()
         preempted = False
         step = start_step
         with _TermSignal() as term:
             while step < steps:
-                tokens += _count_tokens(host_next)
+                tokens += pipeline.count_tokens(host_next)
                 state, m = compiled(state, pending, rng)
                 step += 1
                 window.append(m)
-                if int(m["nonfinite"]):
-                    writer.close()
-                    bar.close()
-                    checkpointer.close()
-                    raise TrainingDiverged(
-                        f"step {step}: the loss or gradient norm is not finite (loss={float(m['loss'])}, "
-                        f"grad_norm={float(m['grad_norm'])}); training stopped. The parameters were not updated "
-                        f"and the last checkpoint in {model_dir} is intact. Lower the learning rate, enable "
-                        f"clip_grad_norm, or check the data.")
+                unchecked.append(m)
+                evaluated = bool(eval_every and eval_steps and (step % eval_every == 0 or step == steps))
+                # The host waits for the device only where it reads results anyway (logging,
+                # evaluation, checkpoints), so steps stay asynchronous in between; a non-finite
+                # step never changed the state, and nothing is saved after one.
+                if (step % log_every == 0 or step % checkpoint_every == 0 or evaluated or step == steps
+                        or term.received):
+                    _raise_if_diverged(unchecked, step, model_dir, (writer, bar, checkpointer))
+                    unchecked = []
                 if step % log_every == 0 or step == steps:
                     elapsed = time.perf_counter() - window_start
                     loss = float(np.mean([float(x["loss"]) for x in window]))
@@ -300,7 +311,6 @@ def train(
                     writer.write(step, last_train, prefix="train")
                     bar.update(step, loss, len(window) / elapsed)
                     window, tokens, window_start = [], 0, time.perf_counter()
-                evaluated = bool(eval_every and eval_steps and (step % eval_every == 0 or step == steps))
                 if evaluated:
                     last_eval = evaluate(state.params)
                     writer.write(step, last_eval, prefix="eval")
