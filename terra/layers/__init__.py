@@ -9,6 +9,7 @@ from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAtte
 from terra.layers.dense import Dense
 from terra.layers.embedding import DenseLogits, MultiplicativeLogits, TokenEmbedding
 from terra.layers.feedforward import FeedForward
+from terra.layers.feedforward_with_sru import FeedForwardWithSRU
 from terra.layers.lsh_attention import LSHSelfAttention
 from terra.layers.moe_feedforward import BlockSparseFeedForward
 from terra.layers.multiplicative import MultiplicativeDense
@@ -33,6 +34,7 @@ __all__ = [
     "Dense",
     "DenseLogits",
     "FeedForward",
+    "FeedForwardWithSRU",
     "LayerNorm",
     "LowRankSRU",
     "LSHSelfAttention",

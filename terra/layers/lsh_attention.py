@@ -57,8 +57,9 @@ cached instead of recomputed from a cache of inputs; the memory is the full
 ``predict_drop_len`` drops is not implemented: a cache never wraps); auto ``n_buckets`` is
 computed from ``max_decode_length`` (the reference recomputes it from the 2-row query
 buffer); like ``CausalSelfAttention`` the cache-creating call runs the full forward and
-writes nothing (no multi-token prefill). Decode equals the full forward whenever every past
-key is kept, e.g. for sequences of at most ``chunk_len`` tokens; beyond that both are
+writes nothing, unless it is given ``prefix_mask`` (a multi-token prefill that hashes and
+writes the prefix's keys, padded ones with bucket −1). Decode equals the full forward
+whenever every past key is kept, e.g. for sequences of at most ``chunk_len`` tokens; beyond that both are
 approximations of full attention by different selection rules (as in the reference).
 """
 
@@ -291,9 +292,11 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
       hash_seed: seed of the fixed rotations used when no rng stream supplies them.
 
     ``__call__(x, mask=None, *, deterministic=True, decode=False, max_decode_length=None,
-    buckets=None)``: ``mask`` ``[batch, length]`` (1 = real token) marks keys that are never
-    attended to; ``buckets`` ``[batch, heads, n_hashes, length]`` replays a previous call's
-    hashing (as sown in ``intermediates/buckets``).
+    buckets=None, prefix_mask=None)``: ``mask`` ``[batch, length]`` (1 = real token) marks keys
+    that are never attended to; ``buckets`` ``[batch, heads, n_hashes, length]`` replays a
+    previous call's hashing (as sown in ``intermediates/buckets``); ``prefix_mask`` on the
+    cache-creating decode call prefills the cache with a multi-token prefix (real tokens
+    first), as ``CausalSelfAttention``'s.
     """
 
     d_model: int
@@ -348,7 +351,7 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
             )
 
     # ----------------------------------------------------------------- projections
-    def _project(self, x: jax.Array, decode: bool) -> Tuple[jax.Array, jax.Array]:
+    def _project(self, x: jax.Array, decode: bool, prefix_mask=None) -> Tuple[jax.Array, jax.Array]:
         """``x`` -> head-major shared QK and values ``[batch, heads, length, d_head]``."""
         batch = x.shape[0]
         heads_first = lambda t: jnp.swapaxes(t.reshape(batch, -1, self.n_heads, self.head_dim), 1, 2)  # noqa: E731
@@ -365,7 +368,7 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
         s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "LSHSelfAttention")
         m = self.d_model // s
         u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode, prefix_mask)
 
         def conv(name, module_kernel):
             return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
@@ -436,8 +439,9 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
         return y[:, :, :length]
 
     # ---------------------------------------------------------------------- decode
-    def _decode_step(self, q, v, mask, *, deterministic: bool, max_decode_length: Optional[int]):
-        """Returns the head-major output, or ``None`` on the cache-creating call."""
+    def _decode_step(self, q, v, mask, *, deterministic: bool, max_decode_length: Optional[int], prefix_mask=None):
+        """Returns the head-major output, or ``None`` on the cache-creating call (which, given
+        ``prefix_mask``, also writes the prefix's keys, values and buckets: a prefill)."""
         initialized = self.has_variable("cache", "cached_key")
         if not initialized and max_decode_length is None:
             raise ValueError("LSHSelfAttention: the cache-creating decode call needs max_decode_length.")
@@ -458,6 +462,19 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
             lambda: draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors),
         )
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not initialized and prefix_mask is not None:
+            length = q.shape[2]
+            if length >= max_len:
+                raise ValueError(
+                    f"LSHSelfAttention: a prefix of {length} positions leaves no room in a cache of {max_len}; "
+                    "raise max_decode_length."
+                )
+            real = prefix_mask.astype(bool)[:, None, None, :]
+            prefix_buckets = jnp.where(real, hash_vectors(q, rotations.value, factors), -1)
+            cached_key.value = lax.dynamic_update_slice(cached_key.value, length_normalized(q), (0, 0, 0, 0))
+            cached_value.value = lax.dynamic_update_slice(cached_value.value, v, (0, 0, 0, 0))
+            cached_buckets.value = lax.dynamic_update_slice(cached_buckets.value, prefix_buckets, (0, 0, 0, 0))
+            cache_index.value = jnp.asarray(length, jnp.int32)
         if not initialized:
             return None
         if q.shape[2] != 1:
@@ -508,12 +525,17 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
         decode: bool = False,
         max_decode_length: Optional[int] = None,
         buckets: Optional[jax.Array] = None,
+        prefix_mask: Optional[jax.Array] = None,
     ) -> jax.Array:
         self._check(decode)
-        q, v = self._project(x, decode)
+        q, v = self._project(x, decode, prefix_mask if decode else None)
         y = None
         if decode:
-            y = self._decode_step(q, v, mask, deterministic=deterministic, max_decode_length=max_decode_length)
+            y = self._decode_step(
+                q, v, mask, deterministic=deterministic, max_decode_length=max_decode_length, prefix_mask=prefix_mask
+            )
+            if prefix_mask is not None:
+                mask = prefix_mask  # the prefill's own output: padded keys never attended to
         if y is None:
             y = self._forward(q, v, mask, buckets, deterministic)
         return self._output(y)

@@ -128,6 +128,31 @@ def _accumulate(total, new):
     return jax.tree.map(lambda a, b: a if b.dtype == jax.dtypes.float0 else a + b, total, new)
 
 
+def _depends_on(x: jax.Array, tree) -> jax.Array:
+    """``x`` unchanged, but data-dependent on every floating leaf of ``tree``, so the
+    scheduler computes ``tree`` before anything that reads the result. ``0 * s`` is not folded
+    for floating point (it is NaN for a non-finite ``s``, which the trainer's non-finite
+    guard catches anyway)."""
+    leaves = [l for l in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(l), jnp.inexact)]
+    if not leaves:
+        return x
+    total = sum(jnp.sum(l[(0,) * l.ndim]) if l.ndim else l for l in leaves)
+    return x + (total * 0).astype(x.dtype)
+
+
+def _keys_after(keys: LayerKeys, x: jax.Array) -> LayerKeys:
+    """The same rng keys, but data-dependent on ``x`` (they change only if ``x`` holds a NaN,
+    when every result is NaN anyway): a layer's random bits (dropout masks) are then drawn
+    when the layer runs, instead of being hoisted and kept alive across the whole pass."""
+    poisoned = jnp.isnan(x.reshape(-1)[0])
+
+    def after(key):
+        data = jax.random.key_data(key)
+        return jax.random.wrap_key_data(jnp.where(poisoned, data + 1, data), impl=jax.random.key_impl(key))
+
+    return {name: after(key) for name, key in keys.items()}
+
+
 def _zero_cotangent(x):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
@@ -147,8 +172,8 @@ def reversible_forward(fns: Sequence[LayerFn], params, keys, context, x1, x2):
         # The barrier ties the layer's params to its input, so XLA cannot hoist work that only
         # depends on params (materialised bias/scale broadcasts on CPU) to the start of the
         # program and keep one such activation-sized buffer per layer alive.
-        p, x2 = jax.lax.optimization_barrier((p, x2))
-        y, d = fn(p, x2, context, None, k)
+        p, k, x2 = jax.lax.optimization_barrier((p, k, x2))
+        y, d = fn(p, x2, context, None, _keys_after(k, x2))
         x1, x2 = x2, x1 + y.astype(x1.dtype)
         decisions.append(d)
     return (x1, x2), tuple(decisions)
@@ -185,21 +210,27 @@ def reversible_apply(fns: Sequence[LayerFn], params, keys, context, x1, x2):
         g_context = jax.tree.map(_zero_cotangent, context)
         for i in reversed(range(len(fns))):
             # Layer i mapped (x1, x2) -> (y1, y2) = (x2, x1 + f(x2)): its input stream is y1.
-            def f(p, x, c, i=i):
-                y, _ = fns[i](p, x, c, decisions[i], keys[i])  # stored decisions, same keys
+            def f(p, x, c, k, i=i):
+                y, _ = fns[i](p, x, c, decisions[i], k)  # stored decisions, same keys
                 return y.astype(y2.dtype)
 
-            # As in the forward pass: nothing of layer i is computed before its input exists,
-            # which measurably keeps the backward pass's temporaries flat in depth.
-            p, y1 = jax.lax.optimization_barrier((params[i], y1))
-            fx, vjp = jax.vjp(f, p, y1, context)
+            # Nothing of layer i is computed before its input exists and layer i + 1's
+            # backward step is done. The barrier keeps parameter-only work (and the dropout
+            # masks, which would otherwise be common subexpressions of the forward pass's)
+            # from being hoisted; the data dependency below orders the layers (XLA:CPU drops
+            # barriers before scheduling, and its scheduler otherwise rebuilds every layer
+            # first and defers the parameter-gradient matmuls to the end, keeping every
+            # layer's activations alive: depth-linear memory again).
+            p, k, y1 = jax.lax.optimization_barrier((params[i], keys[i], y1))
+            k = _keys_after(k, y1)
+            fx, vjp = jax.vjp(lambda p, x, c: f(p, x, c, k), p, y1, context)
             x1 = y2 - fx  # reconstruct the stream the layer added to
             gp, gx, gc = vjp(g2)
             g_params[i] = gp
             g_context = _accumulate(g_context, gc)
             # d/dx1 = g2 (x1 reached y2 unchanged); d/dx2 = g1 (x2 became y1) + f's input grad.
             g1, g2 = g2, g1 + gx.astype(g1.dtype)
-            y1, y2 = x1, y1
+            y1, y2 = _depends_on(x1, gp), y1
         g_keys = jax.tree.map(lambda _: None, keys)
         return tuple(g_params), g_keys, g_context, g1, g2
 

@@ -96,14 +96,26 @@ def _sparsity(d_model: int, n_heads: int, attention_sparsity: Optional[int], who
 class _ConvCacheMixin:
     """The last ``F - 1`` rows of a convolution's input, kept in the cache for decoding."""
 
-    def _conv_window(self, u: jax.Array, length_kernel_size: int, decode: bool):
-        """Returns ``(window, causal_pad)`` for convolutions over ``u`` ``[b, l, S, M]``."""
+    def _conv_window(self, u: jax.Array, length_kernel_size: int, decode: bool, prefix_mask=None):
+        """Returns ``(window, causal_pad)`` for convolutions over ``u`` ``[b, l, S, M]``.
+
+        A cache-creating call given ``prefix_mask`` ``[b, l]`` (a prefill whose real tokens
+        come first) keeps the ``F - 1`` rows just before each row's first padded position,
+        zeros where the prefix is shorter (the reference's ``_RememberPad`` with the portal
+        mask, §2.4, here per row).
+        """
         if not decode or length_kernel_size == 1:
             return u, True
         initialized = self.has_variable("cache", "conv_rows")
-        shape = (u.shape[0], length_kernel_size - 1) + u.shape[2:]
+        history = length_kernel_size - 1
+        shape = (u.shape[0], history) + u.shape[2:]
         rows = self.variable("cache", "conv_rows", jnp.zeros, shape, u.dtype)
         if not initialized:
+            if prefix_mask is not None:
+                n_real = jnp.sum(prefix_mask.astype(jnp.int32), axis=1)
+                padded = jnp.pad(u, ((0, 0), (history, 0)) + ((0, 0),) * (u.ndim - 2))
+                take = lambda t, n: jax.lax.dynamic_slice_in_dim(t, n, history, axis=0)  # noqa: E731
+                rows.value = jax.vmap(take)(padded, n_real)
             return u, True
         window = jnp.concatenate([rows.value, u], axis=1)
         rows.value = window[:, -(length_kernel_size - 1) :]
@@ -138,6 +150,7 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
         deterministic: bool = True,
         decode: bool = False,
         max_decode_length: Optional[int] = None,
+        prefix_mask: Optional[jax.Array] = None,
     ) -> jax.Array:
         if self.variant not in VARIANTS:
             raise ConfigError(f"SparseQKVAttention.variant={self.variant!r}; use one of {VARIANTS}.")
@@ -157,7 +170,7 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
                 u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
             else:
                 u = x.reshape(batch, length, s, m)
-            window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+            window, causal_pad = self._conv_window(u, self.length_kernel_size, decode, prefix_mask)
 
             def conv(name, module_kernel):
                 return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
@@ -167,7 +180,15 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
             q = heads(conv("q_conv", self.module_kernel_size))
             k = heads(conv("k_conv", self.module_kernel_size))
             v = heads(conv("v_conv", self.value_module_kernel_size))
-        y = self._causal_attend(q, k, v, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length)
+        y = self._causal_attend(
+            q,
+            k,
+            v,
+            deterministic=deterministic,
+            decode=decode,
+            max_decode_length=max_decode_length,
+            prefix_mask=prefix_mask,
+        )
         y = self._heads_first(y).reshape(batch, -1, self.d_model)
         if self.variant == "mult":
             return MultiplicativeDense(self.d_model, s, dtype=self.dtype, name="out")(y)

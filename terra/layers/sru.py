@@ -89,6 +89,8 @@ class SRU(nn.Module):
     is what carries information over long spans). In decode mode the carry ``[batch, n]``
     is the ``cache`` variable ``carry``; it is created at zero by the cache-creating call
     (``init(..., decode=True)``) without being advanced, and every later call continues it.
+    A cache-creating call given ``prefix_mask`` is a prefill: it runs the prefix (positions
+    where the mask is 0 keep the carry) and stores the final carry.
     ``parallel_scan`` picks the associative or the sequential scan (``linear_recurrence``).
     """
 
@@ -96,8 +98,18 @@ class SRU(nn.Module):
     parallel_scan: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, decode: bool = False, mask: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        decode: bool = False,
+        mask: Optional[jax.Array] = None,
+        prefix_mask: Optional[jax.Array] = None,
+    ) -> jax.Array:
         batch, _, n = x.shape
+        prefill = decode and prefix_mask is not None
+        if prefill:
+            mask = prefix_mask
         gates = Dense(3 * n, kernel_axes=(SRU_GATES, SRU_UNITS), dtype=self.dtype, name="gates")(x)
         r, f, y = jnp.split(gates.astype(jnp.float32), 3, axis=-1)
         r, f = jax.nn.sigmoid(r), jax.nn.sigmoid(f)
@@ -111,7 +123,7 @@ class SRU(nn.Module):
             initialized = self.has_variable("cache", "carry")
             carry = self.variable("cache", "carry", jnp.zeros, (batch, n), jnp.float32)
             c = linear_recurrence(a, b, carry.value, parallel=self.parallel_scan)
-            if initialized:  # The cache-creating call must not advance the state.
+            if initialized or prefill:  # A plain cache-creating call must not advance the state.
                 carry.value = c[:, -1]
         else:
             c = linear_recurrence(a, b, parallel=self.parallel_scan)
@@ -158,13 +170,16 @@ class LowRankSRU(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         mask: Optional[jax.Array] = None,
+        prefix_mask: Optional[jax.Array] = None,
     ) -> jax.Array:
         del deterministic  # No dropout in the reference's SRU branch.
         h = LayerNorm(dtype=self.dtype, name="norm")(x)
         h = Dense(self.n_units, kernel_axes=(SRU_UNITS, axes.EMBED), dtype=self.dtype, name="down")(h)
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, SRU_UNITS))
         for i in range(self.n_layers):
-            h = SRU(dtype=self.dtype, parallel_scan=self.parallel_scan, name=f"sru_{i}")(h, decode=decode, mask=mask)
+            h = SRU(dtype=self.dtype, parallel_scan=self.parallel_scan, name=f"sru_{i}")(
+                h, decode=decode, mask=mask, prefix_mask=prefix_mask
+            )
         return Dense(self.d_model, kernel_axes=(axes.EMBED, SRU_UNITS), dtype=self.dtype, name="up")(h)
 
 

@@ -3,5 +3,6 @@
 from terra.models.config import ConfigError, TransformerConfig
 from terra.models.encoder_decoder import EncoderDecoderTransformer
 from terra.models.model_api import EncoderDecoderModel
+from terra.models.terraformer import Terraformer
 
-__all__ = ["ConfigError", "EncoderDecoderModel", "EncoderDecoderTransformer", "TransformerConfig"]
+__all__ = ["ConfigError", "EncoderDecoderModel", "EncoderDecoderTransformer", "Terraformer", "TransformerConfig"]

@@ -1,0 +1,150 @@
+"""Terraformer: LengthConcat, decode = teacher forcing, reversible = plain gradients, memory."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.benchmarks import reversible_memory
+from terra.decoding.decode_step import IncrementalDecoder
+from terra.errors import ConfigError
+from terra.layers import LSHSelfAttention, MultiplicativeLogits, SparseFeedForward, SparseQKVAttention
+from terra.layers.length_concat import concat_with_padding, strip_to_decoder
+from terra.models import EncoderDecoderModel, Terraformer
+from terra.models.terraformer import shared_qk_from_dense_attention
+
+from conftest import tiny_config
+
+VOCAB = 64
+
+SPARSE = dict(
+    feed_forward=functools.partial(SparseFeedForward, ff_sparsity=8),
+    decoder_attention=functools.partial(SparseQKVAttention, attention_sparsity=4),
+    logits_layer=functools.partial(MultiplicativeLogits, loss_sparsity=4),
+)
+LSH = dict(
+    encoder_attention=functools.partial(LSHSelfAttention, causal=False, n_chunks_after=1, chunk_len=16, n_hashes=2),
+    decoder_attention=functools.partial(
+        LSHSelfAttention, weights_format="sparse", attention_sparsity=4, chunk_len=32, n_hashes=2
+    ),
+)
+VARIANTS = {
+    "fully_sparse": SPARSE,
+    "lsh": LSH,
+    "dense_merged_encoder": dict(reversible_encoder=False, sru_units=8),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fast_compiles():
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _model(**kwargs):
+    return EncoderDecoderModel(Terraformer(tiny_config(vocab_size=VOCAB), **kwargs))
+
+
+def _batch(batch=2, inputs=7, targets=6, seed=0):
+    rng = np.random.RandomState(seed)
+    enc = rng.randint(2, VOCAB, (batch, inputs))
+    for row, n in enumerate([5, 3, 7, 1][:batch]):
+        enc[row, n:] = 0  # different padding per row
+    return {
+        "encoder_input_tokens": jnp.asarray(enc, jnp.int32),
+        "decoder_target_tokens": jnp.asarray(rng.randint(2, VOCAB, (batch, targets)), jnp.int32),
+    }
+
+
+def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
+    enc = jnp.arange(1, 6, dtype=jnp.float32).reshape(1, 5, 1) * jnp.ones((2, 5, 1))
+    mask = jnp.array([[1, 1, 1, 0, 0], [1, 0, 1, 0, 1]], bool)  # the second row has holes
+    dec = -jnp.arange(1, 4, dtype=jnp.float32).reshape(1, 3, 1) * jnp.ones((2, 3, 1))
+    out = concat_with_padding(enc, mask, dec)[..., 0]
+    np.testing.assert_array_equal(out[0], [1, 2, 3, -1, -2, -3, 0, 0])
+    np.testing.assert_array_equal(out[1], [1, 3, 5, -1, -2, -3, 0, 0])
+    np.testing.assert_array_equal(strip_to_decoder(out[..., None], mask, 3)[..., 0], [[-1, -2, -3]] * 2)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_incremental_decode_matches_teacher_forced_forward(variant):
+    model = _model(**VARIANTS[variant])
+    params = model.init_params(jax.random.key(1))
+    batch = _batch()
+    teacher_forced = model.logits(params, batch)
+    decoder = IncrementalDecoder(model.module, 8)
+    decoder_inputs = np.asarray(model._decoder_inputs(batch))
+
+    def decode_all(rows):
+        cache = decoder.prefill(params, batch["encoder_input_tokens"][rows])
+        steps = []
+        for t in range(decoder_inputs.shape[1]):
+            logits, cache = decoder.step(params, cache, jnp.asarray(decoder_inputs[rows, t]))
+            steps.append(logits)
+        return jnp.stack(steps, axis=1)
+
+    np.testing.assert_allclose(decode_all(slice(None)), teacher_forced, atol=2e-5)
+    if variant == "fully_sparse":  # batch 1 compiles its own prefill/step
+        np.testing.assert_allclose(decode_all(slice(1, 2)), teacher_forced[1:2], atol=2e-5)
+
+
+def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
+    model = _model(**SPARSE)
+    params = model.init_params(jax.random.key(2))
+    batch = _batch()
+    mask = batch["encoder_input_tokens"] != 0
+    logits = model.logits(params, dict(batch, encoder_mask=mask))
+    garbage = jnp.where(mask, batch["encoder_input_tokens"], 7)  # padded positions hold real ids
+    np.testing.assert_allclose(model.logits(params, dict(batch, encoder_input_tokens=garbage, encoder_mask=mask)), logits, atol=1e-5)
+    changed = dict(batch, decoder_input_tokens=model._decoder_inputs(batch).at[:, 4].set(9), encoder_mask=mask)
+    after = model.logits(params, changed)
+    np.testing.assert_allclose(after[:, :4], logits[:, :4], atol=1e-5)
+    assert float(jnp.max(jnp.abs(after[:, 4:] - logits[:, 4:]))) > 1e-3
+
+
+def test_reversible_gradients_equal_plain_autodiff():
+    batch = _batch()
+    key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, same keys
+    reversible = _model(**SPARSE)
+    plain = _model(reversible=False, **SPARSE)
+    params = reversible.init_params(jax.random.key(4))
+    loss_r, grads_r = jax.value_and_grad(lambda p: reversible.loss_fn(p, batch, key)[0])(params)
+    loss_p, grads_p = jax.value_and_grad(lambda p: plain.loss_fn(p, batch, key)[0])(params)
+    np.testing.assert_allclose(loss_r, loss_p, rtol=1e-6)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_p))
+    for (path, g_r), g_p in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_p)):
+        # 1e-4 relative to the gradient's scale (a few leaves, e.g. key biases, are ~0 exactly).
+        np.testing.assert_allclose(g_r, g_p, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
+    rows = reversible_memory.measure((1, 3), d_model=64, d_ff=256, batch=2, inputs=64, targets=16, vocab_size=VOCAB)
+    with capsys.disabled():
+        print("\n" + reversible_memory.markdown(rows))
+    by = {(r["depth"], r["reversible"]): r["temp_bytes"] for r in rows}
+    reversible_growth = by[(3, True)] - by[(1, True)]
+    plain_growth = by[(3, False)] - by[(1, False)]
+    assert plain_growth > 0
+    assert reversible_growth < plain_growth / 4
+
+
+def test_bad_block_counts_fail_when_the_model_is_configured():
+    with pytest.raises(ConfigError, match="n_decoder_attention_layers"):
+        _model(n_decoder_attention_layers=0)
+
+
+def test_dense_attention_checkpoint_maps_onto_lsh_encoder_attention():
+    dense = _model()
+    lsh = _model(encoder_attention=LSH["encoder_attention"])
+    dense_params = dense.init_params(jax.random.key(5))
+    mapped = shared_qk_from_dense_attention(jax.tree.map(np.asarray, dense_params))
+    expected = jax.tree.map(lambda x: x.shape, lsh.init_params(jax.random.key(5)))
+    assert jax.tree.map(lambda x: x.shape, mapped) == expected
+    qkv = dense_params["encoder_stack"]["layer_0"]["layer"]["qkv"]["kernel"]
+    qv = mapped["encoder_stack"]["layer_0"]["layer"]["qv"]["kernel"]
+    np.testing.assert_allclose(qv[:, 0], (qkv[:, 0] + qkv[:, 1]) / 2)
+    np.testing.assert_allclose(qv[:, 1], qkv[:, 2])
