@@ -218,7 +218,7 @@ def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, ca
     from terra.benchmarks import train_speed
 
     argv = ["--out", str(tmp_path), "--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8",
-            "--rows", "dense", "--rows", "scaling"]
+            "--rows", "dense", "--rows", "terraformer"]
     assert train_speed.main(argv) == 0
     rows = json.loads((tmp_path / "train_speed.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["tokens_per_second"] > 0 and np.isfinite(r["final_loss"]) for r in rows)

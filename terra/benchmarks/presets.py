@@ -56,6 +56,8 @@ def paper_800m() -> ml_collections.ConfigDict:
             make_row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4")),
             make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse")),
             make_row("MoE FF (64 experts)", m("moe_ff")),
+            # Table 8: Terraformer 800M (Sparse FF+QKV, loss 4, SRU, two decoder attentions).
+            make_row("Terraformer", m("terraformer")),
         ]
     )
 
@@ -68,6 +70,10 @@ _WIDE = (
     "TransformerConfig.vocab_size = 1024",  # the logits are not part of a block
     "TransformerConfig.max_len = 64",
 )
+
+
+# Terraformer with dense layers (the sparse ones are terraformer_800m.gin's defaults).
+_TERRAFORMER_DENSE = ("Terraformer.feed_forward = @FeedForward", "Terraformer.decoder_attention = @CausalSelfAttention")
 
 
 def paper_17b_block() -> ml_collections.ConfigDict:
@@ -90,6 +96,10 @@ def paper_17b_block() -> ml_collections.ConfigDict:
             make_row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv),
             make_row("+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv),
             make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse"), bindings=ff + qkv + cross),
+            # Table 6 per block: Terraformer blocks (two attentions + FF + SRU), dense to sparse.
+            make_row("Terraformer dense", m("terraformer"), bindings=dense_ff + _TERRAFORMER_DENSE),
+            make_row("Terraformer Sparse FF", m("terraformer"), bindings=ff + _TERRAFORMER_DENSE[1:]),
+            make_row("Terraformer Sparse FF+QKV", m("terraformer"), bindings=ff + qkv),
         ],
         common_bindings=list(_WIDE),
         block_mode="difference",
@@ -118,6 +128,7 @@ def tiny() -> ml_collections.ConfigDict:
             make_row("baseline Transf.", "models/tiny.gin"),
             make_row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),
             make_row("fully sparse", "models/tiny_fully_sparse.gin"),
+            make_row("Terraformer", "models/tiny_terraformer.gin"),
         ],
         common_bindings=[],
         tokens=6,

@@ -51,6 +51,8 @@ ROWS = {  # key: (name, model config, bindings)
     "dense": ("dense", "models/dense_800m.gin", ["TransformerConfig.d_ff = 2048"]),
     "sparse_ff": ("Sparse FF", "models/sparse_ff_800m.gin", ["TransformerConfig.d_ff = 2048"]),
     "scaling": ("Sparse FF+QKV+loss (Scaling Transformer)", "models/sparse_ff_qkv_loss4_800m.gin", ["TransformerConfig.d_ff = 3072"]),
+    # Reversible, two decoder attentions over [encoder | decoder], SRU; Sparse FF+QKV+loss 4.
+    "terraformer": ("Terraformer", "models/terraformer_800m.gin", ["TransformerConfig.d_ff = 3072", "TransformerConfig.max_len = 512"]),
 }
 
 

@@ -42,9 +42,38 @@ def _read(layer_factory, params) -> int:
     return int(reads(params)) if reads else _size(params)
 
 
+def _terraformer_decoder_reads(module, params, parts: Dict[str, int]) -> None:
+    """Terraformer's decoder stack: per block ``n_decoder_attention_layers`` attention
+    half-residuals then one ``FeedForwardWithSRU`` (its feed-forward read as the injected
+    layer reads it; its norm and SRU branch whole)."""
+    period = module.n_decoder_attention_layers + 1
+    for name, half in params["decoder_stack"].items():
+        index = int(name.rsplit("_", 1)[1])
+        parts["norms"] += _size(half.get("norm", {}))
+        layer = half["layer"]
+        if index % period < module.n_decoder_attention_layers:
+            parts["decoder self-attention"] += _read(module.decoder_attention, layer)
+            continue
+        for sub, sub_params in layer.items():
+            if sub == "feed_forward":
+                parts["feed-forward"] += _read(module.feed_forward, sub_params)
+            elif sub == "sru":
+                parts["feed-forward"] += _size(sub_params)
+            else:
+                parts["norms"] += _size(sub_params)
+
+
 def params_read_per_token(module, abstract_params) -> Dict[str, int]:
     """Parameters one batch-1 decode step reads, by part (plus ``'total'``)."""
     params = nn.unbox(abstract_params)
+    if "decoder_stack" in params:  # Terraformer: no cross-attention, a reversible decoder stack
+        parts = dict.fromkeys(("decoder self-attention", "feed-forward", "norms", "embedding rows", "logits"), 0)
+        _terraformer_decoder_reads(module, params, parts)
+        parts["norms"] += _size(params["decoder_norm"])
+        parts["embedding rows"] = 2 * module.config.d_model
+        parts["logits"] = _read(module.logits_layer, params["logits"])
+        parts["total"] = sum(parts.values())
+        return parts
     parts = dict.fromkeys(
         ("decoder self-attention", "encoder-decoder attention", "feed-forward", "norms", "embedding rows", "logits"), 0
     )
