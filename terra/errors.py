@@ -12,3 +12,11 @@ class DataNotFoundError(FileNotFoundError):
 
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. the loss diverged); saved checkpoints are left intact."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: it is missing, unreadable, or does not fit the target."""
+
+
+class InputError(ValueError):
+    """A user's input file cannot be used (empty, not UTF-8, not the expected format)."""

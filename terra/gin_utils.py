@@ -208,11 +208,11 @@ def parse_flags(
 
 def run_cli(main: Callable[[], int]) -> None:
     """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
-    from terra.errors import ConfigError, DataNotFoundError, TrainingError  # local: keep gin_utils import-light
+    from terra.errors import CheckpointError, ConfigError, DataNotFoundError, InputError, TrainingError  # local: import-light
 
     try:
         sys.exit(main() or 0)
-    except (GinConfigError, ConfigError, DataNotFoundError) as e:
+    except (GinConfigError, ConfigError, DataNotFoundError, CheckpointError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except TrainingError as e:

@@ -6,7 +6,9 @@
    the embedded corpus (Python's own documentation; nothing to download).
 2. Fine-tunes it on the embedded summarization task (``experiments/quickstart_finetune.gin``:
    docstring body -> summary line), starting from the pretrained parameters.
-3. Summarizes a few validation documents greedily through the jitted decode step and prints
+3. Evaluates the fine-tuned model on the validation split as ``python -m terra.evaluate``
+   does: greedy summaries through the jitted decode step, ROUGE-1/2/LSum/LSent F1 with
+   ``rouge-score`` and log-perplexity (``<out>/finetune/eval/``); prints a few summaries and the
    batch-1 per-token latency.
 
 Both runs are ordinary ``terra.train`` runs (checkpoints, metrics.jsonl, TensorBoard events,
@@ -25,6 +27,7 @@ import numpy as np
 from terra import gin_utils
 from terra.benchmarks.decode_speed import measure_decode
 from terra.data import pipeline, tasks
+from terra.evaluation import evaluator
 from terra.training import trainer
 
 
@@ -44,7 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="runs/quickstart")
     parser.add_argument("--pretrain_steps", type=int, default=300)
     parser.add_argument("--finetune_steps", type=int, default=200)
-    parser.add_argument("--examples", type=int, default=3, help="validation documents to summarize")
+    parser.add_argument("--examples", type=int, default=3, help="validation summaries to print")
+    parser.add_argument("--eval_examples", type=int, default=None,
+                        help="validation examples to score with ROUGE (default: the whole split)")
     parser.add_argument("--max_decode_length", type=int, default=32)
     gin_utils.add_gin_flags(parser)
     args, _ = parser.parse_known_args([a for a in (argv or []) if not a.startswith("--gin.")])
@@ -65,21 +70,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if evals:
         print(f"   eval log-perplexity {evals[0]:.3f} -> {evals[-1]:.3f} (nats per target token)")
 
-    print("== 3/3 summarizing validation documents (greedy, jitted single-token decode step)")
+    print("== 3/3 evaluating on the validation split: greedy summaries, ROUGE (rouge-score), log-perplexity")
     model = gin_utils.build("terra.models.EncoderDecoderModel")
-    params = jax.device_get(result.params)
-    task = tasks.get_task("embedded_summarization")
-    vocab = task.output_features["targets"].vocabulary
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
+    evaluation = evaluator.evaluate(model=model, task="embedded_summarization", feature_lengths=lengths,
+                                    model_dir=finetune_dir, batch_size=16, max_decode_length=args.max_decode_length,
+                                    num_examples=args.eval_examples, log=lambda s: print(f"   {s}"))
+    for row in evaluation.predictions[: args.examples]:
+        print(f"\n  document : {row['input'][:160].replace(chr(10), ' ')}{'...' if len(row['input']) > 160 else ''}")
+        print(f"  reference: {row['target']}")
+        print(f"  summary  : {row['prediction']}")
+    params = jax.device_get(result.params)
     batch = next(pipeline.BatchIterator(pipeline.get_dataset(
-        task, split="validation", feature_lengths=lengths, batch_size=args.examples, shuffle=False, num_epochs=1)))
-    out = model.predict(params, batch["encoder_input_tokens"], max_decode_length=args.max_decode_length)
-    for i in range(args.examples):
-        article = vocab.decode([int(t) for t in batch["encoder_input_tokens"][i] if t > 1]).replace("\n", " ")
-        print(f"\n  document : {article[:160]}{'...' if len(article) > 160 else ''}")
-        print(f"  reference: {vocab.decode([int(t) for t in batch['decoder_target_tokens'][i] if t > 1])}")
-        print(f"  summary  : {vocab.decode([int(t) for t in out.tokens[i, : out.lengths[i]] if t > 1])}")
-    timing = measure_decode(model.decoder(args.max_decode_length), params, np.asarray(batch["encoder_input_tokens"][:1]),
+        tasks.get_task("embedded_summarization"), split="validation", feature_lengths=lengths, batch_size=1,
+        shuffle=False, num_epochs=1)))
+    timing = measure_decode(model.decoder(args.max_decode_length), params, np.asarray(batch["encoder_input_tokens"]),
                             n_tokens=min(12, args.max_decode_length))
     summary = timing.summary()
     print(f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token (median of {summary['timed_tokens']}), "

@@ -13,7 +13,7 @@ SMALL = ["--gin.TransformerConfig.d_model=32", "--gin.TransformerConfig.d_ff=64"
 
 def test_quickstart_pretrains_fine_tunes_and_summarizes(tmp_path, capsys):
     out = tmp_path / "quick"
-    argv = ["--out", str(out), "--pretrain_steps", "30", "--finetune_steps", "10", "--examples", "2",
+    argv = ["--out", str(out), "--pretrain_steps", "30", "--finetune_steps", "10", "--examples", "2", "--eval_examples", "6",
             "--max_decode_length", "8", *SMALL]
     assert quickstart.main(argv) == 0
     printed = capsys.readouterr().out
@@ -23,3 +23,6 @@ def test_quickstart_pretrains_fine_tunes_and_summarizes(tmp_path, capsys):
     for run in ("pretrain", "finetune"):
         assert {"config.gin", "metrics.jsonl", "checkpoints", "tensorboard"} <= set(os.listdir(out / run))
     assert "parameters from" in printed and printed.count("summary  :") == 2 and "ms per token" in printed
+    assert "ROUGE-LSum" in printed  # the Table 5 layout
+    metrics = json.loads((out / "finetune" / "eval" / "validation_step10" / "metrics.json").read_text())
+    assert metrics["n_examples"] == 6 and set(metrics["rouge"]) == {"rouge1", "rouge2", "rougeLsum", "rougeL"}

@@ -106,11 +106,21 @@ def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
     assert float(jnp.max(jnp.abs(after[:, 4:] - logits[:, 4:]))) > 1e-3
 
 
-def test_reversible_gradients_equal_plain_autodiff():
+# LSH with several chunks and buckets, so the replayed buckets matter in the reverse pass.
+LSH_CHUNKED = dict(
+    encoder_attention=functools.partial(LSHSelfAttention, causal=False, n_chunks_after=1, chunk_len=4, n_buckets=4),
+    decoder_attention=functools.partial(LSHSelfAttention, chunk_len=4, n_buckets=4, n_hashes=2),
+    feed_forward=SPARSE["feed_forward"],
+)
+
+
+@pytest.mark.parametrize("variant", ["fully_sparse", "lsh_chunked"])
+def test_reversible_gradients_equal_plain_autodiff(variant):
+    layers = {"fully_sparse": SPARSE, "lsh_chunked": LSH_CHUNKED}[variant]
     batch = _batch()
-    key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, same keys
-    reversible = _model(**SPARSE)
-    plain = _model(reversible=False, **SPARSE)
+    key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, hashes, same keys
+    reversible = _model(**layers)
+    plain = _model(reversible=False, **layers)
     params = reversible.init_params(jax.random.key(4))
     loss_r, grads_r = jax.value_and_grad(lambda p: reversible.loss_fn(p, batch, key)[0])(params)
     loss_p, grads_p = jax.value_and_grad(lambda p: plain.loss_fn(p, batch, key)[0])(params)

@@ -97,6 +97,11 @@ class EncoderDecoderModel:
     def _jit_loss(self):
         return jax.jit(lambda params, batch: self.loss_fn(params, batch)[1])
 
+    def loss_sums(self, params, batch: Batch) -> Dict[str, float]:
+        """Summable teacher-forced metrics of a batch, no dropout: ``loss_sum`` (nats),
+        ``weight_sum`` (target tokens), ``correct`` (argmax hits); jitted once per shape."""
+        return {k: float(v) for k, v in jax.device_get(self._jit_loss(params, dict(batch))).items()}
+
     def log_perplexity(self, params, batch: Batch) -> float:
         """Mean negative log-likelihood (nats) per non-pad target token, no dropout."""
         metrics = self._jit_loss(params, dict(batch))

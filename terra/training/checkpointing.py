@@ -72,7 +72,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
-from terra.errors import ConfigError
+from terra.errors import CheckpointError, ConfigError  # CheckpointError is re-exported here
 from terra.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -93,10 +93,6 @@ CORRUPT_SUBDIR = "corrupt_checkpoints"
 STATE_ITEM = "state"
 INPUT_STATE_ITEM = "input_state"
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: it is missing, unreadable, or does not fit the target."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +251,6 @@ def _json_metrics(metrics: Optional[dict]) -> Optional[Dict[str, float]]:
 # ---------------------------------------------------------------------------------------------
 
 
-@gin.configurable(module="terra.training")
 def _absolute(path: str) -> epath.Path:
     """orbax's OCDBT writer rejects relative paths (``runs/x`` from the command line); local
     paths are made absolute, URLs (``gs://...``) are left as they are."""
@@ -263,6 +258,7 @@ def _absolute(path: str) -> epath.Path:
     return epath.Path(path if "://" in path else os.path.abspath(os.path.expanduser(path)))
 
 
+@gin.configurable(module="terra.training")
 class Checkpointer:
     """One orbax ``CheckpointManager`` over ``<model_dir>/checkpoints``.
 
@@ -569,6 +565,12 @@ def _resolve_step_dir(checkpoint_dir: str, step: Optional[int]) -> epath.Path:
     elif step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} under {root}; available steps: {steps}")
     return root / str(step)
+
+
+def resolve_step(checkpoint_dir: str, step: Optional[int] = None) -> int:
+    """The step a ``restore_params(checkpoint_dir, step=step)`` would load (default: the latest
+    committed one). Raises ``CheckpointError`` naming the directory when there is none."""
+    return int(_resolve_step_dir(checkpoint_dir, step).name)
 
 
 def restore_params(

@@ -78,7 +78,7 @@ class _TermSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _check_model_and_task(model, provider, feature_lengths) -> None:
+def check_model_and_task(model, provider, feature_lengths) -> None:
     """A model/task mismatch fails before anything is written."""
     vocab_size = model.config.vocab_size
     for name, feature in provider.output_features.items():
@@ -146,6 +146,10 @@ def train(
     eval_feature_lengths: Optional[Mapping[str, int]] = None,
     init_from: Optional[str] = None,
     param_map: Optional[Callable] = None,
+    rouge_every: int = 0,
+    rouge_examples: int = 16,
+    rouge_max_decode_length: Optional[int] = None,
+    best_metric: str = "eval/loss",
     progress: bool = True,
 ) -> TrainResult:
     """Train ``model`` on ``task`` for ``steps`` optimizer steps, checkpointing in ``model_dir``.
@@ -169,15 +173,29 @@ def train(
         (log-perplexity, token and sequence accuracy) on ``eval_steps`` batches.
       init_from: a pretrained model_dir (or its checkpoint) to take the parameters from when
         ``model_dir`` has no checkpoint yet (fine-tuning); ``param_map`` maps its tree.
+      rouge_every, rouge_examples, rouge_max_decode_length: every ``rouge_every`` steps (0: never)
+        decode the first ``rouge_examples`` examples of ``eval_split`` greedily (up to
+        ``rouge_max_decode_length`` tokens, default the target length) and log their ROUGE F1
+        as ``eval/rouge1``, ``eval/rouge2``, ``eval/rougeLsum``, ``eval/rougeL`` (one process only).
+      best_metric: the metric the ``keep_best`` checkpoints are ranked by: ``eval/loss`` (lower
+        is better) or an ``eval/rouge*`` score (higher is better).
     """
     # ---- validate before anything is written --------------------------------------------
     if steps <= 0 or batch_size <= 0:
         raise ConfigError(f"steps ({steps}) and batch_size ({batch_size}) must be positive.")
     provider = tasks.get_task(task)
     # The train split is checked when its first batch is read, below, still before model_dir.
-    if eval_every and eval_steps:
+    if (eval_every and eval_steps) or rouge_every:
         tasks.check_task_data(provider, eval_split)
-    _check_model_and_task(model, provider, feature_lengths)
+    if rouge_every and jax.process_count() > 1:
+        raise ConfigError("rouge_every decodes on one process; set terra.train.rouge_every = 0 in a multi-host run "
+                          "and score checkpoints with python -m terra.evaluate.")
+    if rouge_every and rouge_examples <= 0:
+        raise ConfigError(f"rouge_examples={rouge_examples} must be positive when rouge_every is set.")
+    if best_metric != "eval/loss" and not (best_metric.startswith("eval/rouge") and rouge_every):
+        raise ConfigError(f"best_metric={best_metric!r}: use 'eval/loss', or an 'eval/rouge*' score (eval/rouge1, "
+                          "eval/rouge2, eval/rougeLsum, eval/rougeL) together with rouge_every > 0.")
+    check_model_and_task(model, provider, feature_lengths)
     host_batch = _host_batch_size(batch_size)
     rules = axis_rules or axes.default_axis_rules()
     devices = jax.devices()[:num_devices] if num_devices else None
@@ -219,7 +237,7 @@ def train(
 
         checkpointer = checkpointing.Checkpointer(
             model_dir, save_interval_steps=checkpoint_every, keep_last=keep_last, keep_best=keep_best,
-            best_metric="eval/loss", best_mode="min")
+            best_metric=best_metric, best_mode="min" if best_metric == "eval/loss" else "max")
         restored = checkpointer.restore(abstract_state, data_iterator=train_batches)
         if restored is not None:
             state, start_step = restored
@@ -272,6 +290,20 @@ def train(
                 totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
             return summarize_eval(totals) if totals is not None else {}
 
+        rouge_set = []  # the fixed validation examples ROUGE is measured on: read once
+
+        def rouge_scores(params) -> Dict[str, float]:
+            from terra.evaluation import evaluator, summaries  # the evaluator imports this module
+
+            lengths = eval_feature_lengths or feature_lengths
+            if not rouge_set:
+                rouge_set.extend(summaries.read_examples(provider, eval_split, lengths, rouge_examples))
+            rouge, _ = evaluator.decode_and_score(
+                model, params, rouge_set, provider.output_features["targets"].vocabulary, feature_lengths=lengths,
+                batch_size=min(len(rouge_set), host_batch), max_decode_length=rouge_max_decode_length or lengths["targets"],
+                bootstrap_samples=100)
+            return {name: r["f1"] for name, r in rouge.items()}
+
         # ---- the loop -----------------------------------------------------------------
         writer = metrics_lib.MetricsWriter(model_dir, enabled=is_host0)
         bar = metrics_lib.ProgressBar(steps, initial_step=start_step, enabled=is_host0 and progress)
@@ -314,10 +346,15 @@ def train(
                 if evaluated:
                     last_eval = evaluate(state.params)
                     writer.write(step, last_eval, prefix="eval")
+                scored = bool(rouge_every and (step % rouge_every == 0 or step == steps))
+                if scored:
+                    last_rouge = rouge_scores(state.params)
+                    writer.write(step, last_rouge, prefix="eval")
+                    last_eval = {**last_eval, **last_rouge}
                 # Saved before the next batch is read: the stored data position is `step`.
                 checkpointer.save(
                     step, state, data_iterator=train_batches, force=step == steps or term.received,
-                    metrics={f"eval/{k}": v for k, v in last_eval.items()} if evaluated else None)
+                    metrics={f"eval/{k}": v for k, v in last_eval.items()} if evaluated or scored else None)
                 if term.received:
                     preempted = True
                     break

@@ -1,0 +1,185 @@
+"""``terra.evaluate``: decode a task split from a checkpoint and score it as the paper does.
+
+Loads the parameters of a training run (latest checkpoint or a given step), decodes every
+example of the split with the jitted single-token decode loop (greedy by default; the paper's
+abstracts were sampled at temperature 0.5, ``trax_reference.md`` §5.4), scores the summaries
+with ``rouge-score`` (``terra.evaluation.rouge``) and the targets' log-perplexity, and writes
+
+  OUTPUT_DIR/predictions.jsonl   one line per example: id, input excerpt, target, prediction
+  OUTPUT_DIR/metrics.json        ROUGE (F1, precision, recall, 95% interval), log-perplexity,
+                                 the checkpoint, step and decoding settings
+
+Both files are written to a temporary name and renamed, so an interrupted evaluation never
+leaves a half-written file in place of an earlier one. Single-process (one host).
+"""
+
+import dataclasses
+import json
+import os
+import time
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import gin
+
+from terra.data import tasks
+from terra.errors import ConfigError
+from terra.evaluation import rouge as rouge_lib
+from terra.evaluation import summaries
+from terra.training import checkpointing
+from terra.training.trainer import check_model_and_task
+
+
+@dataclasses.dataclass
+class EvaluationResult:
+    metrics: Dict
+    predictions: List[Dict]
+    output_dir: Optional[str]
+
+
+def load_params(model, checkpoint_dir: str, step: Optional[int] = None):
+    """``(params, step)`` of a terra checkpoint (a model_dir, its checkpoints folder or a step
+    directory), restored onto the default device."""
+    step = checkpointing.resolve_step(checkpoint_dir, step)
+    abstract = nn.unbox(model.abstract_variables())["params"]
+    return checkpointing.restore_params(checkpoint_dir, abstract, step=step), step
+
+
+def configure_from_run(model_dir: str, bindings: Sequence[str] = ()):
+    """Parses a training run's ``config.gin`` (plus ``runs/evaluate.gin`` and ``bindings``) and
+    returns ``(model, task, feature_lengths)`` as that run trained them."""
+    from terra import gin_utils
+
+    config = os.path.join(model_dir, "config.gin")
+    if not os.path.exists(config):
+        raise ConfigError(
+            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there).")
+    gin_utils.parse_gin(
+        [os.path.abspath(config), "runs/evaluate.gin"], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings])
+    model = gin_utils.build(gin.query_parameter("terra.evaluate.model").scoped_configurable_fn)
+    task = tasks.get_task(gin.query_parameter("%TASK"))
+    return model, task, dict(gin.query_parameter("%TASK_FEATURE_LENGTHS"))
+
+
+def write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def decode_and_score(
+    model,
+    params,
+    examples: List[summaries.Example],
+    vocabulary,
+    *,
+    feature_lengths: Mapping[str, int],
+    batch_size: int,
+    max_decode_length: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    bootstrap_samples: int = 1000,
+):
+    """``(rouge, predicted texts)`` for ``examples``: decoded in batches, scored against their
+    target texts."""
+    tokens = summaries.generate_summaries(
+        model,
+        params,
+        [e.inputs for e in examples],
+        input_length=feature_lengths["inputs"],
+        batch_size=batch_size,
+        max_decode_length=max_decode_length,
+        temperature=temperature,
+        seed=seed,
+    )
+    predictions = [vocabulary.decode(t) for t in tokens]
+    rouge = rouge_lib.corpus_rouge([e.target_text for e in examples], predictions, bootstrap_samples=bootstrap_samples)
+    return rouge, predictions
+
+
+@gin.configurable(module="terra")
+def evaluate(
+    *,
+    model,
+    task,
+    feature_lengths: Mapping[str, int],
+    model_dir: str,
+    step: Optional[int] = None,
+    split: str = "validation",
+    batch_size: int = 8,
+    max_decode_length: Optional[int] = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    num_examples: Optional[int] = None,
+    output_dir: Optional[str] = None,
+    bootstrap_samples: int = 1000,
+    excerpt_chars: int = 300,
+    log=print,
+) -> EvaluationResult:
+    """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
+
+    Args:
+      model, task, feature_lengths: as in ``terra.train`` (gin: ``%MODEL``, ``%TASK``,
+        ``%TASK_FEATURE_LENGTHS``); inputs are truncated to ``feature_lengths['inputs']``.
+      model_dir: the training run (or a checkpoints folder / one step directory).
+      step: which checkpoint (default: the latest).
+      max_decode_length: most tokens per summary (default: ``feature_lengths['targets']``).
+      temperature, seed: 0 is greedy; otherwise sampling, reproducible for a seed.
+      num_examples: evaluate only the first ones (default: the whole split).
+      output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``).
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"batch_size={batch_size} must be positive.")
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0 is greedy).")
+    if num_examples is not None and num_examples <= 0:
+        raise ConfigError(f"num_examples={num_examples} must be positive (or None for the whole split).")
+    provider = tasks.get_task(task) if isinstance(task, str) else task
+    check_model_and_task(model, provider, feature_lengths)
+    max_decode_length = max_decode_length or feature_lengths["targets"]
+    params, step = load_params(model, model_dir, step)  # fails before anything is written
+    examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
+    if not examples:
+        raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")
+    output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}")
+    vocabulary = provider.output_features["targets"].vocabulary
+
+    log(f"terra.evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
+        f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}")
+    start = time.perf_counter()
+    rouge, predictions = decode_and_score(
+        model, params, examples, vocabulary, feature_lengths=feature_lengths, batch_size=batch_size,
+        max_decode_length=max_decode_length, temperature=temperature, seed=seed, bootstrap_samples=bootstrap_samples)
+    decode_seconds = time.perf_counter() - start
+    log_ppl = summaries.target_log_perplexity(model, params, examples, batch_size=batch_size, feature_lengths=feature_lengths)
+
+    rows = [
+        {
+            "id": i,
+            "input": e.input_text[:excerpt_chars] + ("..." if len(e.input_text) > excerpt_chars else ""),
+            "target": e.target_text,
+            "prediction": p,
+        }
+        for i, (e, p) in enumerate(zip(examples, predictions))
+    ]
+    metrics = {
+        "task": provider.name,
+        "split": split,
+        "n_examples": len(examples),
+        "checkpoint": os.path.abspath(model_dir),
+        "step": step,
+        "temperature": temperature,
+        "seed": seed,
+        "max_decode_length": max_decode_length,
+        "feature_lengths": dict(feature_lengths),
+        "rouge": rouge,
+        "log_perplexity": log_ppl,
+        "decode_seconds": decode_seconds,
+    }
+    os.makedirs(output_dir, exist_ok=True)
+    write_atomically(os.path.join(output_dir, "predictions.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    write_atomically(os.path.join(output_dir, "metrics.json"), json.dumps(metrics, indent=1) + "\n")
+    log(rouge_lib.markdown_table(rouge, label=f"step {step}"))
+    log(f"target log-perplexity {log_ppl:.3f} nats/token; {decode_seconds:.1f} s decoding; written to {output_dir}")
+    return EvaluationResult(metrics=metrics, predictions=rows, output_dir=output_dir)

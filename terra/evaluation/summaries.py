@@ -1,0 +1,118 @@
+"""Decoding summaries in batches and scoring them: the pieces ``terra.evaluate``, the trainer's
+ROUGE evaluation and ``terra.summarize`` share.
+
+Examples come straight from the seqio task (``inputs``/``targets`` token ids, already truncated
+with EOS by the task, and the ``*_pretokenized`` texts), so the reference a prediction is scored
+against is the task's own target text, not a detokenized copy of it.
+"""
+
+import dataclasses
+from typing import Iterable, List, Mapping, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from terra.data import tasks
+
+
+@dataclasses.dataclass
+class Example:
+    """One evaluation example: token ids (1-D int32, EOS included) and the untokenized texts."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    input_text: str
+    target_text: str
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def read_examples(task, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None) -> List[Example]:
+    """The first ``num_examples`` (default: all) examples of ``split``, in order, unshuffled."""
+    provider = tasks.get_task(task) if isinstance(task, str) else task
+    tasks.check_task_data(provider, split)
+    ds = provider.get_dataset(
+        sequence_length=dict(feature_lengths), split=split, shuffle=False, num_epochs=1, try_in_mem_cache=False
+    )
+    if num_examples is not None:
+        ds = ds.take(num_examples)
+    return [
+        Example(
+            inputs=np.asarray(ex["inputs"], np.int32),
+            targets=np.asarray(ex["targets"], np.int32),
+            input_text=_text(ex.get("inputs_pretokenized", b"")),
+            target_text=_text(ex.get("targets_pretokenized", b"")),
+        )
+        for ex in ds.as_numpy_iterator()
+    ]
+
+
+def pad_batch(rows: Sequence[np.ndarray], batch_size: int, length: int) -> np.ndarray:
+    """``[batch_size, length]`` int32: the rows (truncated to ``length``), then pad rows (0)."""
+    out = np.zeros((batch_size, length), np.int32)
+    for i, row in enumerate(rows):
+        row = row[:length]
+        out[i, : len(row)] = row
+    return out
+
+
+def strip_special(tokens: Iterable[int], eos_id: int = 1, pad_id: int = 0) -> List[int]:
+    """Token ids up to (not including) the first EOS, without padding."""
+    out = []
+    for t in tokens:
+        t = int(t)
+        if t == eos_id:
+            break
+        if t != pad_id:
+            out.append(t)
+    return out
+
+
+def generate_summaries(
+    model,
+    params,
+    inputs: Sequence[np.ndarray],
+    *,
+    input_length: int,
+    batch_size: int,
+    max_decode_length: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> List[List[int]]:
+    """Decoded token ids (EOS and padding removed) for each input, ``batch_size`` at a time.
+
+    Every batch has the same shape (the last one is filled with pad rows), so the prefill and
+    the step compile once. Batch ``b`` samples with seed ``seed + b``: the same seed gives the
+    same summaries. Greedy when ``temperature == 0``.
+    """
+    results: List[List[int]] = []
+    for b, start in enumerate(range(0, len(inputs), batch_size)):
+        rows = inputs[start : start + batch_size]
+        encoder_input = pad_batch(rows, batch_size, input_length)
+        out = model.predict(
+            params, encoder_input, max_decode_length=max_decode_length, temperature=temperature, seed=seed + b
+        )
+        for i in range(len(rows)):
+            results.append(strip_special(out.tokens[i, : out.lengths[i]], model.config.eos_id, model.config.pad_id))
+    return results
+
+
+def target_log_perplexity(
+    model, params, examples: Sequence[Example], *, batch_size: int, feature_lengths: Mapping[str, int]
+) -> float:
+    """Mean negative log-likelihood (nats) per target token over ``examples``, teacher-forced."""
+    loss_sum = weight_sum = 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        batch = {
+            "encoder_input_tokens": jnp.asarray(pad_batch([e.inputs for e in chunk], batch_size, feature_lengths["inputs"])),
+            "decoder_target_tokens": jnp.asarray(
+                pad_batch([e.targets for e in chunk], batch_size, feature_lengths["targets"])
+            ),
+        }
+        metrics = model.loss_sums(params, batch)  # pad rows have no target weight
+        loss_sum += metrics["loss_sum"]
+        weight_sum += metrics["weight_sum"]
+    return loss_sum / max(weight_sum, 1.0)

@@ -1,0 +1,179 @@
+"""ROUGE through rouge-score, self-consistent decoding, terra.evaluate and terra.summarize end to end."""
+
+import io
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rouge_score import rouge_scorer, scoring
+
+from terra import gin_utils, summarize
+from terra import evaluate as evaluate_cli
+from terra.data import fixtures
+from terra.errors import InputError
+from terra.evaluation import rouge, summaries
+from terra.training import checkpointing, trainer
+
+TARGETS = [
+    "The model is sparse.\nIt decodes quickly on a CPU.",
+    "Reversible layers save memory.",
+    "LSH attention handles long inputs.\nThe SRU helps generalization.\nSummaries use ROUGE.",
+]
+PREDICTIONS = [
+    "A sparse model decodes quickly.\nIt runs on CPUs.",
+    "Reversible layers are memory efficient.",
+    "Long inputs need LSH attention.\nROUGE scores summaries.",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compile():
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def test_rouge_equals_rouge_score_called_directly():
+    direct = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    ours = rouge.score_examples(TARGETS, PREDICTIONS)
+    aggregator = scoring.BootstrapAggregator()
+    for target, prediction, mine in zip(TARGETS, PREDICTIONS, ours):
+        theirs = direct.score(target, prediction)
+        assert mine == theirs
+        aggregator.add_scores(theirs)
+    np.random.seed(7)
+    expected = aggregator.aggregate()
+    corpus = rouge.corpus_rouge(TARGETS, PREDICTIONS, seed=7)
+    for name in rouge.ROUGE_TYPES:
+        assert corpus[name]["f1"] == pytest.approx(expected[name].mid.fmeasure, abs=1e-12)
+        assert corpus[name]["f1_low"] == pytest.approx(expected[name].low.fmeasure, abs=1e-12)
+        assert corpus[name]["recall"] == pytest.approx(expected[name].mid.recall, abs=1e-12)
+    # Summary-level LCS uses the newlines: it differs from the sentence-level score here.
+    assert corpus["rougeLsum"]["f1"] != corpus["rougeL"]["f1"]
+    assert "ROUGE-LSum" in rouge.markdown_table(corpus, label="x")
+
+
+def test_greedy_decoding_equals_the_argmax_of_its_own_teacher_forced_logits(tiny_model):
+    model, params = tiny_model
+    inputs = jnp.asarray(np.random.RandomState(0).randint(2, model.config.vocab_size, (3, 9)), jnp.int32)
+    out = model.predict(params, inputs, max_decode_length=8)
+    tokens = jnp.asarray(out.tokens)
+    logits = model.logits(params, {"encoder_input_tokens": inputs, "decoder_target_tokens": tokens})
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    for row, length in enumerate(out.lengths):
+        np.testing.assert_array_equal(argmax[row, :length], out.tokens[row, :length])
+
+
+def test_sampling_is_reproducible_for_a_seed(tiny_model):
+    model, params = tiny_model
+    rows = [np.arange(2, 9, dtype=np.int32), np.arange(5, 8, dtype=np.int32)]
+
+    def sample(seed):
+        return summaries.generate_summaries(
+            model, params, rows, input_length=9, batch_size=2, max_decode_length=8, temperature=1.0, seed=seed)
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def _papers(n, offset):
+    topics = ["sparse layers", "reversible networks", "hashing attention", "recurrent units", "summaries"]
+    papers = []
+    for i in range(offset, offset + n):
+        topic = topics[i % len(topics)]
+        article = [f"we study {topic} in model {i} .", f"the {topic} make decoding fast .", "results are reported ."]
+        abstract = [f"{topic} make decoding fast .", f"we report model {i} ."]
+        papers.append(fixtures.cohan_record(i, article, abstract))
+    return papers
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    """A tiny model trained a few steps on a Cohan-format arXiv the test writes, with ROUGE
+    measured during training and the best checkpoint kept by it."""
+    root = tmp_path_factory.mktemp("arxiv")
+    cohan = fixtures.write_cohan(str(root), {"train": _papers(12, 0), "validation": _papers(5, 100),
+                                                                "test": _papers(3, 200)})
+    model_dir = str(root / "run")
+    gin_utils.parse_gin(["models/tiny.gin", "tasks/arxiv_summarization.gin", "runs/train.gin"], [
+        f"terra.data.arxiv_source.cohan_path = {cohan!r}",
+        "TransformerConfig.vocab_size = 4100", "TransformerConfig.d_model = 32", "TransformerConfig.d_ff = 64",
+        "TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1",
+        "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 16}", f"MODEL_DIR = {model_dir!r}", "BATCH_SIZE = 8",
+        "TRAIN_STEPS = 4", "terra.train.eval_every = 0", "terra.train.progress = False", "terra.train.log_every = 2",
+        "terra.train.rouge_every = 2", "terra.train.rouge_examples = 3", "terra.train.checkpoint_every = 2",
+        "terra.train.best_metric = 'eval/rougeLsum'", "terra.train.keep_last = 1",
+    ])
+    trainer.train()
+    return model_dir, cohan
+
+
+def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
+    model_dir, _ = finetuned
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    scored = [r for r in rows if "eval/rougeLsum" in r]
+    assert [r["step"] for r in scored] == [2, 4]
+    assert all(0.0 <= r[f"eval/{name}"] <= 1.0 for r in scored for name in rouge.ROUGE_TYPES)
+    assert os.path.exists(os.path.join(model_dir, "tensorboard"))
+    # The scores are stored with the checkpoints, which are ranked by them.
+    with checkpointing.Checkpointer(model_dir, best_metric="eval/rougeLsum", best_mode="max") as ckpt:
+        assert ckpt.metrics(4)["eval/rougeLsum"] == scored[-1]["eval/rougeLsum"]
+
+
+def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path):
+    model_dir, cohan = finetuned
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", model_dir, "--output_dir", str(out), "--batch_size", "2", "--max_decode_length", "6",
+            f"--arxiv_cohan={cohan}"]
+    assert evaluate_cli.main(argv) == 0
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
+    assert predictions[0]["target"] == "sparse layers make decoding fast .\nwe report model 100 ."
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["step"] == 4 and metrics["n_examples"] == 5 and np.isfinite(metrics["log_perplexity"])
+    for name in rouge.ROUGE_TYPES:
+        assert 0.0 <= metrics["rouge"][name]["f1_low"] <= metrics["rouge"][name]["f1"] <= metrics["rouge"][name]["f1_high"]
+    # The predictions are the model's greedy decode: a rerun with the same settings agrees.
+    assert evaluate_cli.main(argv + ["--output_dir", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
+
+
+def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetuned, tmp_path):
+    model_dir, cohan = finetuned
+    text = tmp_path / "doc.txt"
+    text.write_text("we study sparse layers in a model .\nthe sparse layers make decoding fast .\n")
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text("sparse layers make decoding fast . " * 200)
+    papers = tmp_path / "papers.json"
+    papers.write_text("\n".join(json.dumps(p) for p in _papers(2, 300)) + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["--checkpoint", model_dir, "--max_decode_length", "4", str(text), str(long_doc), str(papers), "-"]
+    assert summarize.main(argv, stdin=io.BytesIO(b"reversible networks save memory ."), out=out, err=err) == 0
+    printed = out.getvalue()
+    assert printed.count("== ") == 5 and "papers.json [paper300]" in printed and "standard input" in printed
+    assert "long.txt" in err.getvalue() and "truncated to the model's input length of 47" in err.getvalue()
+
+
+def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetuned, tmp_path):
+    model_dir, _ = finetuned
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("résumé".encode("latin-1"))
+    with pytest.raises(InputError) as e:
+        summarize.main(["--checkpoint", model_dir, str(empty), str(latin1), str(tmp_path / "missing.txt")])
+    message = str(e.value)
+    assert "empty.txt is empty" in message and "latin1.txt is not UTF-8" in message and "missing.txt: cannot be read" in message
+    no_checkpoint = tmp_path / "run"
+    no_checkpoint.mkdir()
+    (no_checkpoint / "config.gin").write_text((open(os.path.join(model_dir, "config.gin")).read()))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    with pytest.raises(Exception, match="no committed checkpoint under"):
+        summarize.main(["--checkpoint", str(no_checkpoint), str(doc)])
+    assert os.listdir(no_checkpoint) == ["config.gin"]  # nothing written, nothing lost
