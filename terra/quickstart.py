@@ -19,6 +19,7 @@ flags apply to both runs.
 import argparse
 import json
 import os
+import textwrap
 from typing import List, Optional
 
 import jax
@@ -75,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
     evaluation = evaluator.evaluate(model=model, task="embedded_summarization", feature_lengths=lengths,
                                     model_dir=finetune_dir, batch_size=16, max_decode_length=args.max_decode_length,
-                                    num_examples=args.eval_examples, log=lambda s: print(f"   {s}"))
+                                    num_examples=args.eval_examples, log=lambda s: print(textwrap.indent(s, "   ")))
     for row in evaluation.predictions[: args.examples]:
         print(f"\n  document : {row['input'][:160].replace(chr(10), ' ')}{'...' if len(row['input']) > 160 else ''}")
         print(f"  reference: {row['target']}")

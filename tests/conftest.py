@@ -45,6 +45,16 @@ def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**values)
 
 
+@pytest.fixture(scope="module")
+def fast_compile():
+    """XLA's optimizations off for a test module: at test sizes they only cost compile time.
+    Use with ``pytestmark = pytest.mark.usefixtures("fast_compile")``."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny dense encoder-decoder and its random parameters, shared by the suite."""

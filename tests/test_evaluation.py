@@ -29,12 +29,7 @@ PREDICTIONS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def test_rouge_equals_rouge_score_called_directly():

@@ -16,6 +16,9 @@ from terra.models import ConfigError, TransformerConfig
 
 from conftest import REPO_ROOT
 
+# Instantiating every config compiles each model's loss: XLA's optimisations only cost time here.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 GIN_FILES = sorted(
     os.path.relpath(p, gin_utils.CONFIGS_DIR) for p in glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "**", "*.gin"), recursive=True)
 )

@@ -56,16 +56,9 @@ def _abstract(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compile():
-    """XLA's optimisation passes dominate this file's time and do not change what it proves.
-
-    Every array compared below is computed under the same setting, so values match exactly.
-    """
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+# XLA's optimisation passes dominate this file's time and do not change what it proves; every
+# array compared below is computed under the same setting, so values match exactly.
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")
@@ -309,13 +302,15 @@ def test_two_cpu_processes_form_one_mesh_through_gloo(tmp_path):
         )
         workers.append(
             subprocess.Popen(
-                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                # stderr apart: gloo's log lines land mid-line in a merged stream.
+                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
     outputs = []
     try:
         for worker in workers:
-            outputs.append(worker.communicate(timeout=120)[0])
+            out, err = worker.communicate(timeout=120)
+            outputs.append(out + "\n--- stderr ---\n" + err)
     finally:
         for worker in workers:
             if worker.poll() is None:

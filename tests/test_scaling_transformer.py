@@ -58,14 +58,6 @@ def test_scaling_transformer_incremental_decode_matches_full_forward(variant):
         np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def fast_compile():
-    """XLA's optimisation passes dominate these tests' time and do not change what they prove."""
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", False)
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_sparse_model_trains(variant, fast_compile):
     model = _build(variant)

@@ -37,12 +37,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fast_compiles():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _model(**kwargs):
@@ -106,24 +101,27 @@ def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
     assert float(jnp.max(jnp.abs(after[:, 4:] - logits[:, 4:]))) > 1e-3
 
 
-# LSH with several chunks and buckets, so the replayed buckets matter in the reverse pass.
-LSH_CHUNKED = dict(
+# Every kind of discrete decision at once: sparse-FF indices and LSH buckets (several chunks and
+# buckets, so the replayed hashing matters), on the sparse-QKV projections, with a sparse loss.
+REPLAYING = dict(
     encoder_attention=functools.partial(LSHSelfAttention, causal=False, n_chunks_after=1, chunk_len=4, n_buckets=4),
-    decoder_attention=functools.partial(LSHSelfAttention, chunk_len=4, n_buckets=4, n_hashes=2),
+    decoder_attention=functools.partial(
+        LSHSelfAttention, weights_format="sparse", attention_sparsity=4, chunk_len=4, n_buckets=4, n_hashes=2
+    ),
     feed_forward=SPARSE["feed_forward"],
+    logits_layer=SPARSE["logits_layer"],
 )
 
 
-@pytest.mark.parametrize("variant", ["fully_sparse", "lsh_chunked"])
-def test_reversible_gradients_equal_plain_autodiff(variant):
-    layers = {"fully_sparse": SPARSE, "lsh_chunked": LSH_CHUNKED}[variant]
+def test_reversible_gradients_equal_plain_autodiff():
+    layers = REPLAYING
     batch = _batch()
     key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, hashes, same keys
     reversible = _model(**layers)
     plain = _model(reversible=False, **layers)
     params = reversible.init_params(jax.random.key(4))
-    loss_r, grads_r = jax.value_and_grad(lambda p: reversible.loss_fn(p, batch, key)[0])(params)
-    loss_p, grads_p = jax.value_and_grad(lambda p: plain.loss_fn(p, batch, key)[0])(params)
+    loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: reversible.loss_fn(p, batch, key)[0]))(params)
+    loss_p, grads_p = jax.jit(jax.value_and_grad(lambda p: plain.loss_fn(p, batch, key)[0]))(params)
     np.testing.assert_allclose(loss_r, loss_p, rtol=1e-6)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_p))
     for (path, g_r), g_p in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_p)):
@@ -132,7 +130,7 @@ def test_reversible_gradients_equal_plain_autodiff(variant):
 
 
 def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
-    rows = reversible_memory.measure((1, 2), d_model=64, d_ff=256, batch=2, inputs=64, targets=16, vocab_size=VOCAB)
+    rows = reversible_memory.measure((1, 2), d_model=32, d_ff=128, batch=2, inputs=48, targets=16, vocab_size=VOCAB)
     with capsys.disabled():
         print("\n" + reversible_memory.markdown(rows))
     by = {(r["depth"], r["reversible"]): r["temp_bytes"] for r in rows}

@@ -42,12 +42,7 @@ FILES = ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"]
 FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _env(**extra):
