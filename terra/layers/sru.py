@@ -82,6 +82,15 @@ def linear_recurrence(
     return a_prefix * c0[:, None, :] + b_prefix
 
 
+def _use_parallel_scan(parallel_scan: Optional[bool]) -> bool:
+    # Measured: on the 2-core CPU the sequential scan is 2.5-4x faster than the associative one
+    # at [8, 2048, 32], and makes a whole Terraformer train step 1.4x faster (154 -> 211 tokens/s,
+    # terra.benchmarks.train_speed); the associative scan's O(log L) depth pays on accelerators.
+    if parallel_scan is None:
+        return jax.default_backend() != "cpu"
+    return parallel_scan
+
+
 class SRU(nn.Module):
     """One SRU layer (``trax/layers/rnn.py:SRU``): ``[batch, length, n] -> [batch, length, n]``.
 
@@ -91,11 +100,12 @@ class SRU(nn.Module):
     (``init(..., decode=True)``) without being advanced, and every later call continues it.
     A cache-creating call given ``prefix_mask`` is a prefill: it runs the prefix (positions
     where the mask is 0 keep the carry) and stores the final carry.
-    ``parallel_scan`` picks the associative or the sequential scan (``linear_recurrence``).
+    ``parallel_scan`` picks the associative or the sequential scan (``linear_recurrence``);
+    ``None`` (the default) picks by backend: sequential on CPU, associative on accelerators.
     """
 
     dtype: jnp.dtype = jnp.float32
-    parallel_scan: bool = True
+    parallel_scan: Optional[bool] = None
 
     @nn.compact
     def __call__(
@@ -122,11 +132,11 @@ class SRU(nn.Module):
         if decode:
             initialized = self.has_variable("cache", "carry")
             carry = self.variable("cache", "carry", jnp.zeros, (batch, n), jnp.float32)
-            c = linear_recurrence(a, b, carry.value, parallel=self.parallel_scan)
+            c = linear_recurrence(a, b, carry.value, parallel=_use_parallel_scan(self.parallel_scan))
             if initialized or prefill:  # A plain cache-creating call must not advance the state.
                 carry.value = c[:, -1]
         else:
-            c = linear_recurrence(a, b, parallel=self.parallel_scan)
+            c = linear_recurrence(a, b, parallel=_use_parallel_scan(self.parallel_scan))
 
         h = c * r + x.astype(jnp.float32) * (1.0 - r) * _HIGHWAY_SCALE
         return h.astype(self.dtype)
@@ -144,8 +154,9 @@ class LowRankSRU(nn.Module):
         timing template).
       n_layers: stacked SRU layers (the first entry of the reference's ``ff_use_sru``; 1).
       dtype: computation dtype (the recurrence itself is float32).
-      parallel_scan: associative scan over the length (default) or a sequential scan; the
-        same function, see ``linear_recurrence``.
+      parallel_scan: associative scan over the length (True), a sequential scan (False) or, by
+        default (None), the faster of the two for the backend (sequential on CPU); the same
+        function, see ``linear_recurrence``.
 
     Call ``(x, *, deterministic=True, decode=False, mask=None)``:
       mask: optional ``[batch, length]``; positions with 0 keep the previous carry (their own
@@ -160,7 +171,7 @@ class LowRankSRU(nn.Module):
     n_units: int = 32
     n_layers: int = 1
     dtype: jnp.dtype = jnp.float32
-    parallel_scan: bool = True
+    parallel_scan: Optional[bool] = None
 
     @nn.compact
     def __call__(
