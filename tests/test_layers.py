@@ -55,6 +55,23 @@ def test_positional_embedding_rejects_sequences_longer_than_its_table():
         layer.init(jax.random.key(0), jnp.zeros((1, 5, 8)))
 
 
+def test_positional_offsets_shift_the_table_in_training_only():
+    layer = TrainablePositionalEmbedding(64, start_from_zero_prob=0.5, max_offset=20)
+    x = jnp.zeros((2, 8, 6))
+    variables = layer.init(jax.random.key(0), x)
+    table = np.asarray(nn.unbox(variables)["params"]["pos_embedding"])
+    np.testing.assert_array_equal(layer.apply(variables, x), table[None, :8].repeat(2, 0))  # eval: from 0
+    starts = set()
+    for seed in range(40):
+        y = layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(seed)})
+        start = int(np.argmin(np.abs(table - np.asarray(y[0, 0])).sum(axis=1)))  # sin/cos rows are distinct
+        np.testing.assert_array_equal(y[1], table[start : start + 8])  # one offset per batch
+        starts.add(start)
+    assert 0 in starts and len(starts) > 5 and max(starts) < 20
+    again = layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    np.testing.assert_array_equal(again, layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)}))
+
+
 def test_feed_forward_dropout_masks_are_shared_over_length():
     ff = FeedForward(d_model=8, d_ff=32, dropout_rate=0.5, ff_dropout_rate=0.5)
     row = jax.random.normal(jax.random.key(0), (1, 1, 8))

@@ -29,13 +29,30 @@ class TrainablePositionalEmbedding(nn.Module):
 
     In decode mode (one token per call) the position comes from the cache variable
     ``position``, created at 0 on the first (cache-creating) call and advanced per step.
+
+    Random start offsets (the reference's ``pos_start_from_zero_prob`` and
+    ``pos_max_offset_to_add``, ``trax_reference.md`` §4.6 and §7): in training
+    (``deterministic=False``), with probability ``1 - start_from_zero_prob`` the batch's
+    positions start at a uniform offset in ``[0, max_offset)`` instead of 0 (drawn from the
+    ``dropout`` rng), so rows beyond the training lengths get trained too; the length
+    generalisation of Table 4 relies on it. Evaluation and decoding start at 0.
     """
 
     max_len: int
     dtype: jnp.dtype = jnp.float32
+    start_from_zero_prob: float = 1.0
+    max_offset: int = 0
+
+    def _start(self, length: int, deterministic: bool):
+        if deterministic or self.max_offset <= 0 or self.start_from_zero_prob >= 1.0:
+            return 0
+        offset_key, coin_key = jax.random.split(self.make_rng("dropout"))
+        offset = jax.random.randint(offset_key, (), 0, self.max_offset)
+        offset = jnp.where(jax.random.uniform(coin_key) < self.start_from_zero_prob, 0, offset)
+        return jnp.minimum(offset, self.max_len - length)  # stay inside the table
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
         length, d_model = x.shape[-2], x.shape[-1]
 
         def init(key, shape, dtype=jnp.float32):
@@ -54,7 +71,10 @@ class TrainablePositionalEmbedding(nn.Module):
                     f"Sequence length {length} exceeds the positional table (max_len="
                     f"{self.max_len}); raise TransformerConfig.max_len or truncate the inputs."
                 )
-            return x + table[None, :length]
+            start = self._start(length, deterministic)
+            if isinstance(start, int):
+                return x + table[None, :length]
+            return x + lax.dynamic_slice_in_dim(table, start, length, axis=0)[None]
         initialized = self.has_variable("cache", "position")
         position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
         if not initialized:

@@ -34,6 +34,9 @@ class TransformerConfig:
       ff_dropout: dropout inside the feed-forward block, before the ReLU (``ff_dropout``).
       attention_dropout: dropout on attention probabilities.
       dtype: computation dtype, 'float32' or 'bfloat16' (parameters stay float32).
+      position_start_from_zero_prob, position_max_offset: random start offsets of the
+        positional tables in training (the reference's ``pos_start_from_zero_prob`` and
+        ``pos_max_offset_to_add``); the defaults (1.0, 0) always start at 0.
     """
 
     vocab_size: int = 32000
@@ -49,6 +52,8 @@ class TransformerConfig:
     dtype: str = "float32"
     pad_id: int = 0
     eos_id: int = 1
+    position_start_from_zero_prob: float = 1.0
+    position_max_offset: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_heads", "max_len"):
@@ -72,12 +77,29 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"TransformerConfig.{name}={value!r} must be in [0, 1).")
+        if not 0.0 <= self.position_start_from_zero_prob <= 1.0 or self.position_max_offset < 0:
+            raise ConfigError(
+                f"TransformerConfig.position_start_from_zero_prob={self.position_start_from_zero_prob} must be in "
+                f"[0, 1] and position_max_offset={self.position_max_offset} >= 0."
+            )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"TransformerConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}.")
         if not (0 <= self.pad_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
             raise ConfigError(
                 f"pad_id={self.pad_id} and eos_id={self.eos_id} must be ids inside vocab_size={self.vocab_size}."
             )
+
+    def positional_embedding(self, **kwargs):
+        """A ``TrainablePositionalEmbedding`` with this config's table size and offsets."""
+        from terra.layers.positional import TrainablePositionalEmbedding
+
+        return TrainablePositionalEmbedding(
+            self.max_len,
+            dtype=self.jnp_dtype,
+            start_from_zero_prob=self.position_start_from_zero_prob,
+            max_offset=self.position_max_offset,
+            **kwargs,
+        )
 
     @property
     def d_head(self) -> int:

@@ -34,7 +34,6 @@ from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAtte
 from terra.layers.embedding import DenseLogits, TokenEmbedding
 from terra.layers.feedforward import FeedForward
 from terra.layers.normalization import LayerNorm
-from terra.layers.positional import TrainablePositionalEmbedding
 from terra.models.config import TransformerConfig
 
 LayerFactory = Callable[..., nn.Module]
@@ -121,8 +120,8 @@ class EncoderDecoderTransformer(nn.Module):
         dtype = cfg.jnp_dtype
         self.token_embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
-        self.encoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
-        self.decoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
+        self.encoder_positions = cfg.positional_embedding()
+        self.decoder_positions = cfg.positional_embedding()
         self.encoder_layers = [
             EncoderLayer(cfg, self.encoder_attention, self.feed_forward, name=f"encoder_{i}")
             for i in range(cfg.n_encoder_layers)
@@ -150,7 +149,7 @@ class EncoderDecoderTransformer(nn.Module):
             encoder_mask = self.encoder_mask(encoder_input_tokens)
         x = self.token_embedding(encoder_input_tokens)
         x = self.embedding_dropout(x, deterministic=deterministic)
-        x = self.encoder_positions(x)
+        x = self.encoder_positions(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, _ACTIVATION)
         for layer in self.encoder_layers:
             x = layer(x, encoder_mask, deterministic=deterministic)
@@ -159,7 +158,7 @@ class EncoderDecoderTransformer(nn.Module):
     def _decoder_hidden(self, decoder_input_tokens, encoded, encoder_mask, *, deterministic, decode, max_decode_length):
         x = self.token_embedding(decoder_input_tokens)
         x = self.embedding_dropout(x, deterministic=deterministic)
-        x = self.decoder_positions(x, decode=decode)
+        x = self.decoder_positions(x, decode=decode, deterministic=deterministic)
         x = nn.with_logical_constraint(x, _ACTIVATION)
         for layer in self.decoder_layers:
             x = layer(

@@ -50,7 +50,6 @@ from terra.layers.feedforward import FeedForward
 from terra.layers.feedforward_with_sru import FeedForwardWithSRU
 from terra.layers.length_concat import concat_with_padding, pack_real_first, strip_to_decoder
 from terra.layers.normalization import LayerNorm
-from terra.layers.positional import TrainablePositionalEmbedding
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.models.config import TransformerConfig
 from terra.models.encoder_decoder import LayerFactory, _attention_kwargs, _ff_kwargs
@@ -103,8 +102,8 @@ class Terraformer(nn.Module):
             )
         self.token_embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
-        self.encoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
-        self.decoder_positions = TrainablePositionalEmbedding(cfg.max_len, dtype=dtype)
+        self.encoder_positions = cfg.positional_embedding()
+        self.decoder_positions = cfg.positional_embedding()
         encoder_halves = []
         for _ in range(cfg.n_encoder_layers):
             encoder_halves += [self._attention_half(self.encoder_attention, encoder=True), self._feed_forward_half(False)]
@@ -175,7 +174,7 @@ class Terraformer(nn.Module):
             encoder_mask = self.encoder_mask(encoder_input_tokens)
         x = self.token_embedding(encoder_input_tokens)
         x = self.embedding_dropout(x, deterministic=deterministic)
-        x = nn.with_logical_constraint(self.encoder_positions(x), _ACTIVATION)
+        x = nn.with_logical_constraint(self.encoder_positions(x, deterministic=deterministic), _ACTIVATION)
         x1, x2 = self.encoder_stack(x, x, encoder_mask, deterministic=deterministic)
         if self.reversible_encoder:
             return x1, x2
@@ -186,7 +185,8 @@ class Terraformer(nn.Module):
     def _embed_decoder(self, decoder_input_tokens, *, deterministic: bool, decode: bool):
         x = self.token_embedding(decoder_input_tokens)
         x = self.embedding_dropout(x, deterministic=deterministic)
-        return nn.with_logical_constraint(self.decoder_positions(x, decode=decode), _ACTIVATION)
+        x = self.decoder_positions(x, decode=decode, deterministic=deterministic)
+        return nn.with_logical_constraint(x, _ACTIVATION)
 
     def _output(self, y1, y2):
         return self.decoder_norm((y1 + y2) * 0.5)
