@@ -44,11 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     files = list(known.gin_file)
     if known.checkpoint:
-        config = os.path.join(known.checkpoint, "config.gin")
-        if not files and not os.path.exists(config):
-            raise ConfigError(f"{config} does not exist: --checkpoint needs a terra model_dir (it holds the run's "
-                              "config.gin), or name the experiment with --gin_file.")
-        files = files or [os.path.abspath(config)]
+        files = files or [evaluator.run_config_path(known.checkpoint)]
         args_list.append(f"--gin.MODEL_DIR={os.path.abspath(known.checkpoint)!r}")
     if not files:
         raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")

@@ -23,12 +23,10 @@ import textwrap
 from typing import List, Optional
 
 import jax
-import numpy as np
 
 from terra import gin_utils
 from terra.benchmarks.decode_speed import measure_decode
-from terra.data import pipeline, tasks
-from terra.evaluation import evaluator
+from terra.evaluation import evaluator, summaries
 from terra.training import trainer
 
 
@@ -81,11 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n  document : {row['input'][:160].replace(chr(10), ' ')}{'...' if len(row['input']) > 160 else ''}")
         print(f"  reference: {row['target']}")
         print(f"  summary  : {row['prediction']}")
-    params = jax.device_get(result.params)
-    batch = next(pipeline.BatchIterator(pipeline.get_dataset(
-        tasks.get_task("embedded_summarization"), split="validation", feature_lengths=lengths, batch_size=1,
-        shuffle=False, num_epochs=1)))
-    timing = measure_decode(model.decoder(args.max_decode_length), params, np.asarray(batch["encoder_input_tokens"]),
+    first_input = summaries.pad_batch([evaluation.examples[0].inputs], 1, lengths["inputs"])
+    timing = measure_decode(model.decoder(args.max_decode_length), jax.device_get(result.params), first_input,
                             n_tokens=min(12, args.max_decode_length))
     summary = timing.summary()
     print(f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token (median of {summary['timed_tokens']}), "

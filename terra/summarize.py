@@ -14,13 +14,20 @@ sampled its abstracts at 0.5).
 
 import argparse
 import json
-import os
 import re
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from terra import gin_utils
 from terra.errors import ConfigError, InputError
+
+
+def clean_article(text: str) -> str:
+    """The article side of the training preprocessing (``preprocessors.summarization``):
+    ``<S>``/``</S>`` tags removed, surrounding whitespace stripped."""
+    return re.sub(r"</?S>", " ", text).strip()
 
 
 def _decode_utf8(data: bytes, name: str) -> str:
@@ -66,7 +73,7 @@ def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
                     data = f.read()
             found = _documents(_decode_utf8(data, name), name)
             for label, text in found:
-                if not re.sub(r"</?S>", " ", text).strip():
+                if not clean_article(text):
                     raise InputError(f"{label} is empty: there is no text to summarize.")
             docs += found
         except OSError as e:
@@ -81,7 +88,7 @@ def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
 def encode_document(text: str, vocabulary, input_length: int, eos_id: int = 1) -> Tuple[List[int], Optional[str]]:
     """Training preprocessing of one article: tags removed, stripped, tokenized, truncated to
     ``input_length - 1`` tokens and closed with EOS. Returns the ids and a truncation note."""
-    ids = list(vocabulary.encode(re.sub(r"</?S>", " ", text).strip()))
+    ids = list(vocabulary.encode(clean_article(text)))
     note = None
     if len(ids) > input_length - 1:
         note = f"{len(ids)} tokens, truncated to the model's input length of {input_length - 1} (+ EOS)"
@@ -123,8 +130,6 @@ def main(argv: Optional[Sequence[str]] = None, stdin=None, out=None, err=None) -
         if note:
             print(f"note: {label}: {note}.", file=err)
         encoded.append(ids)
-    import numpy as np
-
     tokens = summaries.generate_summaries(
         model, params, [np.asarray(ids, np.int32) for ids in encoded], input_length=lengths["inputs"],
         batch_size=min(args.batch_size, len(encoded)), max_decode_length=args.max_decode_length or lengths["targets"],

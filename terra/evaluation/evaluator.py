@@ -32,8 +32,11 @@ from terra.training.trainer import check_model_and_task
 
 @dataclasses.dataclass
 class EvaluationResult:
+    """``metrics`` and ``predictions`` as written; ``examples`` the scored task examples."""
+
     metrics: Dict
     predictions: List[Dict]
+    examples: List[summaries.Example]
     output_dir: Optional[str]
 
 
@@ -45,17 +48,23 @@ def load_params(model, checkpoint_dir: str, step: Optional[int] = None):
     return checkpointing.restore_params(checkpoint_dir, abstract, step=step), step
 
 
+def run_config_path(model_dir: str) -> str:
+    """The absolute path of a training run's ``config.gin``; a clear error when there is none."""
+    config = os.path.abspath(os.path.join(model_dir, "config.gin"))
+    if not os.path.exists(config):
+        raise ConfigError(
+            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
+            "or name the run's experiment with --gin_file.")
+    return config
+
+
 def configure_from_run(model_dir: str, bindings: Sequence[str] = ()):
     """Parses a training run's ``config.gin`` (plus ``runs/evaluate.gin`` and ``bindings``) and
     returns ``(model, task, feature_lengths)`` as that run trained them."""
     from terra import gin_utils
 
-    config = os.path.join(model_dir, "config.gin")
-    if not os.path.exists(config):
-        raise ConfigError(
-            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there).")
     gin_utils.parse_gin(
-        [os.path.abspath(config), "runs/evaluate.gin"], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings])
+        [run_config_path(model_dir), "runs/evaluate.gin"], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings])
     model = gin_utils.build(gin.query_parameter("terra.evaluate.model").scoped_configurable_fn)
     task = tasks.get_task(gin.query_parameter("%TASK"))
     return model, task, dict(gin.query_parameter("%TASK_FEATURE_LENGTHS"))
@@ -182,4 +191,4 @@ def evaluate(
     write_atomically(os.path.join(output_dir, "metrics.json"), json.dumps(metrics, indent=1) + "\n")
     log(rouge_lib.markdown_table(rouge, label=f"step {step}"))
     log(f"target log-perplexity {log_ppl:.3f} nats/token; {decode_seconds:.1f} s decoding; written to {output_dir}")
-    return EvaluationResult(metrics=metrics, predictions=rows, output_dir=output_dir)
+    return EvaluationResult(metrics=metrics, predictions=rows, examples=examples, output_dir=output_dir)

@@ -72,8 +72,6 @@ class TrainablePositionalEmbedding(nn.Module):
                     f"{self.max_len}); raise TransformerConfig.max_len or truncate the inputs."
                 )
             start = self._start(length, deterministic)
-            if isinstance(start, int):
-                return x + table[None, :length]
             return x + lax.dynamic_slice_in_dim(table, start, length, axis=0)[None]
         initialized = self.has_variable("cache", "position")
         position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))

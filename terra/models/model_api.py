@@ -104,8 +104,8 @@ class EncoderDecoderModel:
 
     def log_perplexity(self, params, batch: Batch) -> float:
         """Mean negative log-likelihood (nats) per non-pad target token, no dropout."""
-        metrics = self._jit_loss(params, dict(batch))
-        return float(metrics["loss_sum"] / jnp.maximum(metrics["weight_sum"], 1.0))
+        metrics = self.loss_sums(params, batch)
+        return metrics["loss_sum"] / max(metrics["weight_sum"], 1.0)
 
     # ----- decoding ---------------------------------------------------------------------
     @functools.lru_cache(maxsize=8)

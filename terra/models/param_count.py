@@ -63,20 +63,8 @@ def _terraformer_decoder_reads(module, params, parts: Dict[str, int]) -> None:
                 parts["norms"] += _size(sub_params)
 
 
-def params_read_per_token(module, abstract_params) -> Dict[str, int]:
-    """Parameters one batch-1 decode step reads, by part (plus ``'total'``)."""
-    params = nn.unbox(abstract_params)
-    if "decoder_stack" in params:  # Terraformer: no cross-attention, a reversible decoder stack
-        parts = dict.fromkeys(("decoder self-attention", "feed-forward", "norms", "embedding rows", "logits"), 0)
-        _terraformer_decoder_reads(module, params, parts)
-        parts["norms"] += _size(params["decoder_norm"])
-        parts["embedding rows"] = 2 * module.config.d_model
-        parts["logits"] = _read(module.logits_layer, params["logits"])
-        parts["total"] = sum(parts.values())
-        return parts
-    parts = dict.fromkeys(
-        ("decoder self-attention", "encoder-decoder attention", "feed-forward", "norms", "embedding rows", "logits"), 0
-    )
+def _encoder_decoder_reads(module, params, parts: Dict[str, int]) -> None:
+    """``EncoderDecoderTransformer``'s decoder layers, each sub-layer read as its injected layer reads it."""
     layer_factories = {
         "self_attention": ("decoder self-attention", module.decoder_self_attention),
         "cross_attention": ("encoder-decoder attention", module.encoder_decoder_attention),
@@ -88,9 +76,20 @@ def params_read_per_token(module, abstract_params) -> Dict[str, int]:
         for sub, sub_params in layer.items():
             part, factory = layer_factories.get(sub, ("norms", None))
             parts[part] += _read(factory, sub_params) if factory else _size(sub_params)
-    d_model = module.config.d_model
+
+
+def params_read_per_token(module, abstract_params) -> Dict[str, int]:
+    """Parameters one batch-1 decode step reads, by part (plus ``'total'``)."""
+    params = nn.unbox(abstract_params)
+    parts = dict.fromkeys(
+        ("decoder self-attention", "encoder-decoder attention", "feed-forward", "norms", "embedding rows", "logits"), 0
+    )
+    if "decoder_stack" in params:  # Terraformer: a reversible decoder stack, no cross-attention
+        _terraformer_decoder_reads(module, params, parts)
+    else:
+        _encoder_decoder_reads(module, params, parts)
     parts["norms"] += _size(params["decoder_norm"])
-    parts["embedding rows"] = 2 * d_model  # the token's embedding and its positional row
+    parts["embedding rows"] = 2 * module.config.d_model  # the token's embedding and its positional row
     parts["logits"] = _read(module.logits_layer, params["logits"])
     parts["total"] = sum(parts.values())
     return parts

@@ -48,7 +48,7 @@ from terra.layers.dense import Dense
 from terra.layers.embedding import DenseLogits, TokenEmbedding
 from terra.layers.feedforward import FeedForward
 from terra.layers.feedforward_with_sru import FeedForwardWithSRU
-from terra.layers.length_concat import concat_with_padding, pack_real_first, strip_to_decoder
+from terra.layers.length_concat import LengthConcat
 from terra.layers.normalization import LayerNorm
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.models.config import TransformerConfig
@@ -197,10 +197,9 @@ class Terraformer(nn.Module):
             encoder_mask = self.encoder_mask(encoder_input_tokens)
         e1, e2 = self.encode(encoder_input_tokens, encoder_mask, deterministic=deterministic)
         d = self._embed_decoder(decoder_input_tokens, deterministic=deterministic, decode=False)
-        x1 = concat_with_padding(e1, encoder_mask, d)
-        x2 = concat_with_padding(e2, encoder_mask, d)
-        y1, y2 = self.decoder_stack(x1, x2, deterministic=deterministic)
-        y = strip_to_decoder(self._output(y1, y2), encoder_mask, decoder_input_tokens.shape[1])
+        layout = LengthConcat.from_mask(encoder_mask, decoder_input_tokens.shape[1])
+        y1, y2 = self.decoder_stack(layout.concat(e1, d), layout.concat(e2, d), deterministic=deterministic)
+        y = layout.strip(self._output(y1, y2))
         return self.logits(y)
 
     def prefill_cache(self, encoder_input_tokens, encoder_mask=None, *, max_decode_length: int):
@@ -210,8 +209,8 @@ class Terraformer(nn.Module):
             encoder_mask = self.encoder_mask(encoder_input_tokens)
         batch, l1 = encoder_input_tokens.shape
         e1, e2 = self.encode(encoder_input_tokens, encoder_mask, deterministic=True)
-        e1, real = pack_real_first(e1, encoder_mask)
-        e2, _ = pack_real_first(e2, encoder_mask)
+        layout = LengthConcat.from_mask(encoder_mask, max_decode_length)
+        e1, e2, real = layout.pack_real_first(e1), layout.pack_real_first(e2), layout.packed_mask()
         # Creates the decoder's position counter at 0 (a cache-creating call does not advance).
         self.decoder_positions(jnp.zeros((batch, 1, self.config.d_model), e1.dtype), decode=True)
         self.decoder_stack(
