@@ -8,7 +8,9 @@
   layout (paper §4.1; ``trax_reference.md`` §4.1): one causal sequence of length ``I + T`` made
   of the real input tokens, then the shifted targets, with the input padding moved to the end,
   so the decoder attends to the whole input and its own past in one stream. Loss weights mark
-  only the target positions.
+  only the target positions. For decoder-only models over tokens: ``terra.models.Terraformer``
+  builds the same layout from encoder *vectors* (``terra.layers.length_concat``) and reads the
+  plain encoder-decoder features.
 * :func:`prefix_lm_converter` — seqio's ``PrefixLMFeatureConverter`` (loss on targets only): the
   LM format of the synthetic tasks (``[x + y] -> sum`` in one sequence, as the reference's LM
   variant).
