@@ -10,7 +10,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench bench-input bench-train params clean install
+.PHONY: run test bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
 
 install: $(STAMP)
 
@@ -38,6 +38,15 @@ bench-input: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) -m terra.benchmarks.train_speed --out out/train_speed
+
+# The paper's claims at CPU size (README "Reproducing the paper"): about 45 + 30 minutes on 2 cores.
+reproduce: reproduce-sparsity reproduce-length
+
+reproduce-sparsity: $(STAMP)
+	$(PY) -m terra.reproduce sparsity --out out/reproduce/sparsity
+
+reproduce-length: $(STAMP)
+	$(PY) -m terra.reproduce length_generalization --out out/reproduce/length_generalization
 
 params: $(STAMP)
 	$(PY) -m terra.models.param_count --all

@@ -60,3 +60,12 @@ def tiny_model():
     """A tiny dense encoder-decoder and its random parameters, shared by the suite."""
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config()))
     return model, model.init_params(jax.random.key(0))
+
+
+# The suite has 8 CPU devices (above); a study's smoke batches of 4 train on one of them.
+ONE_DEVICE = "--gin.terra.train.num_devices=1"
+
+
+def is_png(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -15,7 +15,6 @@ reads), the achieved GB/s and the fraction of the machine's measured read bandwi
 """
 
 import argparse
-import ast
 import dataclasses
 import gc
 import math
@@ -231,18 +230,6 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     return rows
 
 
-def _apply_overrides(config: ml_collections.ConfigDict, overrides: List[str]) -> None:
-    for item in overrides:
-        name, _, value = item[len("--config.") :].partition("=")
-        try:
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed = value
-        if name not in config:
-            raise gin_utils.GinConfigError(f"Unknown preset field {name!r}; fields: {', '.join(sorted(config.keys()))}.")
-        config[name] = parsed
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gin_utils.add_gin_flags(parser)
@@ -263,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         config.common_bindings = []
         config.tokens, config.repeats, config.warmup = 12, 3, 4
         title = f"decode speed, {' + '.join(files)}"
-    _apply_overrides(config, overrides)
+    preset_lib.apply_overrides(config, overrides)
     run_preset(config, args.out, title)
     return 0
 

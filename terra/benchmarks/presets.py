@@ -5,7 +5,8 @@ timing protocol. Override any field from the command line, e.g.
 ``--config.tokens=20 --config.input_length=32``.
 """
 
-from typing import Callable, Dict
+import ast
+from typing import Callable, Dict, Sequence
 
 import ml_collections
 
@@ -20,7 +21,8 @@ def make_row(name: str, *gin_files: str, bindings=(), series: str = "", sparsity
     )
 
 
-def _preset(rows, **overrides) -> ml_collections.ConfigDict:
+def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
+    """The timing protocol around ``rows`` (``make_row``); ``overrides`` replace its fields."""
     config = ml_collections.ConfigDict(
         {
             "rows": rows,
@@ -40,10 +42,26 @@ def _preset(rows, **overrides) -> ml_collections.ConfigDict:
     return config
 
 
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+    """Applies ``--config.FIELD=VALUE`` flags (Python literals, else strings) to ``config``;
+    an unknown field is a ``GinConfigError`` listing the fields."""
+    from terra.gin_utils import GinConfigError  # local: presets stay import-light
+
+    for item in overrides:
+        name, _, value = item[len("--config.") :].partition("=")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        if name not in config:
+            raise GinConfigError(f"Unknown config field {name!r}; fields: {', '.join(sorted(config.keys()))}.")
+        config[name] = parsed
+
+
 def paper_800m() -> ml_collections.ConfigDict:
     """Tables 1 (upper half), 2 and 7 at the 800M shape, the fully sparse model and the MoE baseline."""
     m = "models/{}_800m.gin".format
-    return _preset(
+    return timing_config(
         [
             make_row("baseline Transf.", m("dense")),
             make_row("+ Sparse FF", m("sparse_ff")),
@@ -89,7 +107,7 @@ def paper_17b_block() -> ml_collections.ConfigDict:
     ff = ("TransformerConfig.d_ff = 65536", "SparseFeedForward.ff_sparsity = 256", "SparseFeedForward.d_lowrank = 32")
     qkv = ("TransformerConfig.d_ff = 65536", "SparseQKVAttention.attention_sparsity = 64")
     cross = ("SparseQueryCrossAttention.attention_sparsity = 64",)
-    return _preset(
+    return timing_config(
         [
             make_row("baseline Transf.", m("dense"), bindings=dense_ff),
             make_row("+ Sparse FF", m("sparse_ff"), bindings=ff),
@@ -118,12 +136,12 @@ def sparsity_sweep() -> ml_collections.ConfigDict:
     rows.append(make_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
     for s in (2, 4, 8):
         rows.append(make_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s))
-    return _preset(rows)
+    return timing_config(rows)
 
 
 def tiny() -> ml_collections.ConfigDict:
     """Runs in seconds: a smoke test of the whole benchmark."""
-    return _preset(
+    return timing_config(
         [
             make_row("baseline Transf.", "models/tiny.gin"),
             make_row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),

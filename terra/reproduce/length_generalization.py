@@ -1,0 +1,265 @@
+"""Paper Table 4 at a size a CPU can train: does a model trained on short inputs copy and add
+inputs twice as long?
+
+  python -m terra.reproduce length_generalization --out runs/reproduce/length      # ~25 min
+  python -m terra.reproduce length_generalization --out DIR --config.preset=paper  # the paper's sizes
+
+Trains the Transformer and the Terraformer of ``experiments/synthetic_{copy,addition}_*.gin``
+(the reference's models: SRU in the Terraformer's feed-forward blocks, random positional start
+offsets in both — ``trax_reference.md`` §7) on inputs up to the training length, then evaluates
+on the validation split, whose inputs are 2–2.5x longer, and writes to ``--out``:
+
+* ``length_generalization.json`` — every run's curves, in-distribution and out-of-distribution
+  token and sequence accuracy (mean ± spread over seeds);
+* ``length_generalization.md`` — the Table 4 analogue next to the paper's figures;
+* ``length_generalization.png`` — the accuracies as bars.
+
+Accuracy is teacher-forced, as the reference's ``Accuracy`` and ``SequenceAccuracy`` metrics:
+the argmax at each target position given the true prefix; a sequence is right when all its
+target tokens (EOS included) are.
+"""
+
+import os
+from typing import Dict, List, Sequence
+
+import ml_collections
+
+from terra import gin_utils
+from terra.benchmarks.bandwidth import describe_machine
+from terra.errors import ConfigError
+from terra.reproduce import runs
+
+TASKS = ("copy", "addition")
+MODELS = {"transformer": "Transformer", "terraformer": "Terraformer"}
+
+# Paper Table 4 (%): token accuracy and whole-sequence accuracy on inputs 2x the training length.
+PAPER_TABLE_4 = {
+    "transformer": {"copy": 79.8, "copy_seq": 0.0, "addition": 36.4, "addition_seq": 0.0},
+    "terraformer": {"copy": 99.9, "copy_seq": 93.9, "addition": 86.9, "addition_seq": 32.4},
+}
+
+_MODEL_SIZES = {
+    # Both models at the same width; the Terraformer has the deeper encoder, as the reference's
+    # 12 + 4 layers against the Transformer's 4.
+    "small": {
+        "transformer": dict(d_model=128, d_ff=512, n_heads=4, n_encoder_layers=2, n_decoder_layers=2),
+        "terraformer": dict(d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=2),
+    },
+    "smoke": {
+        "transformer": dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1),
+        "terraformer": dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1),
+    },
+}
+
+
+def config(preset: str = "small") -> ml_collections.ConfigDict:
+    """``small`` (CPU, inputs up to 16 digits, evaluated on 32+), ``smoke`` (tests) or ``paper``
+    (the experiments' own settings: up to 64 digits, evaluated on 128+, 300k steps)."""
+    if preset not in ("small", "smoke", "paper"):
+        raise ConfigError(f"unknown length_generalization preset {preset!r}; use 'small', 'smoke' or 'paper'.")
+    lengths = {
+        # copy: train words 1..copy_train_length-1; eval words in [eval_min, eval_max).
+        # addition: the reference's min/max lengths (first operand >= (min-1)//2 digits,
+        # whole input x+y <= max symbols).
+        "small": dict(copy_train_length=17, copy_eval_min_length=32, copy_eval_max_length=40,
+                      addition_train_min_length=3, addition_train_max_length=33,
+                      addition_eval_min_length=65, addition_eval_max_length=75),
+        "smoke": dict(copy_train_length=5, copy_eval_min_length=8, copy_eval_max_length=10,
+                      addition_train_min_length=3, addition_train_max_length=9,
+                      addition_eval_min_length=17, addition_eval_max_length=21),
+        "paper": dict(copy_train_length=64, copy_eval_min_length=128, copy_eval_max_length=160,
+                      addition_train_min_length=3, addition_train_max_length=129,
+                      addition_eval_min_length=257, addition_eval_max_length=301),
+    }[preset]
+    smoke, paper = preset == "smoke", preset == "paper"
+    return ml_collections.ConfigDict({
+        "preset": preset,
+        "tasks": ",".join(TASKS),
+        "models": ",".join(MODELS),
+        "seeds": "0",
+        "steps": 2 if smoke else (300_000 if paper else 3000),
+        "batch_size": 4 if smoke else 128 if paper else 32,
+        "eval_every": 2 if smoke else (1000 if paper else 500),
+        "eval_steps": 1 if smoke else 8,
+        "in_distribution_batches": 1 if smoke else 8,
+        # The reference's schedule, 0.5 * linear warm-up over 16k steps then rsqrt, scaled to the
+        # run length: peak 0.5/sqrt(16000) = 0.004 there, 0.1/sqrt(500) = 0.0045 here.
+        "learning_rate_constant": 0.5 if paper else 0.1,
+        "warmup_steps": 16000 if paper else (100 if smoke else 500),
+        "dropout": None if paper else 0.1,  # None: the experiments' own (0.1 / 0.3)
+        "position_max_offset": 300 if paper else (8 if smoke else 64),
+        "max_len": 512 if paper else 256,
+        **lengths,
+    })
+
+
+def _addition_feature_lengths(min_length: int, max_length: int) -> Dict[str, int]:
+    """Room for every example: the input ``x+y`` plus EOS, and the sum (first operand + 1
+    digits at most) plus EOS, from the reference's length formulas (``trax_reference.md`` §7)."""
+    add = (min_length - 1) // 2
+    first_operand = (max_length - add + 1) // 2 - 1 + add
+    return {"inputs": max_length + 1, "targets": first_operand + 2}
+
+
+def _task_bindings(cfg, task: str) -> List[str]:
+    if task == "copy":
+        train = {"inputs": cfg.copy_train_length, "targets": cfg.copy_train_length}
+        evaluation = {"inputs": cfg.copy_eval_max_length, "targets": cfg.copy_eval_max_length}
+        data = [f"terra.data.copy_dataset.train_length = {cfg.copy_train_length}",
+                f"terra.data.copy_dataset.eval_min_length = {cfg.copy_eval_min_length}",
+                f"terra.data.copy_dataset.eval_max_length = {cfg.copy_eval_max_length}"]
+    else:
+        train = _addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)
+        evaluation = _addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
+        data = [f"terra.data.addition_dataset.train_min_length = {cfg.addition_train_min_length}",
+                f"terra.data.addition_dataset.train_max_length = {cfg.addition_train_max_length}",
+                f"terra.data.addition_dataset.eval_min_length = {cfg.addition_eval_min_length}",
+                f"terra.data.addition_dataset.eval_max_length = {cfg.addition_eval_max_length}"]
+    return [*data, f"TASK_FEATURE_LENGTHS = {train!r}", f"EVAL_FEATURE_LENGTHS = {evaluation!r}"]
+
+
+def _model_bindings(cfg, model: str) -> List[str]:
+    bindings = [f"TransformerConfig.max_len = {cfg.max_len}",
+                f"TransformerConfig.position_max_offset = {cfg.position_max_offset}"]
+    if cfg.preset in _MODEL_SIZES:
+        bindings += [f"TransformerConfig.{k} = {v}" for k, v in _MODEL_SIZES[cfg.preset][model].items()]
+    if cfg.dropout is not None:
+        bindings += [f"TransformerConfig.{name} = {cfg.dropout}" for name in ("dropout", "ff_dropout", "attention_dropout")]
+    return bindings
+
+
+def _names(text: str, allowed, what: str) -> List[str]:
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ConfigError(f"unknown {what} {unknown or text!r}; choose from {', '.join(allowed)}.")
+    return names
+
+
+def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[str] = (), log=print) -> dict:
+    """Trains every (task, model, seed), evaluates in and out of distribution, writes the outputs."""
+    task_names = _names(cfg.tasks, TASKS, "tasks")
+    model_names = _names(cfg.models, MODELS, "models")
+    seeds = runs.parse_seeds(cfg.seeds)
+    os.makedirs(out_dir, exist_ok=True)
+    log(f"length generalization: {task_names} x {model_names} x seeds {seeds}, {cfg.steps} steps of "
+        f"{cfg.batch_size} ({cfg.preset} preset) -> {out_dir}")
+    records = []
+    for task in task_names:
+        for model_name in model_names:
+            gin_file = f"experiments/synthetic_{task}_{model_name}.gin"
+            bindings = [
+                *_model_bindings(cfg, model_name), *_task_bindings(cfg, task),
+                f"BATCH_SIZE = {cfg.batch_size}", f"TRAIN_STEPS = {cfg.steps}",
+                f"terra.train.eval_every = {cfg.eval_every}", f"terra.train.eval_steps = {cfg.eval_steps}",
+                f"terra.train.log_every = {cfg.eval_every}", f"terra.train.checkpoint_every = {cfg.eval_every}",
+                "terra.train.keep_last = 1",
+                "terra.training.adamw.learning_rate = @terra.training.rsqrt_schedule()",
+                f"terra.training.rsqrt_schedule.constant = {cfg.learning_rate_constant}",
+                f"terra.training.rsqrt_schedule.warmup_steps = {cfg.warmup_steps}",
+                "terra.training.rsqrt_schedule.linear_warmup = True",
+                *extra_bindings,
+            ]
+            for seed in seeds:
+                name = f"{task}_{model_name}"
+                result = runs.train_run(name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"), [gin_file],
+                                        bindings, log=log)
+                # The run's gin config is still the parsed one: the same model, the train lengths.
+                model = gin_utils.build("terra.models.EncoderDecoderModel")
+                lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
+                in_dist = runs.evaluate_split(model, result.params, f"synthetic_{task}", "train", lengths,
+                                              cfg.batch_size, cfg.in_distribution_batches, seed=seed)
+                out_dist = {k.split("/", 1)[1]: v[-1][1] for k, v in result.curves.items() if k.startswith("eval/")}
+                log(f"    in distribution: token accuracy {100 * in_dist['token_accuracy']:.1f}%, sequence "
+                    f"{100 * in_dist['sequence_accuracy']:.1f}%; 2x longer: token {100 * out_dist['token_accuracy']:.1f}%, "
+                    f"sequence {100 * out_dist['sequence_accuracy']:.1f}%")
+                records.append({"task": task, "model": model_name, "seed": seed, "model_dir": result.model_dir,
+                                "params": result.params_count, "seconds": result.seconds,
+                                "in_distribution": in_dist, "out_of_distribution": out_dist, "curves": result.curves})
+    rows = _rows(records, task_names, model_names)
+    payload = {"study": "length_generalization", "config": cfg.to_dict(), "machine": describe_machine(),
+               "paper_table_4": PAPER_TABLE_4, "rows": rows, "runs": records}
+    table = markdown(rows, cfg, task_names)
+    runs.write_json(os.path.join(out_dir, "length_generalization.json"), payload)
+    runs.write_text(os.path.join(out_dir, "length_generalization.md"), table)
+    plot(rows, task_names, os.path.join(out_dir, "length_generalization.png"))
+    log(table)
+    return payload
+
+
+def _rows(records: Sequence[dict], task_names: Sequence[str], model_names: Sequence[str]) -> List[dict]:
+    rows = []
+    for model in model_names:
+        row = {"model": model, "label": MODELS[model]}
+        for task in task_names:
+            mine = [r for r in records if r["model"] == model and r["task"] == task]
+            row["params_" + task] = mine[0]["params"]
+            row["train_seconds_" + task] = runs.mean_and_spread([r["seconds"] for r in mine])
+            for where in ("in_distribution", "out_of_distribution"):
+                for metric in ("token_accuracy", "sequence_accuracy"):
+                    row[f"{task}_{where}_{metric}"] = runs.mean_and_spread([r[where][metric] for r in mine])
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
+    def lengths(task):
+        if task == "copy":
+            return (f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
+                    f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}")
+        train_digits = _addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)["targets"] - 2
+        eval_low = (cfg.addition_eval_min_length - 1) // 2
+        eval_high = _addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)["targets"] - 2
+        return (f"addition: trained with a first operand of 1–{train_digits} digits, evaluated on "
+                f"{eval_low}–{eval_high}")
+
+    header = [name for t in task_names for name in (t, f"{t} (seq)")]
+    lines = [
+        "### Length generalization (paper Table 4): accuracy on inputs 2x longer than in training",
+        "",
+        f"{cfg.preset} preset, {cfg.steps} steps of batch {cfg.batch_size}, seeds {runs.parse_seeds(cfg.seeds)}; "
+        + "; ".join(lengths(t) for t in task_names)
+        + ". Teacher-forced token accuracy and whole-sequence accuracy (%), mean ± standard deviation over seeds; "
+        "paper Table 4 in the last rows.",
+        "",
+        "| model | " + " | ".join(header) + " | in distribution (token / seq) |",
+        "|---|" + "---|" * (len(header) + 1),
+    ]
+    for r in rows:
+        cells = [runs.format_mean(r[f"{t}_out_of_distribution_{metric}"], 1, 100)
+                 for t in task_names for metric in ("token_accuracy", "sequence_accuracy")]
+        inside = ", ".join(
+            f"{t} {100 * r[f'{t}_in_distribution_token_accuracy']['mean']:.1f} / "
+            f"{100 * r[f'{t}_in_distribution_sequence_accuracy']['mean']:.1f}" for t in task_names)
+        lines.append(f"| {r['label']} (terra) | " + " | ".join(cells) + f" | {inside} |")
+    for r in rows:
+        paper = PAPER_TABLE_4[r["model"]]
+        cells = [f"{paper[key]:.1f}" for t in task_names for key in (t, t + "_seq")]
+        lines.append(f"| {r['label']} (paper) | " + " | ".join(cells) + " | — |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], task_names: Sequence[str], path: str) -> None:
+    """Bars: out-of-distribution accuracy per task and model, in-distribution as outlines."""
+    plt = runs.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    width = 0.8 / max(len(rows), 1)
+    for ax, metric, title in zip(axes, ("token_accuracy", "sequence_accuracy"), ("token accuracy", "sequence accuracy")):
+        for i, r in enumerate(rows):
+            xs = [j + i * width for j in range(len(task_names))]
+            ood = [100 * r[f"{t}_out_of_distribution_{metric}"]["mean"] for t in task_names]
+            inside = [100 * r[f"{t}_in_distribution_{metric}"]["mean"] for t in task_names]
+            bars = ax.bar(xs, ood, width * 0.9, label=f"{r['label']}, 2x longer")
+            ax.bar(xs, inside, width * 0.9, fill=False, edgecolor=bars.patches[0].get_facecolor(), linestyle="--",
+                   label=f"{r['label']}, training lengths")
+        ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(task_names))])
+        ax.set_xticklabels(task_names)
+        ax.set_title(title)
+        ax.set_ylim(0, 105)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("%")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Length generalization (paper Table 4 analogue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

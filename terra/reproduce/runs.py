@@ -1,0 +1,148 @@
+"""What both studies share: one ordinary ``terra.train`` run per (variant, seed), its curves,
+teacher-forced evaluation on any split, mean ± spread over seeds, and the study's output files.
+
+Every run is a real training run in ``<out>/runs/<variant>/seed<k>`` (checkpoints,
+``metrics.jsonl``, TensorBoard events, ``config.gin``), so a study that is stopped resumes
+where it was, and any run can be inspected or evaluated again with ``python -m terra.evaluate``.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from terra import gin_utils
+from terra.data import pipeline, tasks
+from terra.errors import ConfigError
+from terra.training import trainer
+from terra.training.train_step import eval_step, summarize_eval
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One finished training run: its final parameters and the metrics it logged."""
+
+    name: str
+    seed: int
+    model_dir: str
+    params: object
+    params_count: int
+    curves: Dict[str, List[List[float]]]  # metric -> [[step, value], ...]
+    seconds: float
+
+
+def parse_seeds(text) -> List[int]:
+    """``"0,1,2"`` or ``3`` (meaning seeds 0..2) -> ``[0, 1, 2]``."""
+    if isinstance(text, int):
+        seeds = list(range(text))
+    else:
+        try:
+            seeds = [int(s) for s in str(text).split(",") if s.strip()]
+        except ValueError:
+            raise ConfigError(f"seeds={text!r}: give a comma-separated list of integers such as 0,1,2.") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ConfigError(f"seeds={text!r}: give distinct non-negative integers, e.g. 0,1,2.")
+    return seeds
+
+
+def read_curves(model_dir: str) -> Dict[str, List[List[float]]]:
+    """``metrics.jsonl`` as ``{metric: [[step, value], ...]}`` (later rows win on a resumed run)."""
+    curves: Dict[str, Dict[int, float]] = {}
+    path = os.path.join(model_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        for row in map(json.loads, f):
+            step = int(row["step"])
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    curves.setdefault(key, {})[step] = float(value)
+    return {k: [[s, v] for s, v in sorted(points.items())] for k, points in curves.items()}
+
+
+def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bindings: Sequence[str],
+              log=print) -> RunResult:
+    """Parses the run's gin config (files, then bindings, then the seed and model_dir) and trains."""
+    gin_utils.parse_gin(list(gin_files), [*bindings, f"MODEL_DIR = {os.path.abspath(model_dir)!r}",
+                                          f"terra.train.seed = {seed}"])
+    start = time.perf_counter()
+    result = trainer.train(progress=False)
+    seconds = time.perf_counter() - start
+    params_count = int(sum(x.size for x in jax.tree.leaves(result.params)))
+    curves = read_curves(model_dir)
+    final = {k: v[-1][1] for k, v in curves.items() if k.startswith("eval/")}
+    log(f"  {name} seed {seed}: {params_count:,} parameters, {result.step} steps in {seconds:.0f} s; "
+        + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items())))
+    return RunResult(name, seed, model_dir, result.params, params_count, curves, seconds)
+
+
+def evaluate_split(model, params, task: str, split: str, feature_lengths: Dict[str, int], batch_size: int,
+                   num_batches: int, feature_converter=None, seed: int = 0) -> Dict[str, float]:
+    """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's ``eval_step``)
+    on the first ``num_batches`` batches of ``split``; the train split is read unshuffled from
+    its start, so it is the same examples every time."""
+    ds = pipeline.get_dataset(tasks.get_task(task), split=split, feature_lengths=feature_lengths,
+                              batch_size=batch_size, feature_converter=feature_converter, seed=seed, shuffle=False,
+                              num_epochs=1 if split != "train" else None)
+    step = jax.jit(lambda p, b: eval_step(model, p, b))
+    totals = None
+    for _, batch in zip(range(num_batches), pipeline.BatchIterator(ds)):
+        sums = step(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+        raise ConfigError(f"the {split!r} split of {task!r} gave no batch of {batch_size} examples.")
+    return summarize_eval(totals)
+
+
+def mean_and_spread(values: Sequence[float]) -> Dict[str, float]:
+    """Mean, sample standard deviation (0 for one seed), min and max of per-seed values."""
+    values = [float(v) for v in values]
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return {"mean": float(np.mean(values)), "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def format_mean(stats: Dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
+    """``1.234 ± 0.010`` (± the standard deviation over seeds), or ``1.234`` for one seed."""
+    mean = f"{stats['mean'] * scale:.{digits}f}"
+    return mean if stats["n"] < 2 else f"{mean} ± {stats['std'] * scale:.{digits}f}"
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Atomically: a study interrupted while writing leaves the previous file intact."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def finite_or_none(value: Optional[float]) -> Optional[float]:
+    return None if value is None or not math.isfinite(value) else float(value)

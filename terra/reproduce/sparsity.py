@@ -1,0 +1,280 @@
+""""Sparse is enough" at a size a CPU can train: the dense baseline against every sparse layer.
+
+  python -m terra.reproduce sparsity --out runs/reproduce/sparsity            # ~40 min on 2 cores
+  python -m terra.reproduce sparsity --out DIR --config.seeds=0,1,2           # mean ± spread
+  python -m terra.reproduce sparsity --out DIR --c4_json=/data/c4/en          # C4 instead
+
+Trains the dense encoder-decoder and its sparse variants (paper Figures 1, 3, 5 and 7; Table 2's
+mixture-of-experts baseline) for the same number of steps on the same data and seeds, each
+built from the same gin model configs as the 800M models (``models/*_800m.gin``) with the
+widths of the chosen size, and writes to ``--out``:
+
+* ``sparsity.json`` — every run's curves and final metrics, per-variant mean ± spread over seeds,
+  gap to dense, parameters and decode time;
+* ``sparsity.md`` — the final table;
+* ``sparsity.png`` — eval log-perplexity against steps (Figure 1's plot), mean over seeds with
+  the min-max band.
+
+Decode time per token is measured by the decode-speed benchmark (``terra.benchmarks``) at batch 1
+for each variant, at the trained size (``--config.decode_at=trained``, default) or at the 800M
+timing shape of ``paper_800m`` (``--config.decode_at=800m``), or skipped (``none``).
+"""
+
+import dataclasses
+import os
+from typing import Dict, List, Sequence
+
+import ml_collections
+
+from terra import gin_utils
+from terra.benchmarks import decode_speed
+from terra.benchmarks import presets as preset_lib
+from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
+from terra.data import tasks
+from terra.errors import ConfigError
+from terra.reproduce import runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A model of the study: a gin model config, sparsity bindings valid at any width, and the
+    d_ff multiplier that keeps its parameter count at the dense model's (the paper's sparse-QKV
+    configs raise d_ff from 4096 to 6144 for the parameters the attention gives up)."""
+
+    label: str
+    gin_file: str
+    bindings: tuple = ()
+    d_ff_scale: float = 1.0
+
+
+def _sparse_ff(n: int) -> tuple:
+    return (f"SparseFeedForward.ff_sparsity = {n}",)
+
+
+VARIANTS: Dict[str, Variant] = {
+    "dense": Variant("dense baseline", "models/dense_800m.gin"),
+    "sparse_ff_16": Variant("Sparse FF N=16", "models/sparse_ff_800m.gin", _sparse_ff(16)),
+    "sparse_ff_32": Variant("Sparse FF N=32", "models/sparse_ff_800m.gin", _sparse_ff(32)),
+    "sparse_ff_64": Variant("Sparse FF N=64", "models/sparse_ff_800m.gin", _sparse_ff(64)),
+    "sparse_qkv": Variant("Sparse QKV", "models/sparse_qkv_800m.gin", d_ff_scale=1.5),
+    "sparse_ff_qkv": Variant("Sparse FF+QKV", "models/sparse_ff_qkv_800m.gin", d_ff_scale=1.5),
+    "sparse_ff_qkv_loss": Variant("Sparse FF+QKV+loss S=4", "models/sparse_ff_qkv_loss4_800m.gin", d_ff_scale=1.5),
+    "moe_ff": Variant("MoE FF (64 experts, 1 active)", "models/moe_ff_800m.gin"),
+}
+
+# Widths per size. Attention sparsity S = n_heads as in the paper (S=16 with 16 heads at 800M).
+_SIZES = {
+    "small": dict(d_model=128, d_ff=512, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, attention_sparsity=4),
+    "smoke": dict(d_model=32, d_ff=128, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, attention_sparsity=4),
+}
+
+
+def config(preset: str = "small") -> ml_collections.ConfigDict:
+    """The study's settings; ``smoke`` is the few-step version the tests run."""
+    if preset not in ("small", "smoke"):
+        raise ConfigError(f"unknown sparsity preset {preset!r}; use 'small' or 'smoke'.")
+    smoke = preset == "smoke"
+    return ml_collections.ConfigDict({
+        "size": preset,
+        "variants": "dense,sparse_ff_qkv_loss" if smoke else ",".join(VARIANTS),
+        "seeds": "0,1" if smoke else "0",
+        "steps": 3 if smoke else 1000,
+        "batch_size": 4 if smoke else 16,
+        "eval_every": 3 if smoke else 100,
+        "eval_steps": 1 if smoke else 8,
+        "warmup_steps": 100 if smoke else 200,
+        "checkpoint_every": 1000,
+        "task_gin": "tasks/embedded_span_corruption.gin",
+        "c4_task_gin": "tasks/c4_span_corruption.gin",
+        "feature_lengths": {"inputs": 32, "targets": 8} if smoke else {"inputs": 128, "targets": 32},
+        "dropout": 0.0,
+        "decode_at": "trained",
+        "decode_tokens": 4 if smoke else 12,
+        "decode_repeats": 1 if smoke else 3,
+        "bandwidth_buffer_mb": 16 if smoke else 512,
+    })
+
+
+def _size_bindings(size: str, variant: Variant, vocab_size: int, dropout: float) -> List[str]:
+    s = _SIZES[size]
+    d_ff = int(round(s["d_ff"] * variant.d_ff_scale))
+    return [
+        f"TransformerConfig.vocab_size = {vocab_size}",
+        f"TransformerConfig.d_model = {s['d_model']}",
+        f"TransformerConfig.d_ff = {d_ff}",
+        f"TransformerConfig.n_heads = {s['n_heads']}",
+        f"TransformerConfig.n_encoder_layers = {s['n_encoder_layers']}",
+        f"TransformerConfig.n_decoder_layers = {s['n_decoder_layers']}",
+        "TransformerConfig.max_len = 512",
+        *(f"TransformerConfig.{name} = {dropout}" for name in ("dropout", "ff_dropout", "attention_dropout")),
+        f"SparseQKVAttention.attention_sparsity = {s['attention_sparsity']}",
+        f"SparseQueryCrossAttention.attention_sparsity = {s['attention_sparsity']}",
+    ]
+
+
+def _task_vocab_size(task_gin: str, data_bindings: Sequence[str]) -> int:
+    gin_utils.parse_gin([task_gin], list(data_bindings))
+    name = gin_utils.gin.query_parameter("%TASK")
+    return tasks.get_task(name).output_features["targets"].vocabulary.vocab_size
+
+
+def _check_variants(names: Sequence[str]) -> None:
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}.")
+    if "dense" not in names:
+        raise ConfigError("the study needs the 'dense' variant: every gap is measured against it.")
+
+
+def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[str] = (),
+        extra_bindings: Sequence[str] = (), log=print) -> dict:
+    """Trains every (variant, seed), times decoding per variant, writes sparsity.{json,md,png}."""
+    names = [n.strip() for n in str(cfg.variants).split(",") if n.strip()]
+    seeds = runs.parse_seeds(cfg.seeds)
+    if cfg.size not in _SIZES:
+        raise ConfigError(f"size={cfg.size!r}: choose from {', '.join(_SIZES)}.")
+    if cfg.decode_at not in ("trained", "800m", "none"):
+        raise ConfigError(f"decode_at={cfg.decode_at!r}: choose 'trained', '800m' or 'none'.")
+    _check_variants(names)
+    task_gin = cfg.c4_task_gin if data_bindings else cfg.task_gin
+    vocab_size = _task_vocab_size(task_gin, data_bindings)
+    os.makedirs(out_dir, exist_ok=True)
+    log(f"sparsity study: {len(names)} variants x seeds {seeds}, {cfg.steps} steps of {cfg.batch_size} on "
+        f"{task_gin} ({cfg.size} size) -> {out_dir}")
+
+    results: Dict[str, List[runs.RunResult]] = {}
+    for name in names:
+        variant = VARIANTS[name]
+        bindings = [
+            *_size_bindings(cfg.size, variant, vocab_size, cfg.dropout), *variant.bindings, *data_bindings,
+            f"TASK_FEATURE_LENGTHS = {dict(cfg.feature_lengths)!r}", f"BATCH_SIZE = {cfg.batch_size}",
+            f"TRAIN_STEPS = {cfg.steps}", f"terra.train.eval_every = {cfg.eval_every}",
+            f"terra.train.eval_steps = {cfg.eval_steps}", f"terra.train.log_every = {cfg.eval_every}",
+            f"terra.train.checkpoint_every = {cfg.checkpoint_every}", "terra.train.keep_last = 1",
+            "terra.training.adafactor.learning_rate = @terra.training.rsqrt_schedule()",
+            f"terra.training.rsqrt_schedule.warmup_steps = {cfg.warmup_steps}",
+            *extra_bindings,
+        ]
+        results[name] = [
+            runs.train_run(name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"),
+                           [variant.gin_file, task_gin, "runs/train.gin"], bindings, log=log)
+            for seed in seeds
+        ]
+    timings = _decode_times(cfg, names, vocab_size, log) if cfg.decode_at != "none" else {}
+    rows = _rows(names, results, timings)
+    payload = {
+        "study": "sparsity",
+        "config": cfg.to_dict(),
+        "task_gin": task_gin,
+        "data_bindings": list(data_bindings),
+        "machine": describe_machine(),
+        "rows": rows,
+        "runs": [{"variant": n, "seed": r.seed, "model_dir": r.model_dir, "params": r.params_count,
+                  "seconds": r.seconds, "curves": r.curves} for n in names for r in results[n]],
+    }
+    table = markdown(rows, cfg, task_gin)
+    runs.write_json(os.path.join(out_dir, "sparsity.json"), payload)
+    runs.write_text(os.path.join(out_dir, "sparsity.md"), table)
+    plot(results, names, os.path.join(out_dir, "sparsity.png"), f"{cfg.size} size, {task_gin}")
+    log(table)
+    return payload
+
+
+def _decode_times(cfg, names: Sequence[str], vocab_size: int, log) -> Dict[str, dict]:
+    """Batch-1 seconds per token of each variant, by the decode-speed benchmark's ``run_row``."""
+    bandwidth = measure_read_bandwidth(cfg.bandwidth_buffer_mb << 20)
+    out = {}
+    for name in names:
+        variant = VARIANTS[name]
+        if cfg.decode_at == "trained":
+            bindings = [*_size_bindings(cfg.size, variant, vocab_size, 0.0), *variant.bindings]
+            common = []
+        else:
+            bindings, common = list(variant.bindings), list(preset_lib.TIMING_SHAPE_800M)
+        timing = preset_lib.timing_config([], common_bindings=common, tokens=cfg.decode_tokens + 2,
+                                          repeats=cfg.decode_repeats, warmup=2,
+                                          bandwidth_buffer_mb=cfg.bandwidth_buffer_mb)
+        row = decode_speed.run_row(preset_lib.make_row(variant.label, variant.gin_file, bindings=bindings), timing, bandwidth)
+        out[name] = row
+        log(f"  decode {name} ({cfg.decode_at}): {row['seconds_per_token_median'] * 1e3:.3f} ms per token, "
+            f"{row['params']:,} parameters")
+    return out
+
+
+def _rows(names: Sequence[str], results: Dict[str, List[runs.RunResult]], timings: Dict[str, dict]) -> List[dict]:
+    def final(run: runs.RunResult, key: str):
+        curve = run.curves.get(key)
+        return curve[-1][1] if curve else float("nan")
+
+    dense_losses = {r.seed: final(r, "eval/loss") for r in results["dense"]}
+    dense_time = timings.get("dense", {}).get("seconds_per_token_median")
+    rows = []
+    for name in names:
+        losses = [final(r, "eval/loss") for r in results[name]]
+        # Gap per seed (same seed, same data order) and then its spread: the dense and sparse
+        # runs of one seed share their data stream, so this is the paired difference.
+        gaps = [final(r, "eval/loss") - dense_losses[r.seed] for r in results[name]]
+        timing = timings.get(name)
+        rows.append({
+            "variant": name,
+            "label": VARIANTS[name].label,
+            "params": results[name][0].params_count,
+            "seeds": [r.seed for r in results[name]],
+            "eval_log_perplexity": runs.mean_and_spread(losses),
+            "gap_to_dense": runs.mean_and_spread(gaps),
+            "eval_token_accuracy": runs.mean_and_spread([final(r, "eval/token_accuracy") for r in results[name]]),
+            "train_seconds": runs.mean_and_spread([r.seconds for r in results[name]]),
+            "decode_seconds_per_token": timing["seconds_per_token_median"] if timing else None,
+            "decode_params": timing["params"] if timing else None,
+            "decode_speedup_vs_dense": (dense_time / timing["seconds_per_token_median"]) if timing and dense_time else None,
+        })
+    return rows
+
+
+def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
+    seeds = runs.parse_seeds(cfg.seeds)
+    decode_note = {"trained": "at the trained size", "800m": "at the 800M timing shape (2 encoder + 24 decoder layers)",
+                   "none": "not measured"}[cfg.decode_at]
+    lines = [
+        "### Sparse vs dense: eval log-perplexity at equal steps",
+        "",
+        f"{cfg.size} size, {cfg.steps} steps of batch {cfg.batch_size}, {task_gin}, seeds {seeds}; eval "
+        f"log-perplexity (nats per target token) after the last step, mean ± standard deviation over seeds; "
+        f"the gap is paired per seed (same data order). Decode time: batch-1 median per token {decode_note}.",
+        "",
+        "| model | Params | eval log-ppl | gap to dense | token acc. | train time | decode ms/token | decode speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        decode = "—" if r["decode_seconds_per_token"] is None else f"{r['decode_seconds_per_token'] * 1e3:.2f}"
+        speedup = "—" if r["decode_speedup_vs_dense"] is None else f"{r['decode_speedup_vs_dense']:.2f}x"
+        gap = "—" if r["variant"] == "dense" else f"{runs.format_mean(r['gap_to_dense']):s}"
+        lines.append(
+            f"| {r['label']} | {r['params'] / 1e6:.2f}M | {runs.format_mean(r['eval_log_perplexity'])} | {gap} | "
+            f"{runs.format_mean(r['eval_token_accuracy'], 1, 100)}% | {r['train_seconds']['mean']:.0f} s | {decode} | {speedup} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Dict[str, List[runs.RunResult]], names: Sequence[str], path: str, title: str) -> None:
+    """Eval log-perplexity against step per variant: mean over seeds, min-max band."""
+    plt = runs.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in names:
+        curves = [dict((int(s), v) for s, v in r.curves.get("eval/loss", [])) for r in results[name]]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves and all(curves) else []
+        if not steps:
+            continue
+        values = [[c[s] for c in curves] for s in steps]
+        mean = [sum(v) / len(v) for v in values]
+        line, = ax.plot(steps, mean, marker="o", markersize=3, label=VARIANTS[name].label,
+                        linewidth=2.5 if name == "dense" else 1.5, color="black" if name == "dense" else None)
+        if len(curves) > 1:
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color())
+    ax.set_xlabel("training step")
+    ax.set_ylabel("eval log-perplexity (nats per target token)")
+    ax.set_title(f"Sparse vs dense ({title})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
