@@ -12,6 +12,9 @@ from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
 from conftest import tiny_config
 
+# Timings are printed, never asserted: XLA's optimisations would only cost compile time here.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 ROW_KEYS = {
     "name",
     "params",

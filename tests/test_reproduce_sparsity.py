@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 def test_sparsity_study_trains_every_variant_and_seed_and_writes_json_markdown_png(tmp_path):
     out = str(tmp_path / "sparsity")
-    args = ["sparsity", "--out", out, "--preset", "smoke", "--config.variants=dense,sparse_ff_16",
+    args = ["sparsity", "--out", out, "--preset", "smoke", "--config.variants=dense,sparse_ff_16", "--config.seeds=0,1",
                 "--config.steps=2", "--config.eval_every=2", ONE_DEVICE]
     assert cli.main(args) == 0
 
@@ -56,6 +56,8 @@ def test_sparsity_study_rejects_bad_settings_before_training(tmp_path):
         sparsity.run(cfg, str(tmp_path))
     with pytest.raises(GinConfigError, match="Unknown config field 'step'"):
         cli.main(["sparsity", "--out", str(tmp_path), "--config.step=3"])
+    with pytest.raises(GinConfigError, match="expected a value like 3"):
+        cli.main(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--config.steps=many"])
     with pytest.raises(GinConfigError, match="generates its data"):
         cli.main(["length_generalization", "--out", str(tmp_path), "--c4_json=/nowhere"])
     assert not os.listdir(tmp_path)

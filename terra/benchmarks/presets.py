@@ -49,13 +49,19 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
 
     for item in overrides:
         name, _, value = item[len("--config.") :].partition("=")
-        try:
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed = value
         if name not in config:
             raise GinConfigError(f"Unknown config field {name!r}; fields: {', '.join(sorted(config.keys()))}.")
-        config[name] = parsed
+        if isinstance(config[name], str):
+            parsed = value  # a text field takes the text as given: --config.seeds=0,1
+        else:
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
+        try:
+            config[name] = parsed
+        except TypeError:
+            raise GinConfigError(f"--config.{name}={value}: expected a value like {config[name]!r}.") from None
 
 
 def paper_800m() -> ml_collections.ConfigDict:

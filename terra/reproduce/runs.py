@@ -73,7 +73,14 @@ def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bi
                                           f"terra.train.seed = {seed}"])
     start = time.perf_counter()
     result = trainer.train(progress=False)
+    # Training time summed over the invocations that trained this run (a resumed or finished
+    # run adds only what this call spent), kept next to its checkpoints.
+    seconds_path = os.path.join(model_dir, "study_seconds.json")
     seconds = time.perf_counter() - start
+    if os.path.exists(seconds_path):
+        with open(seconds_path) as f:
+            seconds += float(json.load(f)["seconds"])
+    write_json(seconds_path, {"seconds": seconds})
     params_count = int(sum(x.size for x in jax.tree.leaves(result.params)))
     curves = read_curves(model_dir)
     final = {k: v[-1][1] for k, v in curves.items() if k.startswith("eval/")}
