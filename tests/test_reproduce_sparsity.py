@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from terra.errors import ConfigError
+from terra.errors import ConfigError, DataNotFoundError
 from terra.gin_utils import GinConfigError
 from conftest import ONE_DEVICE, is_png
 from terra.reproduce import __main__ as cli
@@ -58,6 +58,8 @@ def test_sparsity_study_rejects_bad_settings_before_training(tmp_path):
         cli.main(["sparsity", "--out", str(tmp_path), "--config.step=3"])
     with pytest.raises(GinConfigError, match="expected a value like 3"):
         cli.main(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--config.steps=many"])
+    with pytest.raises(DataNotFoundError, match="C4 JSON shards under /nowhere"):
+        cli.main(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--c4_json=/nowhere"])
     with pytest.raises(GinConfigError, match="generates its data"):
         cli.main(["length_generalization", "--out", str(tmp_path), "--c4_json=/nowhere"])
     assert not os.listdir(tmp_path)

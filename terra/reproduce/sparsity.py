@@ -112,10 +112,14 @@ def _size_bindings(size: str, variant: Variant, vocab_size: int, dropout: float)
     ]
 
 
-def _task_vocab_size(task_gin: str, data_bindings: Sequence[str]) -> int:
+def _checked_task_vocab_size(task_gin: str, data_bindings: Sequence[str]) -> int:
+    """The task's vocabulary size, after checking both splits' data are there (a missing
+    dataset fails here, naming the path tried, before anything is written)."""
     gin_utils.parse_gin([task_gin], list(data_bindings))
-    name = gin_utils.gin.query_parameter("%TASK")
-    return tasks.get_task(name).output_features["targets"].vocabulary.vocab_size
+    task = tasks.get_task(gin_utils.gin.query_parameter("%TASK"))
+    for split in ("train", "validation"):
+        tasks.check_task_data(task, split)
+    return task.output_features["targets"].vocabulary.vocab_size
 
 
 def _check_variants(names: Sequence[str]) -> None:
@@ -136,8 +140,9 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
     if cfg.decode_at not in ("trained", "800m", "none"):
         raise ConfigError(f"decode_at={cfg.decode_at!r}: choose 'trained', '800m' or 'none'.")
     _check_variants(names)
-    task_gin = cfg.c4_task_gin if data_bindings else cfg.task_gin
-    vocab_size = _task_vocab_size(task_gin, data_bindings)
+    reads_c4 = any(b.startswith("terra.data.c4_source.") for b in data_bindings)
+    task_gin = cfg.c4_task_gin if reads_c4 else cfg.task_gin
+    vocab_size = _checked_task_vocab_size(task_gin, data_bindings)
     os.makedirs(out_dir, exist_ok=True)
     log(f"sparsity study: {len(names)} variants x seeds {seeds}, {cfg.steps} steps of {cfg.batch_size} on "
         f"{task_gin} ({cfg.size} size) -> {out_dir}")
