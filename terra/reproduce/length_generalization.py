@@ -93,12 +93,21 @@ def config(preset: str = "small") -> ml_collections.ConfigDict:
     })
 
 
-def _addition_feature_lengths(min_length: int, max_length: int) -> Dict[str, int]:
-    """Room for every example: the input ``x+y`` plus EOS, and the sum (first operand + 1
-    digits at most) plus EOS, from the reference's length formulas (``trax_reference.md`` §7)."""
+def _first_operand_digits(min_length: int, max_length: int) -> tuple:
+    """(fewest, most) digits of the first operand under the reference's length formulas."""
     add = (min_length - 1) // 2
-    first_operand = (max_length - add + 1) // 2 - 1 + add
-    return {"inputs": max_length + 1, "targets": first_operand + 2}
+    return max(add, 1), (max_length - add + 1) // 2 - 1 + add
+
+
+def _addition_feature_lengths(min_length: int, max_length: int) -> Dict[str, int]:
+    """Room for every example: the input ``x+y`` plus EOS, and the sum plus EOS, from the
+    reference's length formulas (``trax_reference.md`` §7): the first operand has
+    ``add + randint((max - add + 1) // 2)`` digits, the second ``1 + randint(max - l1 - 1)``
+    (it can be the longer one), and the sum one digit more than the longer."""
+    add = (min_length - 1) // 2
+    first_operand = _first_operand_digits(min_length, max_length)[1]
+    second_operand = max_length - add - 1
+    return {"inputs": max_length + 1, "targets": max(first_operand, second_operand) + 2}
 
 
 def _task_bindings(cfg, task: str) -> List[str]:
@@ -207,11 +216,10 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
         if task == "copy":
             return (f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
                     f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}")
-        train_digits = _addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)["targets"] - 2
-        eval_low = (cfg.addition_eval_min_length - 1) // 2
-        eval_high = _addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)["targets"] - 2
-        return (f"addition: trained with a first operand of 1–{train_digits} digits, evaluated on "
-                f"{eval_low}–{eval_high}")
+        return (f"addition: trained on inputs x+y of at most {cfg.addition_train_max_length} symbols (first operand "
+                f"of 1–{_first_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)[1]} digits), "
+                f"evaluated on inputs of at most {cfg.addition_eval_max_length} with a first operand of "
+                "{}–{} digits".format(*_first_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)))
 
     header = [name for t in task_names for name in (t, f"{t} (seq)")]
     lines = [
