@@ -17,7 +17,6 @@ flags apply to both runs.
 """
 
 import argparse
-import json
 import os
 import textwrap
 from typing import List, Optional
@@ -27,12 +26,12 @@ import jax
 from terra import gin_utils
 from terra.benchmarks.decode_speed import measure_decode
 from terra.evaluation import evaluator, summaries
+from terra.training import metrics as metrics_lib
 from terra.training import trainer
 
 
 def _losses(model_dir: str, key: str) -> List[float]:
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-        return [row[key] for row in map(json.loads, f) if key in row]
+    return [row[key] for row in metrics_lib.read_metrics(model_dir) if key in row]
 
 
 def _run(gin_file: str, model_dir: str, steps: int, bindings: List[str]) -> trainer.TrainResult:

@@ -280,7 +280,9 @@ mesh = make_mesh(data=-1, model=2)
 rows = {"x": np.full((2, 3), jax.process_index() + 1, np.float32)}
 batch = global_batch(rows, mesh)
 total = jax.jit(lambda b: jnp.sum(b["x"]), out_shardings=jax.sharding.NamedSharding(mesh, jax.P()))(batch)
-print("RESULT", describe_mesh(mesh), batch["x"].shape, float(total), flush=True)
+# A file, not stdout: gloo's own threads print to stdout mid-line.
+with open(os.environ["TERRA_TEST_RESULT"], "w") as f:
+    f.write(f"{describe_mesh(mesh)} {batch['x'].shape} {float(total)}")
 """
 
 
@@ -299,10 +301,10 @@ def test_two_cpu_processes_form_one_mesh_through_gloo(tmp_path):
             TERRA_COORDINATOR=f"127.0.0.1:{port}",
             TERRA_NUM_PROCESSES="2",
             TERRA_PROCESS_ID=str(process_id),
+            TERRA_TEST_RESULT=str(tmp_path / f"result{process_id}.txt"),
         )
         workers.append(
             subprocess.Popen(
-                # stderr apart: gloo's log lines land mid-line in a merged stream.
                 [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
@@ -315,8 +317,8 @@ def test_two_cpu_processes_form_one_mesh_through_gloo(tmp_path):
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
-    for worker, output in zip(workers, outputs):
+    for process_id, (worker, output) in enumerate(zip(workers, outputs)):
         assert worker.returncode == 0, output
-        result = [line for line in output.splitlines() if line.startswith("RESULT")]
+        result = (tmp_path / f"result{process_id}.txt").read_text()
         # Each process contributes 2 rows of 3: 6 * 1 + 6 * 2 = 18, summed across processes.
-        assert result == ["RESULT mesh data=2 x model=2 over 4 cpu devices, 2 processes (4, 3) 18.0"], output
+        assert result == "mesh data=2 x model=2 over 4 cpu devices, 2 processes (4, 3) 18.0", output

@@ -8,7 +8,7 @@ import pytest
 from conftest import ONE_DEVICE, is_png
 from terra.reproduce import __main__ as cli
 from terra import gin_utils
-from terra.data import pipeline, tasks
+from terra.data import pipeline, synthetic, tasks
 from terra.reproduce import length_generalization
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -45,31 +45,34 @@ def test_addition_bindings_give_untruncated_sums_at_both_lengths(split):
     vocabulary = task.output_features["targets"].vocabulary
     batch = next(pipeline.BatchIterator(pipeline.get_dataset(
         task, split=split, feature_lengths=lengths, batch_size=64, shuffle=False, num_epochs=1)))
-    first_operands = []
+    first_operands, second_operands = [], []
     for inputs, targets in zip(batch["encoder_input_tokens"], batch["decoder_target_tokens"]):
         x, y = vocabulary.decode([int(t) for t in inputs if t > 1]).split("+")
         total = vocabulary.decode([int(t) for t in targets if t > 1])
         # Little-endian digits: a truncated input or sum would break the equality.
         assert int(x[::-1]) + int(y[::-1]) == int(total[::-1])
         first_operands.append(len(x))
-    # The small preset: first operands of 1-16 digits in training, at least 32 in evaluation.
+        second_operands.append(len(y))
+    # The small preset: first operands of at most 16 digits in training, at least 32 in
+    # evaluation; in training the second operand can be the longer one (its sum is what the
+    # target length must hold).
     if split == "train":
-        assert 1 <= min(first_operands) and max(first_operands) <= 16
+        assert max(first_operands) <= 16 < max(second_operands)
     else:
         assert min(first_operands) >= 32
 
 
 def test_addition_feature_lengths_fit_the_reference_length_formulas():
     # trax_reference.md §7: eval inputs up to 301 symbols, first operand up to 214 digits.
-    assert length_generalization._addition_feature_lengths(257, 301) == {"inputs": 302, "targets": 216}
+    assert synthetic.addition_feature_lengths(257, 301) == {"inputs": 302, "targets": 216}
     # Training: the second operand can reach 127 digits (129 - 1 - 1), so the sum 128.
-    assert length_generalization._addition_feature_lengths(3, 129) == {"inputs": 130, "targets": 129}
+    assert synthetic.addition_feature_lengths(3, 129) == {"inputs": 130, "targets": 129}
 
 
 @pytest.mark.parametrize("preset", ["small", "paper"])
 def test_length_generalization_evaluates_on_inputs_at_least_twice_the_training_length(preset):
     cfg = length_generalization.config(preset)
     assert cfg.copy_eval_min_length >= 2 * (cfg.copy_train_length - 1)
-    _, train_most = length_generalization._first_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
-    eval_fewest, _ = length_generalization._first_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
+    (_, train_most), _ = synthetic.addition_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
+    (eval_fewest, _), _ = synthetic.addition_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
     assert eval_fewest >= 2 * train_most

@@ -40,11 +40,18 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict], path: str, title: str) -> None:
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(rows: Sequence[dict], path: str, title: str) -> None:
+    plt = pyplot()
 
     series = sorted({r["series"] for r in rows if r.get("series")})
     fig, ax = plt.subplots(figsize=(8, 4.5))

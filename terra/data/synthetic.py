@@ -149,9 +149,24 @@ def _add_little_endian(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     return digits[:length]
 
 
+def addition_operand_digits(min_length: int, max_length: int) -> tuple:
+    """``((fewest, most), (fewest, most))`` digits of the first and the second operand under
+    the reference's length rules: ``l1 = add + randint((max_length - add + 1) // 2)`` with
+    ``add = (min_length - 1) // 2``, then ``l2 = 1 + randint(max_length - l1 - 1)``, so the
+    second operand can be the longer one."""
+    add = (min_length - 1) // 2
+    return (add, add + (max_length - add + 1) // 2 - 1), (1, max_length - add - 1)
+
+
+def addition_feature_lengths(min_length: int, max_length: int) -> dict:
+    """Feature lengths that hold every example: the input ``x+y`` plus EOS, and the sum (one
+    digit more than the longer operand) plus EOS."""
+    (_, first_most), (_, second_most) = addition_operand_digits(min_length, max_length)
+    return {"inputs": max_length + 1, "targets": max(first_most, second_most) + 2}
+
+
 def _addition_example_fn(split_key: tf.Tensor, min_length: int, max_length: int):
-    add_len = (min_length - 1) // 2
-    l1_choices = (max_length - add_len + 1) // 2
+    (l1_fewest, l1_most), _ = addition_operand_digits(min_length, max_length)
 
     def example_fn(index):
         keys = _example_keys(split_key, index, num=6)
@@ -161,7 +176,7 @@ def _addition_example_fn(split_key: tf.Tensor, min_length: int, max_length: int)
         # 3 <= min_length <= max_length, l1 <= max_length - 2, so the target has at most
         # max_length - 1 digits. The redraw never fires, so drawing l1 and l2 directly
         # reproduces the reference's distribution exactly.
-        l1 = _randint(keys[0], 0, l1_choices) + add_len
+        l1 = _randint(keys[0], 0, l1_most - l1_fewest + 1) + l1_fewest
         l2 = _randint(keys[1], 0, max_length - l1 - 1) + 1
         x = _random_number(keys[2], keys[3], l1)
         y = _random_number(keys[4], keys[5], l2)

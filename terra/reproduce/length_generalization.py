@@ -20,13 +20,16 @@ target tokens (EOS included) are.
 """
 
 import os
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import ml_collections
 
 from terra import gin_utils
+from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
+from terra.data import synthetic
 from terra.errors import ConfigError
+from terra.evaluation.evaluator import write_atomically
 from terra.reproduce import runs
 
 TASKS = ("copy", "addition")
@@ -93,23 +96,6 @@ def config(preset: str = "small") -> ml_collections.ConfigDict:
     })
 
 
-def _first_operand_digits(min_length: int, max_length: int) -> tuple:
-    """(fewest, most) digits of the first operand under the reference's length formulas."""
-    add = (min_length - 1) // 2
-    return max(add, 1), (max_length - add + 1) // 2 - 1 + add
-
-
-def _addition_feature_lengths(min_length: int, max_length: int) -> Dict[str, int]:
-    """Room for every example: the input ``x+y`` plus EOS, and the sum plus EOS, from the
-    reference's length formulas (``trax_reference.md`` §7): the first operand has
-    ``add + randint((max - add + 1) // 2)`` digits, the second ``1 + randint(max - l1 - 1)``
-    (it can be the longer one), and the sum one digit more than the longer."""
-    add = (min_length - 1) // 2
-    first_operand = _first_operand_digits(min_length, max_length)[1]
-    second_operand = max_length - add - 1
-    return {"inputs": max_length + 1, "targets": max(first_operand, second_operand) + 2}
-
-
 def _task_bindings(cfg, task: str) -> List[str]:
     if task == "copy":
         train = {"inputs": cfg.copy_train_length, "targets": cfg.copy_train_length}
@@ -118,8 +104,8 @@ def _task_bindings(cfg, task: str) -> List[str]:
                 f"terra.data.copy_dataset.eval_min_length = {cfg.copy_eval_min_length}",
                 f"terra.data.copy_dataset.eval_max_length = {cfg.copy_eval_max_length}"]
     else:
-        train = _addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)
-        evaluation = _addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
+        train = synthetic.addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)
+        evaluation = synthetic.addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
         data = [f"terra.data.addition_dataset.train_min_length = {cfg.addition_train_min_length}",
                 f"terra.data.addition_dataset.train_max_length = {cfg.addition_train_max_length}",
                 f"terra.data.addition_dataset.eval_min_length = {cfg.addition_eval_min_length}",
@@ -190,7 +176,7 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
                "paper_table_4": PAPER_TABLE_4, "rows": rows, "runs": records}
     table = markdown(rows, cfg, task_names)
     runs.write_json(os.path.join(out_dir, "length_generalization.json"), payload)
-    runs.write_text(os.path.join(out_dir, "length_generalization.md"), table)
+    write_atomically(os.path.join(out_dir, "length_generalization.md"), table)
     plot(rows, task_names, os.path.join(out_dir, "length_generalization.png"))
     log(table)
     return payload
@@ -216,10 +202,11 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
         if task == "copy":
             return (f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
                     f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}")
+        (_, train_most), _ = synthetic.addition_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
+        (eval_fewest, eval_most), _ = synthetic.addition_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
         return (f"addition: trained on inputs x+y of at most {cfg.addition_train_max_length} symbols (first operand "
-                f"of 1–{_first_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)[1]} digits), "
-                f"evaluated on inputs of at most {cfg.addition_eval_max_length} with a first operand of "
-                "{}–{} digits".format(*_first_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)))
+                f"of 1–{train_most} digits), evaluated on inputs of at most {cfg.addition_eval_max_length} with a "
+                f"first operand of {eval_fewest}–{eval_most} digits")
 
     header = [name for t in task_names for name in (t, f"{t} (seq)")]
     lines = [
@@ -249,7 +236,7 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
 
 def plot(rows: Sequence[dict], task_names: Sequence[str], path: str) -> None:
     """Bars: out-of-distribution accuracy per task and model, in-distribution as outlines."""
-    plt = runs.pyplot()
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     width = 0.8 / max(len(rows), 1)
     for ax, metric, title in zip(axes, ("token_accuracy", "sequence_accuracy"), ("token accuracy", "sequence accuracy")):

@@ -7,21 +7,22 @@ where it was, and any run can be inspected or evaluated again with ``python -m t
 """
 
 import dataclasses
+import itertools
 import json
-import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from terra import gin_utils
 from terra.data import pipeline, tasks
 from terra.errors import ConfigError
+from terra.evaluation.evaluator import write_atomically
+from terra.training import metrics as metrics_lib
 from terra.training import trainer
-from terra.training.train_step import eval_step, summarize_eval
+from terra.training.train_step import eval_step, evaluate_batches
 
 
 @dataclasses.dataclass
@@ -52,17 +53,15 @@ def parse_seeds(text) -> List[int]:
 
 
 def read_curves(model_dir: str) -> Dict[str, List[List[float]]]:
-    """``metrics.jsonl`` as ``{metric: [[step, value], ...]}`` (later rows win on a resumed run)."""
-    curves: Dict[str, Dict[int, float]] = {}
-    path = os.path.join(model_dir, "metrics.jsonl")
-    if not os.path.exists(path):
+    """``metrics.jsonl`` as ``{metric: [[step, value], ...]}`` (later rows win on a resumed run;
+    non-finite values, stored as strings, are left out)."""
+    if not os.path.exists(os.path.join(model_dir, metrics_lib.METRICS_FILE)):
         return {}
-    with open(path) as f:
-        for row in map(json.loads, f):
-            step = int(row["step"])
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    curves.setdefault(key, {})[step] = float(value)
+    curves: Dict[str, Dict[int, float]] = {}
+    for row in metrics_lib.read_metrics(model_dir):
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                curves.setdefault(key, {})[int(row["step"])] = float(value)
     return {k: [[s, v] for s, v in sorted(points.items())] for k, points in curves.items()}
 
 
@@ -91,20 +90,17 @@ def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bi
 
 def evaluate_split(model, params, task: str, split: str, feature_lengths: Dict[str, int], batch_size: int,
                    num_batches: int, feature_converter=None, seed: int = 0) -> Dict[str, float]:
-    """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's ``eval_step``)
+    """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's evaluation)
     on the first ``num_batches`` batches of ``split``; the train split is read unshuffled from
     its start, so it is the same examples every time."""
     ds = pipeline.get_dataset(tasks.get_task(task), split=split, feature_lengths=feature_lengths,
                               batch_size=batch_size, feature_converter=feature_converter, seed=seed, shuffle=False,
                               num_epochs=1 if split != "train" else None)
-    step = jax.jit(lambda p, b: eval_step(model, p, b))
-    totals = None
-    for _, batch in zip(range(num_batches), pipeline.BatchIterator(ds)):
-        sums = step(params, {k: jnp.asarray(v) for k, v in batch.items()})
-        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    if totals is None:
+    batches = itertools.islice(pipeline.BatchIterator(ds), num_batches)
+    metrics = evaluate_batches(jax.jit(lambda p, b: eval_step(model, p, b)), params, batches)
+    if not metrics:
         raise ConfigError(f"the {split!r} split of {task!r} gave no batch of {batch_size} examples.")
-    return summarize_eval(totals)
+    return metrics
 
 
 def mean_and_spread(values: Sequence[float]) -> Dict[str, float]:
@@ -122,34 +118,10 @@ def format_mean(stats: Dict[str, float], digits: int = 3, scale: float = 1.0) ->
 
 def write_json(path: str, payload: dict) -> None:
     """Atomically: a study interrupted while writing leaves the previous file intact."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=_jsonable)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(payload, indent=2, default=_jsonable))
 
 
 def _jsonable(value):
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-def write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def finite_or_none(value: Optional[float]) -> Optional[float]:
-    return None if value is None or not math.isfinite(value) else float(value)

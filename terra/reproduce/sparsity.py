@@ -29,9 +29,11 @@ import ml_collections
 from terra import gin_utils
 from terra.benchmarks import decode_speed
 from terra.benchmarks import presets as preset_lib
-from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
+from terra.benchmarks import report
+from terra.benchmarks.bandwidth import describe_machine
 from terra.data import tasks
 from terra.errors import ConfigError
+from terra.evaluation.evaluator import write_atomically
 from terra.reproduce import runs
 
 
@@ -179,31 +181,28 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
     }
     table = markdown(rows, cfg, task_gin)
     runs.write_json(os.path.join(out_dir, "sparsity.json"), payload)
-    runs.write_text(os.path.join(out_dir, "sparsity.md"), table)
+    write_atomically(os.path.join(out_dir, "sparsity.md"), table)
     plot(results, names, os.path.join(out_dir, "sparsity.png"), f"{cfg.size} size, {task_gin}")
     log(table)
     return payload
 
 
 def _decode_times(cfg, names: Sequence[str], vocab_size: int, log) -> Dict[str, dict]:
-    """Batch-1 seconds per token of each variant, by the decode-speed benchmark's ``run_row``."""
-    bandwidth = measure_read_bandwidth(cfg.bandwidth_buffer_mb << 20)
-    out = {}
+    """Each variant's decode-speed benchmark row (``run_preset``): batch-1 seconds per token
+    and the speed-up over the dense variant."""
+    rows = []
     for name in names:
         variant = VARIANTS[name]
+        bindings = list(variant.bindings)
         if cfg.decode_at == "trained":
-            bindings = [*_size_bindings(cfg.size, variant, vocab_size, 0.0), *variant.bindings]
-            common = []
-        else:
-            bindings, common = list(variant.bindings), list(preset_lib.TIMING_SHAPE_800M)
-        timing = preset_lib.timing_config([], common_bindings=common, tokens=cfg.decode_tokens + 2,
-                                          repeats=cfg.decode_repeats, warmup=2,
-                                          bandwidth_buffer_mb=cfg.bandwidth_buffer_mb)
-        row = decode_speed.run_row(preset_lib.make_row(variant.label, variant.gin_file, bindings=bindings), timing, bandwidth)
-        out[name] = row
-        log(f"  decode {name} ({cfg.decode_at}): {row['seconds_per_token_median'] * 1e3:.3f} ms per token, "
-            f"{row['params']:,} parameters")
-    return out
+            bindings = [*_size_bindings(cfg.size, variant, vocab_size, 0.0), *bindings]
+        rows.append(preset_lib.make_row(variant.label, variant.gin_file, bindings=bindings))
+    common = [] if cfg.decode_at == "trained" else list(preset_lib.TIMING_SHAPE_800M)
+    timing = preset_lib.timing_config(rows, common_bindings=common, tokens=cfg.decode_tokens + 2,
+                                      repeats=cfg.decode_repeats, warmup=2, dense_row=list(names).index("dense"),
+                                      bandwidth_buffer_mb=cfg.bandwidth_buffer_mb)
+    measured = decode_speed.run_preset(timing, None, f"decode speed of the study's variants ({cfg.decode_at})", log=log)
+    return dict(zip(names, measured))
 
 
 def _rows(names: Sequence[str], results: Dict[str, List[runs.RunResult]], timings: Dict[str, dict]) -> List[dict]:
@@ -212,7 +211,6 @@ def _rows(names: Sequence[str], results: Dict[str, List[runs.RunResult]], timing
         return curve[-1][1] if curve else float("nan")
 
     dense_losses = {r.seed: final(r, "eval/loss") for r in results["dense"]}
-    dense_time = timings.get("dense", {}).get("seconds_per_token_median")
     rows = []
     for name in names:
         losses = [final(r, "eval/loss") for r in results[name]]
@@ -231,7 +229,7 @@ def _rows(names: Sequence[str], results: Dict[str, List[runs.RunResult]], timing
             "train_seconds": runs.mean_and_spread([r.seconds for r in results[name]]),
             "decode_seconds_per_token": timing["seconds_per_token_median"] if timing else None,
             "decode_params": timing["params"] if timing else None,
-            "decode_speedup_vs_dense": (dense_time / timing["seconds_per_token_median"]) if timing and dense_time else None,
+            "decode_speedup_vs_dense": timing["speedup_vs_dense"] if timing else None,
         })
     return rows
 
@@ -253,7 +251,7 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
     for r in rows:
         decode = "—" if r["decode_seconds_per_token"] is None else f"{r['decode_seconds_per_token'] * 1e3:.2f}"
         speedup = "—" if r["decode_speedup_vs_dense"] is None else f"{r['decode_speedup_vs_dense']:.2f}x"
-        gap = "—" if r["variant"] == "dense" else f"{runs.format_mean(r['gap_to_dense']):s}"
+        gap = "—" if r["variant"] == "dense" else runs.format_mean(r["gap_to_dense"])
         lines.append(
             f"| {r['label']} | {r['params'] / 1e6:.2f}M | {runs.format_mean(r['eval_log_perplexity'])} | {gap} | "
             f"{runs.format_mean(r['eval_token_accuracy'], 1, 100)}% | {r['train_seconds']['mean']:.0f} s | {decode} | {speedup} |")
@@ -262,7 +260,7 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
 
 def plot(results: Dict[str, List[runs.RunResult]], names: Sequence[str], path: str, title: str) -> None:
     """Eval log-perplexity against step per variant: mean over seeds, min-max band."""
-    plt = runs.pyplot()
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in names:
         curves = [dict((int(s), v) for s, v in r.curves.get("eval/loss", [])) for r in results[name]]

@@ -65,6 +65,16 @@ def eval_step(model, params, batch) -> Metrics:
     }
 
 
+def evaluate_batches(eval_fn, params, batches) -> Dict[str, float]:
+    """Sums ``eval_fn(params, batch)`` (an :func:`eval_step`) over ``batches`` and summarizes
+    it; ``{}`` when there is no batch."""
+    totals = None
+    for batch in batches:
+        sums = eval_fn(params, batch)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    return summarize_eval(totals) if totals is not None else {}
+
+
 def summarize_eval(totals: Metrics) -> Dict[str, float]:
     """Summed eval metrics -> log-perplexity (nats per target token), token and sequence accuracy."""
     weight = max(float(totals["weight_sum"]), 1.0)

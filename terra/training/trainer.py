@@ -39,7 +39,7 @@ from terra.parallel import sharding
 from terra.training import checkpointing, optimizers
 from terra.training import metrics as metrics_lib
 from terra.training.train_state import TrainState
-from terra.training.train_step import eval_step, summarize_eval, train_step
+from terra.training.train_step import eval_step, evaluate_batches, train_step
 
 
 class TrainingDiverged(TrainingError):
@@ -284,11 +284,7 @@ def train(
             if not eval_batches:
                 hosts = batches(eval_split, eval_feature_lengths or feature_lengths, 1, False)
                 eval_batches.extend(sharding.global_batch(h, mesh) for h in itertools.islice(hosts, eval_steps))
-            totals = None
-            for batch in eval_batches:
-                m = eval_fn(params, batch)
-                totals = m if totals is None else jax.tree.map(jnp.add, totals, m)
-            return summarize_eval(totals) if totals is not None else {}
+            return evaluate_batches(eval_fn, params, eval_batches)
 
         rouge_set = []  # the fixed validation examples ROUGE is measured on: read once
 
