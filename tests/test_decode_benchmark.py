@@ -25,6 +25,8 @@ ROW_KEYS = {
     "achieved_gbps",
     "bandwidth_gbps",
     "speedup_vs_dense",
+    "seconds_per_token_loop",
+    "speedup_vs_dense_loop",
 }
 
 
@@ -40,6 +42,7 @@ def test_tiny_preset_writes_the_table_json_and_plot(tmp_path):
         assert row["seconds_per_token_min"] <= row["seconds_per_token_median"]
         assert row["bytes_per_token"] > 0 and row["bandwidth_gbps"] > 0 and row["params"] > 0
     assert saved[0]["speedup_vs_dense"] == pytest.approx(1.0)
+    assert saved[0]["speedup_vs_dense_loop"] == pytest.approx(1.0)
     assert saved[0]["bytes_per_token"] > saved[2]["bytes_per_token"]  # the fully sparse row reads less
     assert "| baseline Transf. |" in (tmp_path / "decode_speed.md").read_text()
     assert os.path.getsize(tmp_path / "decode_speed.png") > 1000

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from terra.decoding import generate, sample_next_token
+from terra.decoding.decode_step import IncrementalDecoder
 from terra.models.model_api import shift_right
 
 
@@ -52,21 +53,20 @@ def test_sampling_is_reproducible_from_its_seed(tiny_model):
     assert not np.array_equal(a.tokens, c.tokens)
 
 
-class _ScriptedDecoder:
-    """Stands in for IncrementalDecoder: row r emits EOS (id 1) at step eos_at[r], else 5."""
+class _ScriptedDecoder(IncrementalDecoder):
+    """An IncrementalDecoder whose step is scripted: row r emits EOS (id 1) at step eos_at[r],
+    else 5; the cache counts the steps taken."""
 
     def __init__(self, eos_at, vocab=8, max_decode_length=10):
+        super().__init__(module=None, max_decode_length=max_decode_length)
         self.eos_at = jnp.asarray(eos_at)
         self.vocab = vocab
-        self.max_decode_length = max_decode_length
-        self.steps = 0
 
-    def prefill(self, params, inputs, mask=None):
+    def _prefill(self, params, inputs, mask=None):
         return jnp.zeros((), jnp.int32)
 
-    def step(self, params, cache, token):
+    def _step(self, params, cache, token):
         target = jnp.where(self.eos_at == cache, 1, 5)
-        self.steps += 1
         return jax.nn.one_hot(target, self.vocab) * 10.0, cache + 1
 
 
@@ -75,7 +75,11 @@ def test_each_row_stops_at_its_own_eos_and_the_loop_ends_when_all_have():
     out = generate(decoder, None, jnp.ones((3, 4), jnp.int32), eos_id=1, pad_id=0)
     np.testing.assert_array_equal(out.lengths, [2, 4, 3])
     np.testing.assert_array_equal(out.tokens, [[5, 1, 0, 0], [5, 5, 5, 1], [5, 5, 1, 0]])
-    assert decoder.steps == 4
+    # The loop stopped after the last row's EOS: 4 steps of the 10 the cache allows.
+    _, steps, cache = decoder.generate_tokens(
+        None, decoder.prefill(None, None), jnp.zeros((3,), jnp.int32), jax.random.key(0), 10, 0.0, 1, 0
+    )
+    assert int(steps) == 4 and int(cache) == 4
 
 
 def test_generation_without_eos_runs_to_max_new_tokens():
@@ -89,3 +93,24 @@ def test_asking_for_more_tokens_than_the_cache_holds_is_an_error():
         generate(_ScriptedDecoder(eos_at=[99], max_decode_length=4), None, jnp.ones((1, 2), jnp.int32), max_new_tokens=5)
     with pytest.raises(ValueError, match="temperature"):
         generate(_ScriptedDecoder(eos_at=[99]), None, jnp.ones((1, 2), jnp.int32), temperature=-1.0)
+
+
+def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
+    model, params = tiny_model
+    decoder = model.decoder(7)
+    inputs = jnp.asarray(np.random.default_rng(2).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
+    for temperature in (0.0, 3.0):
+        rng = jax.random.key(11)
+        cache = decoder.prefill(params, inputs)
+        token = jnp.zeros((2,), jnp.int32)
+        expected = []
+        for _ in range(7):  # no EOS stop here: eos_id -1 never matches
+            logits, cache = decoder.step(params, cache, token)
+            rng, sample_rng = jax.random.split(rng)
+            token = sample_next_token(logits, sample_rng, temperature)
+            expected.append(token)
+        tokens, steps, _ = decoder.generate_tokens(
+            params, decoder.prefill(params, inputs), jnp.zeros((2,), jnp.int32), jax.random.key(11), 7, temperature, -1, 0
+        )
+        assert int(steps) == 7
+        np.testing.assert_array_equal(tokens, jnp.stack(expected, axis=1))

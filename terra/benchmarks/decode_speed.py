@@ -8,7 +8,11 @@
 Protocol (the reference's, ``trax_reference.md`` §6): random weights; prefill a 16-token
 encoder input; warm up (compiles and runs a few steps); then, per repetition, prefill again and
 time ``tokens`` single-token ``step`` calls with ``block_until_ready``, the first two not
-counted. Reports the median and minimum seconds per token, seconds per decoder block, the bytes
+counted. The same tokens are also timed inside one jitted ``while_loop``
+(``IncrementalDecoder.generate_tokens``, what generation runs): per repetition, the loop for
+``tokens`` steps minus the loop for the first two, per step, which leaves out the host's work
+of each jitted call (argument handling and the round trip for the next token). Reports the median and minimum
+seconds per token (step protocol), the in-loop seconds per token, seconds per decoder block, the bytes
 each token must read (the parameters the decode step touches, by layer, plus every cache it
 reads), the achieved GB/s and the fraction of the machine's measured read bandwidth. Writes
 ``decode_speed.{json,md,png}`` and ``machine.json`` to ``--out``.
@@ -40,6 +44,7 @@ from terra.models.param_count import params_read_per_token
 class DecodeTiming:
     prefill_s: List[float]
     token_s: List[float]
+    loop_token_s: List[float] = dataclasses.field(default_factory=list)
 
     @property
     def median_token_s(self) -> float:
@@ -49,11 +54,16 @@ class DecodeTiming:
     def min_token_s(self) -> float:
         return float(np.min(self.token_s))
 
+    @property
+    def median_loop_token_s(self) -> float:
+        return float(np.median(self.loop_token_s))
+
     def summary(self) -> dict:
         return {
             "prefill_median_s": float(np.median(self.prefill_s)),
             "token_median_s": self.median_token_s,
             "token_min_s": self.min_token_s,
+            "loop_token_median_s": self.median_loop_token_s,
             "timed_tokens": len(self.token_s),
         }
 
@@ -71,8 +81,9 @@ def measure_decode(
     n_warmup: int = 4,
     repeats: int = 3,
 ) -> DecodeTiming:
-    """Times ``prefill`` and each greedy ``step`` (``n_tokens`` per repetition, the first
-    ``n_skip`` of each not counted)."""
+    """Times ``prefill``, each greedy ``step`` (``n_tokens`` per repetition, the first
+    ``n_skip`` of each not counted) and the in-loop time per token of ``generate_tokens``
+    (one value per repetition: the loop over ``n_tokens`` minus the loop over ``n_skip``)."""
     if n_tokens > decoder.max_decode_length:
         raise ValueError(f"n_tokens={n_tokens} exceeds max_decode_length={decoder.max_decode_length}.")
     if n_tokens <= n_skip:
@@ -94,10 +105,21 @@ def measure_decode(
                 timing.token_s.append(time.perf_counter() - t0)
             token = _next_token(logits)
 
+    def loop(n: int) -> float:
+        cache = jax.block_until_ready(decoder.prefill(params, inputs))
+        start = jnp.zeros((batch,), jnp.int32)
+        t0 = time.perf_counter()
+        # Greedy (temperature 0) with an EOS id no token has, so every one of the n steps runs.
+        tokens, _, _ = decoder.generate_tokens(params, cache, start, jax.random.key(0), n, 0.0, -1, 0)
+        tokens.block_until_ready()
+        return time.perf_counter() - t0
+
     timing = DecodeTiming([], [])
     run(min(n_warmup, decoder.max_decode_length), False, timing)
+    loop(n_skip)  # compiles; the step count is traced, so both lengths share it
     for _ in range(repeats):
         run(n_tokens, True, timing)
+        timing.loop_token_s.append((loop(n_tokens) - loop(n_skip)) / (n_tokens - n_skip))
     return timing
 
 
@@ -168,6 +190,7 @@ def run_row(row, config, bandwidth: float) -> dict:
         t1, r1, _, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 1"], config)
         timing, reads, n_params, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config)
         per_block = timing.median_token_s - t1.median_token_s
+        per_block_loop = timing.median_loop_token_s - t1.median_loop_token_s
         block_bytes = reads["total"] - r1["total"]
         extra = {"bytes_per_block": int(block_bytes), "seconds_per_token_one_block": t1.median_token_s}
         achieved = block_bytes / max(per_block, 1e-9)
@@ -175,6 +198,7 @@ def run_row(row, config, bandwidth: float) -> dict:
     else:
         timing, reads, n_params, n_layers = _time_model(row.gin_files, bindings, config)
         per_block = timing.median_token_s / n_layers
+        per_block_loop = timing.median_loop_token_s / n_layers
         achieved = reads["total"] / timing.median_token_s
         floor = reads["total"] / bandwidth
         extra = {}
@@ -190,6 +214,8 @@ def run_row(row, config, bandwidth: float) -> dict:
         "seconds_per_token_min": timing.min_token_s,
         "prefill_seconds": float(np.median(timing.prefill_s)),
         "seconds_per_block": float(per_block),
+        "seconds_per_token_loop": timing.median_loop_token_s,
+        "seconds_per_block_loop": float(per_block_loop),
         "bytes_per_token": int(reads["total"]),
         "weight_bytes_per_token": int(reads["weights"]),
         "cache_bytes_per_token": int(reads["caches"]),
@@ -213,6 +239,7 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
         rows.append(result)
         log(
             f"  {row.name:<40} {result['seconds_per_token_median'] * 1e3:9.3f} ms/token  "
+            f"({result['seconds_per_token_loop'] * 1e3:.3f} in loop)  "
             f"{result['seconds_per_block'] * 1e3:8.3f} ms/block  {result['bytes_per_token'] / 1e6:9.1f} MB  "
             f"{100 * result['fraction_of_bandwidth']:5.1f}% of bandwidth"
         )
@@ -222,9 +249,11 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     machine["bandwidth_after_gbps"] = after / 1e9
     log(f"read bandwidth after the rows: {after / 1e9:.1f} GB/s")
     key = "seconds_per_block" if config.block_mode == "difference" else "seconds_per_token_median"
-    reference = rows[config.dense_row][key]
+    loop_key = "seconds_per_block_loop" if config.block_mode == "difference" else "seconds_per_token_loop"
+    reference, loop_reference = rows[config.dense_row][key], rows[config.dense_row][loop_key]
     for r in rows:
         r["speedup_vs_dense"] = reference / r[key]
+        r["speedup_vs_dense_loop"] = loop_reference / r[loop_key]
     if out_dir:
         log(report.write_outputs(out_dir, rows, machine, bandwidth / 1e9, title))
     return rows

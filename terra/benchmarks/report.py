@@ -24,17 +24,21 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
             "difference, and MB, GB/s, % and floor are per block."
             if block_mode
             else "GB/s, % of bandwidth and floor are per token."
-        ),
+        )
+        + " Dec. time is one jitted `step` call per token (the reference's protocol); in loop is the "
+        "same step inside one jitted `while_loop`, as generation runs it.",
         "",
-        f"| model | Params | Dec. time | Dec. time per block | Speedup | MB / {'block' if block_mode else 'token'} "
-        "| GB/s | % of bandwidth | floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| model | Params | Dec. time | Dec. time per block | Speedup | in loop | Speedup in loop "
+        f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    loop_key = "seconds_per_block_loop" if block_mode else "seconds_per_token_loop"
     for r in rows:
         lines.append(
             f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
             f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
-            f"{r['speedup_vs_dense']:.2f}x | {r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
+            f"{r['speedup_vs_dense']:.2f}x | {r[loop_key] * 1e3:.3f} ms | {r['speedup_vs_dense_loop']:.2f}x | "
+            f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
             f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms |"
         )
     return "\n".join(lines) + "\n"
@@ -64,16 +68,20 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
         ax.legend()
     else:
         names = [r["name"] for r in rows]
-        measured = [r["seconds_per_block" if r.get("block_mode") == "difference" else "seconds_per_token_median"] * 1e3 for r in rows]
+        per_block = rows[0].get("block_mode") == "difference"
+        measured = [r["seconds_per_block" if per_block else "seconds_per_token_median"] * 1e3 for r in rows]
+        in_loop = [r.get("seconds_per_block_loop" if per_block else "seconds_per_token_loop") for r in rows]
         floors = [r["floor_seconds"] * 1e3 for r in rows]
         y = range(len(rows))
-        ax.barh(list(y), measured, color="tab:blue", label="measured")
+        ax.barh(list(y), measured, color="tab:blue", label="measured (a step call per token)")
+        if all(t is not None for t in in_loop):
+            ax.scatter([t * 1e3 for t in in_loop], list(y), color="black", marker="o", s=18, label="in one while_loop", zorder=3)
         ax.scatter(floors, list(y), color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
         ax.set_yticks(list(y), names, fontsize=8)
         ax.invert_yaxis()
         unit = "ms per decoder block" if rows and rows[0].get("block_mode") == "difference" else "ms per token"
         ax.set_xlabel(f"{unit} (batch 1)")
-        ax.legend()
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,4 +1,5 @@
-"""Autoregressive generation: the Python loop over tokens around the jitted ``step``."""
+"""Autoregressive generation: prefill, then every token inside one jitted ``while_loop``
+(``IncrementalDecoder.generate_tokens``)."""
 
 import dataclasses
 from typing import Optional
@@ -8,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.decoding.sampling import sample_next_token
 
 
 @dataclasses.dataclass
@@ -18,14 +18,6 @@ class Generation:
 
     tokens: np.ndarray
     lengths: np.ndarray
-
-
-@jax.jit
-def _select(logits, rng, done, temperature, eos_id, pad_id):
-    rng, sample_rng = jax.random.split(rng)
-    token = sample_next_token(logits, sample_rng, temperature)
-    token = jnp.where(done, pad_id, token)
-    return token, done | (token == eos_id), rng
 
 
 def generate(
@@ -56,19 +48,18 @@ def generate(
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy).")
     inputs = jnp.asarray(encoder_input_tokens, jnp.int32)
     cache = decoder.prefill(params, inputs, encoder_mask)
-    batch = inputs.shape[0]
-    token = jnp.full((batch,), pad_id, jnp.int32)  # start token, as the reference's ShiftRight
-    done = jnp.zeros((batch,), bool)
-    rng = jax.random.key(seed)
-    temperature = jnp.float32(temperature)
-    out = []
-    for _ in range(max_new_tokens):
-        logits, cache = decoder.step(params, cache, token)
-        token, done, rng = _select(logits, rng, done, temperature, eos_id, pad_id)
-        out.append(token)
-        if bool(done.all()):
-            break
-    tokens = np.asarray(jnp.stack(out, axis=1))
+    start = jnp.full((inputs.shape[0],), pad_id, jnp.int32)  # as the reference's ShiftRight
+    tokens, steps, _ = decoder.generate_tokens(
+        params,
+        cache,
+        start,
+        jax.random.key(seed),
+        jnp.int32(max_new_tokens),
+        jnp.float32(temperature),
+        jnp.int32(eos_id),
+        jnp.int32(pad_id),
+    )
+    tokens = np.asarray(tokens)[:, : int(steps)]
     is_eos = tokens == eos_id
     lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, tokens.shape[1])
     return Generation(tokens=tokens, lengths=lengths.astype(np.int32))
