@@ -27,6 +27,8 @@ ROW_KEYS = {
     "speedup_vs_dense",
     "seconds_per_token_loop",
     "speedup_vs_dense_loop",
+    "flops_per_token",
+    "arithmetic_seconds",
 }
 
 
@@ -64,6 +66,21 @@ def test_bytes_per_token_match_the_closed_form_for_a_dense_model():
     assert reads["weights"] == 4 * weights
     assert reads["caches"] == 4 * caches
     assert reads["total"] == 4 * (weights + caches)
+
+
+def test_flops_per_token_count_every_product_of_a_dense_model():
+    cfg = tiny_config()
+    model = EncoderDecoderModel(EncoderDecoderTransformer(cfg))
+    decoder = model.decoder(7)
+    input_length = 5
+    flops = decode_speed.decode_flops_per_token(model, decoder, input_length)
+    d, f, v, h, layers = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads, cfg.n_decoder_layers
+    # Multiply-adds of one token: self Q, K, V, O; cross Q, O; the FF; attention over the 7 cache
+    # slots and the 5 encoder positions (scores and weighted values); the logits.
+    products = layers * (4 * d * d + 2 * d * d + 2 * d * f + 2 * 7 * d + 2 * input_length * d) + d * v
+    assert 2 * products <= flops
+    # What remains is elementwise (norms, softmax, residuals, biases): a few dozen per activation.
+    assert flops - 2 * products < 48 * d * (layers + 1)
 
 
 def test_every_preset_names_existing_configs():

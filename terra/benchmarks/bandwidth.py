@@ -5,6 +5,11 @@ A batch-1 decode step is bound by the bytes it must stream from DRAM, so its flo
 matrix-vector product over a buffer far larger than the last-level cache; on the development
 machine both match a vectorised C read loop on two threads (34 GB/s there at the time of
 measurement).
+
+Sparse layers move the limit: what they read shrinks far more than the arithmetic they do
+(Sparse QKV's multiplicative layer and convolutions do nearly the dense Q, K, V products'
+multiply-adds from 1/20 of their bytes), so the benchmark also measures the rate of the small
+products a decode step runs (``measure_product_gflops``) and reports each step's arithmetic time.
 """
 
 import os
@@ -37,6 +42,32 @@ def measure_read_bandwidth(buffer_bytes: int = 1 << 30, repeats: int = 7) -> flo
         best = max(best, float(np.median(rates)))
     del buffer
     return best
+
+
+def measure_product_gflops(shape=(16, 1024, 64), repeats: int = 5, products: int = 2000) -> float:
+    """Sustained GFLOP/s of small matrix products ``[m, k] x [k, n]``, by default the shape of a
+    Sparse QKV decode product (S modules x d_model into M per module): at batch 1 these are the
+    arithmetic a decode step cannot hide behind its memory reads. ``products`` run in one jitted
+    loop, so no call overhead is counted; the median over ``repeats`` loops."""
+    m, k, n = shape
+    a = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+
+    @jax.jit
+    def loop(a, b):
+        # The operand changes every iteration so XLA cannot hoist the product out of the loop.
+        def body(i, acc):
+            return acc + (a + i.astype(jnp.float32)) @ b
+
+        return jax.lax.fori_loop(0, products, body, jnp.zeros((m, n), jnp.float32))
+
+    jax.block_until_ready(loop(a, b))
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(a, b))
+        rates.append(2.0 * m * k * n * products / (time.perf_counter() - t0) / 1e9)
+    return float(np.median(rates))
 
 
 def describe_machine() -> dict:

@@ -35,7 +35,7 @@ import numpy as np
 from terra import gin_utils
 from terra.benchmarks import presets as preset_lib
 from terra.benchmarks import report
-from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
+from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.models.param_count import params_read_per_token
 
@@ -134,6 +134,18 @@ def decode_bytes_per_token(model, decoder: IncrementalDecoder, input_length: int
     return {"weights": param_reads * weights_itemsize, "caches": cache_bytes, "total": param_reads * weights_itemsize + cache_bytes}
 
 
+def decode_flops_per_token(model, decoder: IncrementalDecoder, input_length: int) -> float:
+    """Floating-point operations of one batch-1 decode step, as XLA's cost analysis of the
+    lowered ``step`` counts them (2 per multiply-add of every product, 1 per elementwise op;
+    a gather counts none). Lowering only: nothing is compiled."""
+    abstract = nn.unbox(model.abstract_variables()["params"])
+    cache = jax.eval_shape(decoder.prefill, abstract, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
+    lowered = decoder.step.lower(abstract, cache, jax.ShapeDtypeStruct((1,), jnp.int32))
+    analysis = lowered.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return float(analysis["flops"])
+
+
 # Above this, initialise leaf by leaf: XLA schedules a whole-model random init with several
 # temporaries per parameter alive at once (a 2-layer slice at the 17B widths, 11.5 GB of
 # weights, peaked above 24 GB and was killed).
@@ -176,13 +188,14 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
     )
     itemsize = jnp.dtype(config.weights_dtype).itemsize
     reads = decode_bytes_per_token(model, decoder, config.input_length, itemsize)
+    reads["flops"] = decode_flops_per_token(model, decoder, config.input_length)
     n_layers = cfg.n_decoder_layers
     del params, decoder
     gc.collect()
     return timing, reads, n_params, n_layers
 
 
-def run_row(row, config, bandwidth: float) -> dict:
+def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
     bindings = list(config.common_bindings) + list(row.bindings)
     if config.weights_dtype != "float32":
         bindings.append(f"TransformerConfig.dtype = '{config.weights_dtype}'")
@@ -192,7 +205,12 @@ def run_row(row, config, bandwidth: float) -> dict:
         per_block = timing.median_token_s - t1.median_token_s
         per_block_loop = timing.median_loop_token_s - t1.median_loop_token_s
         block_bytes = reads["total"] - r1["total"]
-        extra = {"bytes_per_block": int(block_bytes), "seconds_per_token_one_block": t1.median_token_s}
+        flops = reads["flops"] - r1["flops"]
+        extra = {
+            "bytes_per_block": int(block_bytes),
+            "flops_per_block": flops,
+            "seconds_per_token_one_block": t1.median_token_s,
+        }
         achieved = block_bytes / max(per_block, 1e-9)
         floor = block_bytes / bandwidth
     else:
@@ -201,6 +219,7 @@ def run_row(row, config, bandwidth: float) -> dict:
         per_block_loop = timing.median_loop_token_s / n_layers
         achieved = reads["total"] / timing.median_token_s
         floor = reads["total"] / bandwidth
+        flops = reads["flops"]
         extra = {}
     return {
         "name": row.name,
@@ -223,6 +242,13 @@ def run_row(row, config, bandwidth: float) -> dict:
         "bandwidth_gbps": bandwidth / 1e9,
         "fraction_of_bandwidth": achieved / bandwidth,
         "floor_seconds": float(floor),
+        "flops_per_token": reads["flops"],
+        "product_gflops": product_gflops,
+        # The step's arithmetic at the small-product rate. A step that overlapped its products
+        # with its reads perfectly would need max(floor, this); one that overlapped nothing,
+        # floor + this. Dense steps sit near the first (matrix-vector products hide their
+        # arithmetic behind the reads), sparse ones beyond the second.
+        "arithmetic_seconds": flops / (product_gflops * 1e9),
         "timed_tokens": len(timing.token_s),
         **extra,
     }
@@ -231,11 +257,16 @@ def run_row(row, config, bandwidth: float) -> dict:
 def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title: str, log=print) -> List[dict]:
     machine = describe_machine()
     bandwidth = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
-    log(f"{title}: {machine['cpu']}, {machine['cores']} cores, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    product_gflops = measure_product_gflops()
+    log(
+        f"{title}: {machine['cpu']}, {machine['cores']} cores, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"small products {product_gflops:.0f} GFLOP/s"
+    )
     machine["bandwidth_before_gbps"] = bandwidth / 1e9
+    machine["product_gflops"] = product_gflops
     rows = []
     for row in config.rows:
-        result = run_row(row, config, bandwidth)
+        result = run_row(row, config, bandwidth, product_gflops)
         rows.append(result)
         log(
             f"  {row.name:<40} {result['seconds_per_token_median'] * 1e3:9.3f} ms/token  "

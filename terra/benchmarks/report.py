@@ -17,7 +17,9 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
         f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
         f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows"
         + (f", {machine['bandwidth_after_gbps']:.1f} GB/s after" if "bandwidth_after_gbps" in machine else "")
-        + f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before.",
+        + (f"; small products {machine['product_gflops']:.0f} GFLOP/s" if "product_gflops" in machine else "")
+        + f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before; "
+        "arith. = the step's FLOPs (XLA's count) at the small-product rate.",
         "",
         (
             "Slices of 1 and 2 decoder blocks are timed; Dec. time is the 2-block slice, per block is the "
@@ -29,8 +31,8 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
         "same step inside one jitted `while_loop`, as generation runs it.",
         "",
         f"| model | Params | Dec. time | Dec. time per block | Speedup | in loop | Speedup in loop "
-        f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor | MFLOP | arith. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     loop_key = "seconds_per_block_loop" if block_mode else "seconds_per_token_loop"
     for r in rows:
@@ -39,7 +41,8 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
             f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
             f"{r['speedup_vs_dense']:.2f}x | {r[loop_key] * 1e3:.3f} ms | {r['speedup_vs_dense_loop']:.2f}x | "
             f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
-            f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms |"
+            f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms | "
+            f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms |"
         )
     return "\n".join(lines) + "\n"
 
@@ -77,11 +80,14 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
         if all(t is not None for t in in_loop):
             ax.scatter([t * 1e3 for t in in_loop], list(y), color="black", marker="o", s=18, label="in one while_loop", zorder=3)
         ax.scatter(floors, list(y), color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
+        if all("arithmetic_seconds" in r for r in rows):
+            with_arithmetic = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, rows)]
+            ax.scatter(with_arithmetic, list(y), color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3)
         ax.set_yticks(list(y), names, fontsize=8)
         ax.invert_yaxis()
         unit = "ms per decoder block" if rows and rows[0].get("block_mode") == "difference" else "ms per token"
         ax.set_xlabel(f"{unit} (batch 1)")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
