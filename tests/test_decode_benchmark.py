@@ -63,7 +63,7 @@ def dense_decode():
 def test_bytes_per_token_match_the_closed_form_for_a_dense_model(dense_decode):
     model, decoder, (d, f, v, h, layers) = dense_decode
     input_length = 5
-    reads = decode_speed.decode_bytes_per_token(model, decoder, input_length)
+    reads = decode_speed.decode_cost_per_token(model, decoder, input_length)
     per_layer = 4 * (d * d + d) + 2 * (d * d + d) + (2 * d * f + f + d) + 3 * 2 * d  # self QKVO, cross Q+O, FF, 3 LN
     weights = layers * per_layer + 2 * d + (v * d + v) + 2 * d  # + final LN, logits, embedding and position rows
     self_kv = 2 * h * 7 * (d // h) + 1  # K and V slots of the cache, plus its index
@@ -77,7 +77,7 @@ def test_bytes_per_token_match_the_closed_form_for_a_dense_model(dense_decode):
 def test_flops_per_token_count_every_product_of_a_dense_model(dense_decode):
     model, decoder, (d, f, v, _, layers) = dense_decode
     input_length = 5
-    flops = decode_speed.decode_flops_per_token(model, decoder, input_length)
+    flops = decode_speed.decode_cost_per_token(model, decoder, input_length)["flops"]
     # Multiply-adds of one token: self Q, K, V, O; cross Q, O; the FF; attention over the 7 cache
     # slots and the 5 encoder positions (scores and weighted values); the logits.
     products = layers * (4 * d * d + 2 * d * d + 2 * d * f + 2 * 7 * d + 2 * input_length * d) + d * v

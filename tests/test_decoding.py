@@ -114,3 +114,12 @@ def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
         )
         assert int(steps) == 7
         np.testing.assert_array_equal(tokens, jnp.stack(expected, axis=1))
+
+
+def test_generation_compiles_once_whatever_types_its_scalars_come_in():
+    decoder = _ScriptedDecoder(eos_at=[99])
+    start = jnp.zeros((1,), jnp.int32)
+    decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), 3, 0, 1, 0)
+    decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), jnp.int32(5), 0.5, jnp.int32(1), 0)
+    generate(decoder, None, jnp.ones((1, 2), jnp.int32), max_new_tokens=4, temperature=1.0)
+    assert decoder._generate_tokens_jit._cache_size() == 1

@@ -10,9 +10,10 @@ encoder input; warm up (compiles and runs a few steps); then, per repetition, pr
 time ``tokens`` single-token ``step`` calls with ``block_until_ready``, the first two not
 counted. The same tokens are also timed inside one jitted ``while_loop``
 (``IncrementalDecoder.generate_tokens``, what generation runs): per repetition, the loop for
-``tokens`` steps minus the loop for the first two, per step, which leaves out the host's work
-of each jitted call (argument handling and the round trip for the next token). Reports the median and minimum
-seconds per token (step protocol), the in-loop seconds per token, seconds per decoder block, the bytes
+``tokens`` steps minus the loop for the first two, per step, which leaves out the host's work of
+each jitted call (argument handling and the round trip for the next token). Reports the median
+and minimum seconds per token (step protocol), the in-loop seconds per token, seconds per
+decoder block, the FLOPs of a step (XLA's count) and the bytes
 each token must read (the parameters the decode step touches, by layer, plus every cache it
 reads), the achieved GB/s and the fraction of the machine's measured read bandwidth. Writes
 ``decode_speed.{json,md,png}`` and ``machine.json`` to ``--out``.
@@ -123,27 +124,22 @@ def measure_decode(
     return timing
 
 
-def decode_bytes_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: int = 4) -> dict:
-    """Bytes one batch-1 decode step reads: the parameters it touches and every cache array
-    (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows)."""
+def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: int = 4) -> dict:
+    """What one batch-1 decode step costs, from shapes alone (nothing is compiled):
+
+    - ``weights``, ``caches``, ``total``: bytes read — the parameters the step touches and every
+      cache array (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows);
+    - ``flops``: XLA's cost analysis of the lowered ``step`` (2 per multiply-add of every
+      product, 1 per elementwise op; a gather counts none).
+    """
     abstract = model.abstract_variables()["params"]
-    param_reads = params_read_per_token(model.module, abstract)["total"]
-    inputs = jax.ShapeDtypeStruct((1, input_length), jnp.int32)
-    cache = jax.eval_shape(decoder.prefill, nn.unbox(abstract), inputs)
-    cache_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    return {"weights": param_reads * weights_itemsize, "caches": cache_bytes, "total": param_reads * weights_itemsize + cache_bytes}
-
-
-def decode_flops_per_token(model, decoder: IncrementalDecoder, input_length: int) -> float:
-    """Floating-point operations of one batch-1 decode step, as XLA's cost analysis of the
-    lowered ``step`` counts them (2 per multiply-add of every product, 1 per elementwise op;
-    a gather counts none). Lowering only: nothing is compiled."""
-    abstract = nn.unbox(model.abstract_variables()["params"])
-    cache = jax.eval_shape(decoder.prefill, abstract, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
-    lowered = decoder.step.lower(abstract, cache, jax.ShapeDtypeStruct((1,), jnp.int32))
-    analysis = lowered.cost_analysis()
+    unboxed = nn.unbox(abstract)
+    cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
+    weights = params_read_per_token(model.module, abstract)["total"] * weights_itemsize
+    caches = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    return float(analysis["flops"])
+    return {"weights": weights, "caches": caches, "total": weights + caches, "flops": float(analysis["flops"])}
 
 
 # Above this, initialise leaf by leaf: XLA schedules a whole-model random init with several
@@ -187,8 +183,7 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
         decoder, params, inputs, n_tokens=config.tokens, n_skip=config.skip, n_warmup=config.warmup, repeats=config.repeats
     )
     itemsize = jnp.dtype(config.weights_dtype).itemsize
-    reads = decode_bytes_per_token(model, decoder, config.input_length, itemsize)
-    reads["flops"] = decode_flops_per_token(model, decoder, config.input_length)
+    reads = decode_cost_per_token(model, decoder, config.input_length, itemsize)
     n_layers = cfg.n_decoder_layers
     del params, decoder
     gc.collect()
@@ -279,8 +274,7 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     after = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
     machine["bandwidth_after_gbps"] = after / 1e9
     log(f"read bandwidth after the rows: {after / 1e9:.1f} GB/s")
-    key = "seconds_per_block" if config.block_mode == "difference" else "seconds_per_token_median"
-    loop_key = "seconds_per_block_loop" if config.block_mode == "difference" else "seconds_per_token_loop"
+    key, loop_key = report.timing_keys(config.block_mode == "difference")
     reference, loop_reference = rows[config.dense_row][key], rows[config.dense_row][loop_key]
     for r in rows:
         r["speedup_vs_dense"] = reference / r[key]

@@ -9,6 +9,14 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:,.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
+def timing_keys(per_block: bool):
+    """The row fields a table compares: ``(step time, in-loop time)`` per decoder block in the
+    'difference' block mode, per token otherwise."""
+    if per_block:
+        return "seconds_per_block", "seconds_per_block_loop"
+    return "seconds_per_token_median", "seconds_per_token_loop"
+
+
 def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
     block_mode = bool(rows) and rows[0].get("block_mode") == "difference"
     lines = [
@@ -34,7 +42,7 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
         f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor | MFLOP | arith. |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    loop_key = "seconds_per_block_loop" if block_mode else "seconds_per_token_loop"
+    _, loop_key = timing_keys(block_mode)
     for r in rows:
         lines.append(
             f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
@@ -72,20 +80,17 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
     else:
         names = [r["name"] for r in rows]
         per_block = rows[0].get("block_mode") == "difference"
-        measured = [r["seconds_per_block" if per_block else "seconds_per_token_median"] * 1e3 for r in rows]
-        in_loop = [r.get("seconds_per_block_loop" if per_block else "seconds_per_token_loop") for r in rows]
+        step_key, loop_key = timing_keys(per_block)
         floors = [r["floor_seconds"] * 1e3 for r in rows]
-        y = range(len(rows))
-        ax.barh(list(y), measured, color="tab:blue", label="measured (a step call per token)")
-        if all(t is not None for t in in_loop):
-            ax.scatter([t * 1e3 for t in in_loop], list(y), color="black", marker="o", s=18, label="in one while_loop", zorder=3)
-        ax.scatter(floors, list(y), color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
-        if all("arithmetic_seconds" in r for r in rows):
-            with_arithmetic = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, rows)]
-            ax.scatter(with_arithmetic, list(y), color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3)
-        ax.set_yticks(list(y), names, fontsize=8)
+        y = list(range(len(rows)))
+        ax.barh(y, [r[step_key] * 1e3 for r in rows], color="tab:blue", label="measured (a step call per token)")
+        ax.scatter([r[loop_key] * 1e3 for r in rows], y, color="black", marker="o", s=18, label="in one while_loop", zorder=3)
+        ax.scatter(floors, y, color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
+        with_arithmetic = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, rows)]
+        ax.scatter(with_arithmetic, y, color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3)
+        ax.set_yticks(y, names, fontsize=8)
         ax.invert_yaxis()
-        unit = "ms per decoder block" if rows and rows[0].get("block_mode") == "difference" else "ms per token"
+        unit = "ms per decoder block" if per_block else "ms per token"
         ax.set_xlabel(f"{unit} (batch 1)")
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
     ax.set_title(title, fontsize=10)

@@ -45,7 +45,7 @@ class IncrementalDecoder:
         self.max_decode_length = max_decode_length
         self.prefill = jax.jit(self._prefill)
         self.step = jax.jit(self._step, donate_argnums=(1,))
-        self.generate_tokens = jax.jit(self._generate_tokens, donate_argnums=(1,))
+        self._generate_tokens_jit = jax.jit(self._generate_tokens, donate_argnums=(1,))
 
     def _prefill(self, params, encoder_input_tokens: jax.Array, encoder_mask: Optional[jax.Array] = None) -> Cache:
         _, variables = self.module.apply(
@@ -68,17 +68,24 @@ class IncrementalDecoder:
         )
         return logits[:, 0, :], variables["cache"]
 
-    def _generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id):
-        """Up to ``max_new_tokens`` steps in one ``while_loop``, stopping early once every row
-        has emitted ``eos_id`` (a row's tokens after its EOS are ``pad_id``).
+    def generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id):
+        """Up to ``max_new_tokens`` steps in one jitted ``while_loop`` (the cache donated),
+        stopping early once every row has emitted ``eos_id`` (a row's tokens after its EOS are
+        ``pad_id``).
 
         Args: ``token`` ``[batch]`` int32, the start token; ``rng`` the sampling key, split once
-        per step; ``max_new_tokens``, ``temperature``, ``eos_id``, ``pad_id`` scalars (traced, so
-        one compilation serves them all; ``temperature == 0`` is greedy).
+        per step; ``max_new_tokens``, ``temperature``, ``eos_id``, ``pad_id`` scalars, traced as
+        int32 / float32 whatever the caller passes, so one compilation serves them all
+        (``temperature == 0`` is greedy).
 
         Returns ``(tokens [batch, max_decode_length] int32, steps, cache)``: the first ``steps``
         columns were generated, the rest are ``pad_id``.
         """
+        return self._generate_tokens_jit(
+            params, cache, token, rng, jnp.int32(max_new_tokens), jnp.float32(temperature), jnp.int32(eos_id), jnp.int32(pad_id)
+        )
+
+    def _generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id):
         batch = token.shape[0]
         tokens = jnp.full((batch, self.max_decode_length), pad_id, jnp.int32)
 

@@ -50,14 +50,7 @@ def generate(
     cache = decoder.prefill(params, inputs, encoder_mask)
     start = jnp.full((inputs.shape[0],), pad_id, jnp.int32)  # as the reference's ShiftRight
     tokens, steps, _ = decoder.generate_tokens(
-        params,
-        cache,
-        start,
-        jax.random.key(seed),
-        jnp.int32(max_new_tokens),
-        jnp.float32(temperature),
-        jnp.int32(eos_id),
-        jnp.int32(pad_id),
+        params, cache, start, jax.random.key(seed), max_new_tokens, temperature, eos_id, pad_id
     )
     tokens = np.asarray(tokens)[:, : int(steps)]
     is_eos = tokens == eos_id

@@ -202,10 +202,10 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
         if task == "copy":
             return (f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
                     f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}")
-        (_, train_most), _ = synthetic.addition_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
+        (train_fewest, train_most), _ = synthetic.addition_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
         (eval_fewest, eval_most), _ = synthetic.addition_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
         return (f"addition: trained on inputs x+y of at most {cfg.addition_train_max_length} symbols (first operand "
-                f"of 1–{train_most} digits), evaluated on inputs of at most {cfg.addition_eval_max_length} with a "
+                f"of {train_fewest}–{train_most} digits), evaluated on inputs of at most {cfg.addition_eval_max_length} with a "
                 f"first operand of {eval_fewest}–{eval_most} digits")
 
     header = [name for t in task_names for name in (t, f"{t} (seq)")]
