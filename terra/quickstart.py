@@ -82,7 +82,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     timing = measure_decode(model.decoder(args.max_decode_length), jax.device_get(result.params), first_input,
                             n_tokens=min(12, args.max_decode_length))
     summary = timing.summary()
-    print(f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token (median of {summary['timed_tokens']}), "
+    print(f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token as one step call each (median of "
+          f"{summary['timed_tokens']}), {summary['loop_token_median_s'] * 1e3:.3f} ms per token in the generation loop, "
           f"prefill of {lengths['inputs']} tokens {summary['prefill_median_s'] * 1e3:.1f} ms")
     print(f"\nruns, metrics.jsonl, TensorBoard events and config.gin are under {args.out}")
     return 0

@@ -23,10 +23,9 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
         f"### {title}",
         "",
         f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
-        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows"
-        + (f", {machine['bandwidth_after_gbps']:.1f} GB/s after" if "bandwidth_after_gbps" in machine else "")
-        + (f"; small products {machine['product_gflops']:.0f} GFLOP/s" if "product_gflops" in machine else "")
-        + f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before; "
+        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows, "
+        f"{machine['bandwidth_after_gbps']:.1f} GB/s after; small products {machine['product_gflops']:.0f} GFLOP/s"
+        f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before; "
         "arith. = the step's FLOPs (XLA's count) at the small-product rate.",
         "",
         (
