@@ -49,7 +49,7 @@ reproduce-length: $(STAMP)
 	$(PY) -m terra.reproduce length_generalization --out out/reproduce/length_generalization
 
 params: $(STAMP)
-	$(PY) -m terra.models.param_count --all
+	$(PY) -m terra.benchmarks.param_count --all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache out

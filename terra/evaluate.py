@@ -34,17 +34,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default); the paper used 0.5")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--output_dir", default=None)
+    parser.add_argument("--force", action="store_true", default=None,
+                        help="score a run whose task is not a summarization task anyway")
     gin_utils.add_gin_flags(parser)
     from terra.data import tasks  # registers the data configurables before gin is parsed
 
     tasks.add_data_flags(parser)
     args_list = list(sys.argv[1:] if argv is None else argv)
     known, _ = parser.parse_known_args([a for a in args_list if not a.startswith("--gin.")])
-    import terra.evaluation.evaluator as evaluator
+    from terra import api
+    from terra.evaluation import evaluator
 
     files = list(known.gin_file)
     if known.checkpoint:
-        files = files or [evaluator.run_config_path(known.checkpoint)]
+        files = files or [api.run_config_path(known.checkpoint)]
         args_list.append(f"--gin.MODEL_DIR={os.path.abspath(known.checkpoint)!r}")
     if not files:
         raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
@@ -52,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args_list.append("--gin_file=runs/evaluate.gin")
     gin_utils.parse_flags(parser, args_list, flag_bindings=tasks.data_flag_bindings)
     overrides = {k: getattr(known, k) for k in ("step", "split", "num_examples", "batch_size", "max_decode_length",
-                                               "temperature", "seed", "output_dir") if getattr(known, k) is not None}
+                                               "temperature", "seed", "output_dir", "force") if getattr(known, k) is not None}
     try:
         evaluator.evaluate(**overrides)
     except RuntimeError as e:

@@ -31,10 +31,11 @@ class GinConfigError(ValueError):
 
 
 def register_terra_configurables() -> None:
-    """Import the modules whose classes gin files refer to (registration is an import side effect)."""
-    import terra.layers  # noqa: F401
-    import terra.models  # noqa: F401
-    import terra.training.optimizers  # noqa: F401
+    """Import every module whose classes gin files refer to (registration is an import side
+    effect), so nothing registers after the config is locked."""
+    from terra import configurables
+
+    configurables.import_all()
 
 
 def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -165,7 +166,7 @@ def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str])
 
 
 def build(selector_or_fn, where: str = "building the configured object"):
-    """Calls a gin configurable (a selector such as ``'terra.models.EncoderDecoderModel'``, or
+    """Calls a gin configurable (a selector such as ``'terra.training.Trainer'``, or
     the callable), turning configuration errors (bad values, missing REQUIRED bindings)
     into ``GinConfigError``."""
     fn = gin.get_configurable(selector_or_fn) if isinstance(selector_or_fn, str) else selector_or_fn
@@ -173,6 +174,21 @@ def build(selector_or_fn, where: str = "building the configured object"):
         return fn()
     except (ValueError, TypeError, RuntimeError) as e:
         raise explain_gin_error(e, where) from None
+
+
+def build_model(where: str = "building the model"):
+    """The model the parsed config's ``MODEL`` macro names (every ``configs/models/*.gin``
+    defines it), constructed, with configuration errors as ``GinConfigError``."""
+    try:
+        reference = gin.query_parameter("%MODEL")
+    except ValueError:
+        raise GinConfigError(
+            "the gin config defines no MODEL; include a model config (e.g. --gin_file=models/tiny.gin).") from None
+    # gin evaluates ``%MODEL`` inside the scope ``MODEL`` (a macro is a scoped configurable),
+    # so a run's operative config records the model's bindings as ``MODEL/...``: build it in
+    # that scope too (unscoped bindings still apply there).
+    with gin.config_scope("MODEL"):
+        return build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
 
 
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +225,9 @@ def parse_flags(
 def run_cli(main: Callable[[], int]) -> None:
     """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
     from terra.errors import CheckpointError, ConfigError, DataNotFoundError, InputError, TrainingError  # local: import-light
+    from terra.tensorflow_setup import import_tensorflow_quietly
 
+    import_tensorflow_quietly()
     try:
         sys.exit(main() or 0)
     except (GinConfigError, ConfigError, DataNotFoundError, CheckpointError, InputError) as e:

@@ -36,7 +36,7 @@ def _losses(model_dir: str, key: str) -> List[float]:
 
 def _run(gin_file: str, model_dir: str, steps: int, bindings: List[str]) -> trainer.TrainResult:
     gin_utils.parse_gin([gin_file], [f"MODEL_DIR = {model_dir!r}", f"TRAIN_STEPS = {steps}", *bindings])
-    return trainer.train()
+    return trainer.Trainer().run()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -69,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"   eval log-perplexity {evals[0]:.3f} -> {evals[-1]:.3f} (nats per target token)")
 
     print("== 3/3 evaluating on the validation split: greedy summaries, ROUGE (rouge-score), log-perplexity")
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    model = gin_utils.build_model()
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
     evaluation = evaluator.evaluate(model=model, task="embedded_summarization", feature_lengths=lengths,
                                     model_dir=finetune_dir, batch_size=16, max_decode_length=args.max_decode_length,

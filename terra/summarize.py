@@ -14,20 +14,13 @@ sampled its abstracts at 0.5).
 
 import argparse
 import json
-import re
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from terra import gin_utils
 from terra.errors import ConfigError, InputError
-
-
-def clean_article(text: str) -> str:
-    """The article side of the training preprocessing (``preprocessors.summarization``):
-    ``<S>``/``</S>`` tags removed, surrounding whitespace stripped."""
-    return re.sub(r"</?S>", " ", text).strip()
+from terra.text_encoding import clean_article, encode_text
 
 
 def _decode_utf8(data: bytes, name: str) -> str:
@@ -85,17 +78,6 @@ def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
     return docs
 
 
-def encode_document(text: str, vocabulary, input_length: int, eos_id: int = 1) -> Tuple[List[int], Optional[str]]:
-    """Training preprocessing of one article: tags removed, stripped, tokenized, truncated to
-    ``input_length - 1`` tokens and closed with EOS. Returns the ids and a truncation note."""
-    ids = list(vocabulary.encode(clean_article(text)))
-    note = None
-    if len(ids) > input_length - 1:
-        note = f"{len(ids)} tokens, truncated to the model's input length of {input_length - 1} (+ EOS)"
-        ids = ids[: input_length - 1]
-    return ids + [eos_id], note
-
-
 def main(argv: Optional[Sequence[str]] = None, stdin=None, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     parser = argparse.ArgumentParser(
@@ -107,6 +89,8 @@ def main(argv: Optional[Sequence[str]] = None, stdin=None, out=None, err=None) -
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--force", action="store_true",
+                        help="summarize with a run whose task is not a summarization task anyway")
     from terra.data import tasks
 
     tasks.add_data_flags(parser)
@@ -118,25 +102,23 @@ def main(argv: Optional[Sequence[str]] = None, stdin=None, out=None, err=None) -
         raise ConfigError(f"--temperature={args.temperature} must be >= 0 (0 is greedy).")
     docs = read_documents(args.files, stdin)  # bad input fails before the model is loaded
 
-    from terra.evaluation import evaluator, summaries
+    from terra import api
 
-    model, provider, lengths = evaluator.configure_from_run(
-        args.checkpoint, [*tasks.data_flag_bindings(args), *bindings])
-    params, step = evaluator.load_params(model, args.checkpoint, args.step)
-    vocabulary = provider.output_features["inputs"].vocabulary
+    run = api.load(args.checkpoint, args.step, [*tasks.data_flag_bindings(args), *bindings],
+                   require_summarization=not args.force)
+    lengths = run.feature_lengths
     encoded = []
     for label, text in docs:
-        ids, note = encode_document(text, vocabulary, lengths["inputs"], model.config.eos_id)
+        ids, note = encode_text(text, run.vocabulary, lengths["inputs"], run.config.eos_id)
         if note:
             print(f"note: {label}: {note}.", file=err)
         encoded.append(ids)
-    tokens = summaries.generate_summaries(
-        model, params, [np.asarray(ids, np.int32) for ids in encoded], input_length=lengths["inputs"],
-        batch_size=min(args.batch_size, len(encoded)), max_decode_length=args.max_decode_length or lengths["targets"],
-        temperature=args.temperature, seed=args.seed)
+    tokens = run.generate(encoded, max_new_tokens=args.max_decode_length or lengths["targets"],
+                          temperature=args.temperature, seed=args.seed, batch_size=min(args.batch_size, len(encoded)))
+    step = run.step
     for (label, _), summary in zip(docs, tokens):
         print(f"== {label} (step {step})", file=out)
-        print(provider.output_features["targets"].vocabulary.decode(summary), file=out)
+        print(run.vocabulary.decode([int(t) for t in summary if t not in (run.config.eos_id, run.config.pad_id)]), file=out)
         print(file=out)
     return 0
 

@@ -41,9 +41,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     gin_utils.parse_flags(parser, argv, flag_bindings=tasks.data_flag_bindings)
     try:
-        result = trainer.train()
+        result = trainer.Trainer().run()
     except RuntimeError as e:
-        if "Required bindings" in str(e):  # a %gin.REQUIRED macro or train.* argument left unset
+        if "Required bindings" in str(e):  # a %gin.REQUIRED macro or Trainer argument left unset
             raise gin_utils.explain_gin_error(e, "running terra.train") from None
         raise
     print(f"terra.train: finished at step {result.step}" + (" (preempted; rerun to resume)" if result.preempted else ""))

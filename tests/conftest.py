@@ -63,7 +63,7 @@ def tiny_model():
 
 
 # The suite has 8 CPU devices (above); a study's smoke batches of 4 train on one of them.
-ONE_DEVICE = "--gin.terra.train.num_devices=1"
+ONE_DEVICE = "--gin.terra.training.ParallelSettings.num_devices=1"
 
 
 def is_png(path: str) -> bool:

@@ -4,14 +4,19 @@ The corpus and its vocabulary are built once per module into a temporary cache (
 seconds each); the checks on newlines matter because ROUGE-Lsum splits summaries on them.
 """
 
+import ast
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import sentencepiece as spm
 
-from terra.data import embedded, vocabularies
+from terra.data import embedded, vocabularies, vocabulary_training
+
+from conftest import REPO_ROOT
 
 NEWLINE_TEXT = "first sentence .\nsecond sentence ."
 UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  "
@@ -80,8 +85,25 @@ def test_sources_read_through_seqio(cache_root):
     assert example["text"].decode() == next(embedded.corpus_texts(split="train", cache_dir=cache_root))
     summarization = embedded.summarization_source(cache_dir=cache_root)
     (pair,) = summarization.get_dataset(split="train", shuffle=True, seed=0).take(1).as_numpy_iterator()
-    assert set(pair) == {"article", "abstract", "kind"}
+    assert set(pair) == {"article", "abstract", "kind", "id"}
     assert pair["kind"] in (b"docstring", b"module")
+    assert pair["id"].startswith(pair["kind"] + b":")
+
+
+def test_summarization_pairs_have_unique_ids_naming_their_origin(cache_root):
+    source = embedded.summarization_source(cache_dir=cache_root)
+    pairs = [p for split in embedded.SPLITS for p in source.get_dataset(split=split, shuffle=False).as_numpy_iterator()]
+    ids = [p["id"].decode() for p in pairs]
+    assert len(set(ids)) == len(ids) == len(pairs)
+    for pair, pair_id in zip(pairs, ids):
+        kind, _, origin = pair_id.partition(":")
+        assert kind == pair["kind"].decode()
+        path, _, name = origin.partition(":")
+        assert path.endswith(".py") and not path.startswith("/")
+        if kind == "module":
+            assert name == ""
+    # A method's docstring is named by its module and class; a module pair by its module.
+    assert "docstring:textwrap.py:TextWrapper.wrap" in ids and "module:json/__init__.py" in ids
 
 
 def test_embedded_vocabulary_round_trips_text_with_newlines(vocab):
@@ -132,7 +154,7 @@ def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
     corpus.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
     out = tmp_path / "vocab" / "small.model"
     argv = ["--input", str(corpus), "--out", str(out), "--vocab_size", "400", "--no-hard_vocab_limit"]
-    assert vocabularies.main(argv) == 0
+    assert vocabulary_training.main(argv) == 0
     assert out.is_file() and out.with_suffix(".vocab").is_file()
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
     printed = capsys.readouterr().out
@@ -144,6 +166,65 @@ def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
 
 def test_train_vocab_cli_reports_a_missing_input_without_a_traceback(tmp_path, capsys):
     missing = tmp_path / "absent.txt"
-    assert vocabularies.main(["--input", str(missing), "--out", str(tmp_path / "x.model")]) == 2
+    assert vocabulary_training.main(["--input", str(missing), "--out", str(tmp_path / "x.model")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err
+
+
+def _write_paragraphs(path, n=50):
+    paragraphs = [f"Paragraph {i} is about sparse layers.\nIts second line is about decoding {i}." for i in range(n)]
+    path.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    return paragraphs
+
+
+@pytest.mark.parametrize("command", [["scripts/train_vocab.py"], ["-m", "terra.data.vocabulary_training"]],
+                         ids=["script", "module"])
+def test_train_vocab_runs_as_a_script_and_as_a_module(command, tmp_path):
+    corpus = tmp_path / "docs.txt"
+    paragraphs = _write_paragraphs(corpus)
+    out = tmp_path / "v.model"
+    env = {**os.environ, "TERRA_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, *command, "--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--no-hard_vocab_limit"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout and "round trip ok" in result.stdout
+    vocab = vocabularies.sentencepiece_vocabulary(str(out))
+    assert vocab.decode(vocab.encode(paragraphs[7])) == paragraphs[7]
+    missing = subprocess.run([sys.executable, *command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
+                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "error: input file not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_the_vocabulary_library_has_no_command_line_and_no_task_import():
+    with open(vocabularies.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "argparse" not in imported and "sys" not in imported
+    assert not any(name.startswith("terra.data.tasks") or name == "terra.data.tasks" for name in imported), imported
+    assert imported & {"terra.data.embedded"}
+    for name in ("main", "build_arg_parser", "task_texts", "read_documents"):
+        assert not hasattr(vocabularies, name), name
+    assert vocabulary_training.build_arg_parser().parse_args(["--embedded", "--out", "x.model"]).embedded
+
+
+def test_task_texts_reads_the_raw_text_of_a_task(tmp_path):
+    from terra import gin_utils
+    from terra.data import fixtures
+
+    docs = [f"Document {i} is about sparse layers.\nSecond line {i}." for i in range(6)]
+    fixtures.write_c4_json(str(tmp_path), {"train": docs, "validation": docs[:2]}, shards=2)
+    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {str(tmp_path)!r}"])
+    texts = vocabulary_training.task_texts("c4_span_corruption", max_documents=100)
+    assert sorted(texts) == sorted(docs)
+    assert vocabulary_training.task_texts("c4_span_corruption", max_documents=100) == texts  # fixed order
+    assert len(vocabulary_training.task_texts("c4_span_corruption", split="validation", max_documents=1)) == 1
+
+
+def test_read_documents_splits_blocks_or_lines(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("one\ntwo\n\n  \nthree\r\n", encoding="utf-8")
+    assert vocabulary_training.read_documents(str(path)) == ["one\ntwo", "three"]
+    assert vocabulary_training.read_documents(str(path), documents="lines") == ["one", "two", "three"]

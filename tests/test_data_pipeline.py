@@ -189,16 +189,16 @@ def tiny_config_for_vocab():
 
 
 def test_train_vocab_reads_a_tasks_raw_text(c4_json_dir, tmp_path, capsys):
-    from terra.data import vocabularies
+    from terra.data import vocabularies, vocabulary_training
 
     out = tmp_path / "c4.model"
     argv = ["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--out", str(out), "--vocab_size", "300",
             "--no-hard_vocab_limit"]
-    assert vocabularies.main(argv) == 0
+    assert vocabulary_training.main(argv) == 0
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(DOCS[0])) == DOCS[0]
-    assert vocabularies.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
-                              "--out", str(tmp_path / "a.model")]) == 2
+    assert vocabulary_training.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
+                                     "--out", str(tmp_path / "a.model")]) == 2
     assert "scientific_papers" in capsys.readouterr().err
 
 

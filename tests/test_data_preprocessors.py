@@ -318,3 +318,26 @@ def test_summarization_keeps_one_sentence_per_line_and_drops_empty_examples():
     assert list(prep.summarization(renamed, article_key="story", abstract_key="highlights").as_numpy_iterator()) == [
         {"inputs": b"s", "targets": b"a\nb"}
     ]
+
+
+def test_summarization_keeps_the_source_id_through_tokenization_and_nothing_else():
+    raw = tf.data.Dataset.from_tensor_slices({
+        "article": ["first article .", "   ", "third article ."],
+        "abstract": ["first .", "dropped .", "third ."],
+        "section_names": ["intro", "intro", "intro"],
+        "doc": ["paper-a", "paper-b", "paper-c"],
+    })
+    cleaned = prep.summarization(raw, id_key="doc")
+    assert set(cleaned.element_spec) == {"inputs", "targets", "id"}
+    assert [ex["id"] for ex in cleaned.as_numpy_iterator()] == [b"paper-a", b"paper-c"]  # follows its example
+    vocabulary = seqio.ByteVocabulary()
+    features = {"inputs": seqio.Feature(vocabulary, add_eos=True), "targets": seqio.Feature(vocabulary, add_eos=True)}
+    tokenized = seqio.preprocessors.append_eos_after_trim(
+        seqio.preprocessors.tokenize(cleaned, features), output_features=features,
+        sequence_length={"inputs": 8, "targets": 8})
+    first = next(tokenized.as_numpy_iterator())
+    assert first["id"] == b"paper-a" and first["inputs_pretokenized"] == b"first article ."
+    assert len(first["inputs"]) == 8 and first["inputs"][-1] == vocabulary.eos_id
+    # Without an id feature (or with id_key=None) the output is inputs/targets only, as before.
+    assert set(prep.summarization(raw).element_spec) == {"inputs", "targets"}
+    assert set(prep.summarization(raw, id_key=None).element_spec) == {"inputs", "targets"}

@@ -1,6 +1,7 @@
 """The real read paths for C4 and arXiv, on tiny real on-disk datasets the tests write: a
-prepared TFDS c4/en directory, the real scientific_papers builder over Cohan files, allenai/c4
-JSON shards and Cohan JSON lines; and the errors when data is missing."""
+prepared TFDS c4/en directory, the real scientific_papers builder over Cohan files (and the
+package's own arXiv TFDS writer, checked against it), allenai/c4 JSON shards and Cohan JSON
+lines; and the errors when data is missing."""
 
 import os
 import socket
@@ -22,6 +23,17 @@ def _paper(i):
     return fixtures.cohan_record(i, article, [f"paper {i} is about sparsity .", "it is fast ."])
 
 
+def _prepare_arxiv_with_the_real_builder(data_dir: str, cohan_directory: str) -> None:
+    """Run TFDS's own ``scientific_papers`` builder over local Cohan files, its download step
+    replaced by the directory (as TFDS's own builder tests do)."""
+    import tensorflow_datasets as tfds
+
+    tfds.disable_progress_bar()
+    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
+                           return_value={"arxiv": cohan_directory, "pubmed": cohan_directory}):
+        tfds.builder(sources.ARXIV_TFDS_NAME, data_dir=data_dir).download_and_prepare()
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("data"))
@@ -29,7 +41,8 @@ def data_dir(tmp_path_factory):
     fixtures.write_c4_json(os.path.join(root, "c4json"), {"train": TRAIN, "validation": VALIDATION}, shards=3)
     papers = {"train": [_paper(i) for i in range(4)], "validation": [_paper(10), _paper(11)], "test": [_paper(20)]}
     fixtures.write_cohan(os.path.join(root, "raw"), papers)
-    fixtures.prepare_arxiv_tfds(os.path.join(root, "tfds"), os.path.join(root, "raw"))
+    _prepare_arxiv_with_the_real_builder(os.path.join(root, "tfds"), os.path.join(root, "raw"))
+    fixtures.write_arxiv_tfds(os.path.join(root, "tfds_fixture"), papers)
     return root
 
 
@@ -63,12 +76,39 @@ def test_arxiv_tfds_directory_prepared_by_the_real_builder_is_read(data_dir):
     assert b"sentence 0 of paper 1" in examples[0]["article"]
 
 
+def test_the_fixture_arxiv_tfds_directory_reads_as_the_real_builders(data_dir):
+    real = sources.arxiv_tfds_source(data_dir=os.path.join(data_dir, "tfds"))
+    fixture = sources.arxiv_tfds_source(data_dir=os.path.join(data_dir, "tfds_fixture"))
+    for split in ("train", "validation", "test"):
+        for key in ("article", "abstract", "section_names"):
+            assert _texts(fixture, split, key) == _texts(real, split, key), (split, key)
+
+
+def test_tfds_arxiv_examples_are_named_by_their_tfds_record_id(data_dir):
+    def articles_by_id(directory, split, **read):
+        source = sources.arxiv_tfds_source(data_dir=os.path.join(data_dir, directory))
+        return {ex["id"].decode(): ex["article"] for ex in source.get_dataset(split, **read).as_numpy_iterator()}
+
+    real = articles_by_id("tfds", "train", shuffle=False)
+    assert len(real) == 4
+    assert all(i.startswith("scientific_papers-train.tfrecord-") and "__" in i for i in real)
+    assert articles_by_id("tfds", "train", shuffle=True, seed=3) == real  # the id follows its record
+    # The package's writer lays the records out as the real builder does, ids included.
+    for split in ("train", "validation", "test"):
+        assert articles_by_id("tfds_fixture", split, shuffle=False) == articles_by_id("tfds", split, shuffle=False)
+    # Without ids the source reads exactly what seqio's TfdsDataSource reads.
+    plain = sources.ReadOnlyTfdsSource(sources.ARXIV_TFDS_NAME, data_dir=os.path.join(data_dir, "tfds"))
+    assert set(next(plain.get_dataset("train", shuffle=False).as_numpy_iterator())) == {"article", "abstract", "section_names"}
+
+
 def test_cohan_files_yield_the_tfds_features_one_sentence_per_line(data_dir):
     source = sources.arxiv_cohan_source(path=os.path.join(data_dir, "raw"))
     ex = next(source.get_dataset("test", shuffle=False).as_numpy_iterator())
     assert ex["abstract"] == b"paper 20 is about sparsity .\nit is fast ."  # tags and spaces removed
     assert ex["article"].split(b"\n")[0] == b"sentence 0 of paper 20 ."
     assert ex["section_names"] == b"introduction\nconclusion"
+    assert ex["id"] == b"paper20"  # the record's article_id
+    assert _texts(source, "validation", "id") == ["paper10", "paper11"]
     # Same articles as the TFDS builder produced from the same files.
     tfds_source = sources.arxiv_tfds_source(data_dir=os.path.join(data_dir, "tfds"))
     assert _texts(source, "train", "article") == _texts(tfds_source, "train", "article")

@@ -1,4 +1,5 @@
-"""Generation through the decode contract: greedy, temperature sampling, EOS handling."""
+"""Generation through the decode contract: greedy, temperature and top-k / top-p sampling, EOS
+handling."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import pytest
 
 from terra.decoding import generate, sample_next_token
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.models.model_api import shift_right
+from terra.models import shift_right
 
 
 def test_temperature_zero_is_argmax():
@@ -32,7 +33,7 @@ def test_temperature_sampling_follows_the_tempered_softmax():
 def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(tiny_model):
     model, params = tiny_model
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
-    out = model.predict(params, inputs, max_decode_length=10)
+    out = model.generate(params, inputs, max_decode_length=10)
     assert out.tokens.shape[0] == 2
     # Teacher-force the generated tokens: each one must be the argmax at its position.
     forward = jax.jit(lambda p, i, d: model.module.apply({"params": p}, i, d))
@@ -46,9 +47,9 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(tiny_model):
 def test_sampling_is_reproducible_from_its_seed(tiny_model):
     model, params = tiny_model
     inputs = jnp.asarray(np.random.default_rng(1).integers(2, model.config.vocab_size, size=(1, 8)), jnp.int32)
-    a = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
-    b = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
-    c = model.predict(params, inputs, max_decode_length=12, temperature=5.0, seed=8)
+    a = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
+    b = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
+    c = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=8)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
 
@@ -62,10 +63,10 @@ class _ScriptedDecoder(IncrementalDecoder):
         self.eos_at = jnp.asarray(eos_at)
         self.vocab = vocab
 
-    def _prefill(self, params, inputs, mask=None):
+    def prefill_fn(self, params, inputs, mask=None):
         return jnp.zeros((), jnp.int32)
 
-    def _step(self, params, cache, token):
+    def step_fn(self, params, cache, token):
         target = jnp.where(self.eos_at == cache, 1, 5)
         return jax.nn.one_hot(target, self.vocab) * 10.0, cache + 1
 
@@ -95,6 +96,37 @@ def test_asking_for_more_tokens_than_the_cache_holds_is_an_error():
         generate(_ScriptedDecoder(eos_at=[99]), None, jnp.ones((1, 2), jnp.int32), temperature=-1.0)
 
 
+@pytest.mark.parametrize("kwargs", [dict(top_k=0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])
+def test_top_k_and_top_p_out_of_range_are_errors(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        generate(_ScriptedDecoder(eos_at=[99]), None, jnp.ones((1, 2), jnp.int32), temperature=1.0, **kwargs)
+
+
+class _FixedDistributionDecoder(IncrementalDecoder):
+    """An IncrementalDecoder whose every step has the same next-token distribution."""
+
+    def __init__(self, probs, max_decode_length=8):
+        super().__init__(module=None, max_decode_length=max_decode_length)
+        self.log_probs = jnp.log(jnp.asarray(probs, jnp.float32))
+
+    def prefill_fn(self, params, inputs, mask=None):
+        return jnp.zeros((), jnp.int32)
+
+    def step_fn(self, params, cache, token):
+        return jnp.broadcast_to(self.log_probs, (token.shape[0], self.log_probs.shape[0])), cache + 1
+
+
+def test_generation_samples_only_from_the_top_k_or_the_nucleus():
+    # Token 1 (EOS) is outside every filter below, so all rows run to max_new_tokens.
+    decoder = _FixedDistributionDecoder([0.3, 0.05, 0.25, 0.2, 0.1, 0.1])
+    inputs = jnp.ones((64, 2), jnp.int32)
+    for kwargs, allowed in [(dict(top_k=2), {0, 2}), (dict(top_p=0.7), {0, 2, 3}), (dict(top_k=3, top_p=0.5), {0, 2})]:
+        out = generate(decoder, None, inputs, temperature=1.0, seed=3, **kwargs)
+        assert out.tokens.shape == (64, 8)
+        assert set(np.unique(out.tokens)) == allowed, kwargs
+
+
 def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
     model, params = tiny_model
     decoder = model.decoder(7)
@@ -122,4 +154,6 @@ def test_generation_compiles_once_whatever_types_its_scalars_come_in():
     decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), 3, 0, 1, 0)
     decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), jnp.int32(5), 0.5, jnp.int32(1), 0)
     generate(decoder, None, jnp.ones((1, 2), jnp.int32), max_new_tokens=4, temperature=1.0)
+    generate(decoder, None, jnp.ones((1, 2), jnp.int32), max_new_tokens=4, temperature=1.0, top_k=3, top_p=0.9)
+    decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), 2, 1.0, 1, 0, jnp.int32(2), 0.5)
     assert decoder._generate_tokens_jit._cache_size() == 1

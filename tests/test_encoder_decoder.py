@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra.models.model_api import shift_right
+from terra.models import shift_right
 
 from conftest import tiny_config
 

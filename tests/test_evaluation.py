@@ -4,6 +4,7 @@ import io
 import json
 import os
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,8 @@ from rouge_score import rouge_scorer, scoring
 from terra import gin_utils, summarize
 from terra import evaluate as evaluate_cli
 from terra.data import fixtures
-from terra.errors import InputError
-from terra.evaluation import rouge, summaries
+from terra.errors import ConfigError, InputError
+from terra.evaluation import evaluator, rouge, summaries
 from terra.training import checkpointing, trainer
 
 TARGETS = [
@@ -55,7 +56,7 @@ def test_rouge_equals_rouge_score_called_directly():
 def test_greedy_decoding_equals_the_argmax_of_its_own_teacher_forced_logits(tiny_model):
     model, params = tiny_model
     inputs = jnp.asarray(np.random.RandomState(0).randint(2, model.config.vocab_size, (3, 9)), jnp.int32)
-    out = model.predict(params, inputs, max_decode_length=8)
+    out = model.generate(params, inputs, max_decode_length=8)
     tokens = jnp.asarray(out.tokens)
     logits = model.logits(params, {"encoder_input_tokens": inputs, "decoder_target_tokens": tokens})
     argmax = np.asarray(jnp.argmax(logits, -1))
@@ -99,11 +100,12 @@ def finetuned(tmp_path_factory):
         "TransformerConfig.vocab_size = 4100", "TransformerConfig.d_model = 32", "TransformerConfig.d_ff = 64",
         "TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1",
         "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 16}", f"MODEL_DIR = {model_dir!r}", "BATCH_SIZE = 8",
-        "TRAIN_STEPS = 4", "terra.train.eval_every = 0", "terra.train.progress = False", "terra.train.log_every = 2",
-        "terra.train.rouge_every = 2", "terra.train.rouge_examples = 3", "terra.train.checkpoint_every = 2",
-        "terra.train.best_metric = 'eval/rougeLsum'", "terra.train.keep_last = 1",
+        "TRAIN_STEPS = 4", "terra.training.EvaluationSettings.every = 0", "terra.training.LoggingSettings.progress = False", "terra.training.LoggingSettings.every = 2",
+        "terra.training.EvaluationSettings.hooks = [@terra.evaluation.RougeEvaluation()]",
+        "terra.evaluation.RougeEvaluation.every = 2", "terra.evaluation.RougeEvaluation.examples = 3", "terra.training.CheckpointSettings.every = 2",
+        "terra.training.CheckpointSettings.best_metric = 'eval/rougeLsum'", "terra.training.CheckpointSettings.keep_last = 1",
     ])
-    trainer.train()
+    trainer.Trainer().run()
     return model_dir, cohan
 
 
@@ -129,6 +131,7 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
     assert predictions[0]["target"] == "sparse layers make decoding fast .\nwe report model 100 ."
+    assert [p["id"] for p in predictions] == [f"paper{i}" for i in range(100, 105)]  # the Cohan article ids
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == 4 and metrics["n_examples"] == 5 and np.isfinite(metrics["log_perplexity"])
     for name in rouge.ROUGE_TYPES:
@@ -172,3 +175,31 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
     with pytest.raises(Exception, match="no committed checkpoint under"):
         summarize.main(["--checkpoint", str(no_checkpoint), str(doc)])
     assert os.listdir(no_checkpoint) == ["config.gin"]  # nothing written, nothing lost
+
+
+def _copy_task_run(root) -> str:
+    """A run directory whose config.gin trains the copy task (no checkpoint: nothing is read)."""
+    gin_utils.parse_gin(["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"], [
+        "TransformerConfig.vocab_size = 259", f"MODEL_DIR = {str(root)!r}", "BATCH_SIZE = 2", "TRAIN_STEPS = 1"])
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "config.gin"), "w") as f:
+        f.write(gin.config_str())
+    return str(root)
+
+
+def test_evaluate_and_summarize_refuse_a_run_that_is_not_a_summarization_run(tiny_model, tmp_path):
+    run = _copy_task_run(tmp_path / "copy")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    with pytest.raises(ConfigError, match="synthetic task, not summarization"):
+        summarize.main(["--checkpoint", run, str(doc)])
+    with pytest.raises(ConfigError, match="not summarization.*--force"):
+        evaluate_cli.main(["--checkpoint", run])
+    model, _ = tiny_model
+    with pytest.raises(ConfigError, match="synthetic task, not summarization"):
+        evaluator.evaluate(model=model, task="synthetic_copy", feature_lengths={"inputs": 8, "targets": 8},
+                           model_dir=run)
+    assert os.listdir(run) == ["config.gin"]  # refused before reading or writing anything
+    # Forced, the refusal gives way and the run's real problem (no checkpoint) is what stops it.
+    with pytest.raises(Exception, match="no committed checkpoint under"):
+        summarize.main(["--checkpoint", run, "--force", str(doc)])

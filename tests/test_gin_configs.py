@@ -55,7 +55,7 @@ def _is_size_overlay(gin_file: str) -> bool:
 @pytest.mark.parametrize("gin_file", MODEL_FILES)
 def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
     gin_utils.parse_gin([gin_file], TEST_SIZES)
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    model = gin_utils.build_model()
     assert model.config.d_model == 32
     batch = {
         "encoder_input_tokens": jnp.ones((2, 5), jnp.int32),
@@ -77,13 +77,13 @@ def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
 def test_size_overlays_apply_to_every_model_config(size_file):
     for model_file in MODEL_FILES:
         gin_utils.parse_gin([model_file, size_file])
-        model = gin_utils.build("terra.models.EncoderDecoderModel")  # validates every layer abstractly
+        model = gin_utils.build_model()  # validates every layer abstractly
         assert model.config.d_model < 1024, model_file
 
 
 def test_files_parse_in_order_and_later_bindings_win():
     gin_utils.parse_gin(["models/dense_800m.gin", "models/tiny.gin"], ["TransformerConfig.d_model = 128"])
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    model = gin_utils.build_model()
     assert model.config.d_model == 128 and model.config.n_encoder_layers == 2
 
 
@@ -115,7 +115,7 @@ def test_d_model_not_divisible_by_heads_is_a_config_error_with_the_fix():
         TransformerConfig(d_model=100, n_heads=16)
     gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.n_heads = 5"])
     with pytest.raises(gin_utils.GinConfigError, match="choose n_heads from"):
-        gin_utils.build("terra.models.EncoderDecoderModel")
+        gin_utils.build_model()
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_invalid_sizes_are_rejected_on_construction(kwargs, message):
 
 def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
     result = subprocess.run(
-        [sys.executable, "-m", "terra.models.param_count", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
+        [sys.executable, "-m", "terra.benchmarks.param_count", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

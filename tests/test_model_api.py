@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra.models.model_api import shift_right
-from terra.training.losses import weighted_cross_entropy
+from terra.models import shift_right
+from terra.models.losses import weighted_cross_entropy
 
 
 def _batch(vocab, batch=2, input_length=7, target_length=6, seed=0):

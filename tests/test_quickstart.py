@@ -1,22 +1,36 @@
 """`make run`'s job end to end at a smoke size: pretraining lowers the loss, fine-tuning starts
 from it, summaries are decoded, and every artifact is written."""
 
+import contextlib
+import io
 import json
 import os
 
+import pytest
+
 from terra import quickstart
 
+from conftest import REPO_ROOT
+
 SMALL = ["--gin.TransformerConfig.d_model=32", "--gin.TransformerConfig.d_ff=64", "--gin.TransformerConfig.n_encoder_layers=1",
-         "--gin.TransformerConfig.n_decoder_layers=1", "--gin.BATCH_SIZE=8", "--gin.terra.train.progress=False",
-         "--gin.terra.train.eval_every=10", "--gin.terra.train.log_every=5", "--gin.terra.train.checkpoint_every=10"]
+         "--gin.TransformerConfig.n_decoder_layers=1", "--gin.BATCH_SIZE=8", "--gin.terra.training.LoggingSettings.progress=False",
+         "--gin.terra.training.EvaluationSettings.every=10", "--gin.terra.training.LoggingSettings.every=5", "--gin.terra.training.CheckpointSettings.every=10"]
 
 
-def test_quickstart_pretrains_fine_tunes_and_summarizes(tmp_path, capsys):
-    out = tmp_path / "quick"
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """``(out folder, printed output)`` of one smoke-size quick start, shared by the module."""
+    out = tmp_path_factory.mktemp("quick") / "runs" / "quickstart"
     argv = ["--out", str(out), "--pretrain_steps", "30", "--finetune_steps", "10", "--examples", "2", "--eval_examples", "6",
             "--max_decode_length", "8", *SMALL]
-    assert quickstart.main(argv) == 0
-    printed = capsys.readouterr().out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert quickstart.main(argv) == 0
+    return out, printed.getvalue()
+
+
+def test_quickstart_pretrains_fine_tunes_and_summarizes(quickstart_run):
+    out, printed = quickstart_run
     with open(out / "pretrain" / "metrics.jsonl") as f:
         losses = [row["train/loss"] for row in map(json.loads, f) if "train/loss" in row]
     assert losses[-1] < losses[0]
@@ -26,3 +40,22 @@ def test_quickstart_pretrains_fine_tunes_and_summarizes(tmp_path, capsys):
     assert "ROUGE-LSum" in printed  # the Table 5 layout
     metrics = json.loads((out / "finetune" / "eval" / "validation_step10" / "metrics.json").read_text())
     assert metrics["n_examples"] == 6 and set(metrics["rouge"]) == {"rouge1", "rouge2", "rougeLsum", "rougeL"}
+
+
+def _readme_python_api_block() -> str:
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        readme = f.read()
+    marker = readme.index("<!-- python-api:")
+    start = readme.index("```python\n", marker) + len("```python\n")
+    return readme[start : readme.index("```", start)]
+
+
+def test_the_readme_python_api_example_runs_verbatim_on_the_quickstart_run(quickstart_run, monkeypatch, capsys):
+    """The README's Python API block, executed as written, in the folder holding the quick-start
+    run (``runs/quickstart``, as ``make run`` leaves it)."""
+    out, _ = quickstart_run
+    monkeypatch.chdir(out.parent.parent)
+    exec(compile(_readme_python_api_block(), "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 7 and printed[-1].endswith("parameters read per decoded token"), printed
+    assert printed[0].startswith("['") and printed[3].startswith("[-") and printed[4].startswith("(1, ")

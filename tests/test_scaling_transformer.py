@@ -9,8 +9,7 @@ import optax
 import pytest
 
 from terra import gin_utils
-from terra.models.model_api import shift_right
-from terra.models.param_count import params_read_per_token
+from terra.models import shift_right
 
 VARIANTS = [
     "models/tiny_sparse_ff.gin",
@@ -31,9 +30,9 @@ SMALL = [
 def _build(variant):
     files, bindings = [variant.split("+")[0]], list(SMALL)
     if variant.endswith("+loss"):
-        bindings += ["EncoderDecoderTransformer.logits_layer = @MultiplicativeLogits", "MultiplicativeLogits.loss_sparsity = 4"]
+        bindings += ["EncoderDecoderTransformer.logits_layer = @SparseLossLogits", "SparseLossLogits.loss_sparsity = 4"]
     gin_utils.parse_gin(files, bindings)
-    return gin_utils.build("terra.models.EncoderDecoderModel")
+    return gin_utils.build_model()
 
 
 def _batch(vocab, batch=2, input_length=9, target_length=8, seed=0):
@@ -86,19 +85,19 @@ def test_tiny_sparse_model_trains(variant, fast_compile):
     [
         ("SparseFeedForward.ff_sparsity = 60", "not divisible by ff_sparsity=60"),
         ("SparseQKVAttention.attention_sparsity = 5", "not divisible by attention_sparsity S=5"),
-        ("MultiplicativeLogits.loss_sparsity = 7", "not divisible by loss_sparsity=7"),
+        ("SparseLossLogits.loss_sparsity = 7", "not divisible by loss_sparsity=7"),
     ],
 )
 def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, message):
     gin_utils.parse_gin(["models/fully_sparse_800m.gin"], [binding])
     with pytest.raises(gin_utils.GinConfigError, match=message):
-        gin_utils.build("terra.models.EncoderDecoderModel")
+        gin_utils.build_model()
 
 
 def _reads(gin_file):
     gin_utils.parse_gin([gin_file])
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
-    return model, params_read_per_token(model.module, model.abstract_variables()["params"])
+    model = gin_utils.build_model()
+    return model, model.params_read_per_token()
 
 
 def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape():

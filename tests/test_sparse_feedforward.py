@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from terra.errors import ConfigError
-from terra.layers import BlockSparseFeedForward, SparseFeedForward
+from terra.layers import MixtureOfExpertsFeedForward, SparseFeedForward
 from terra.layers.selection import block_argmax
 
 D_MODEL, D_FF, N = 16, 64, 8  # 8 blocks of 8 units
@@ -158,11 +158,11 @@ def test_d_ff_not_divisible_by_n_is_a_config_error():
 
 
 def test_moe_baseline_decode_equals_eval_and_reads_one_block():
-    layer = BlockSparseFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=4)
+    layer = MixtureOfExpertsFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=4)
     x = jax.random.normal(jax.random.key(0), (2, 5, D_MODEL))
     variables = layer.init(jax.random.key(1), x)
     np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
     params = nn.unbox(variables)["params"]
-    assert BlockSparseFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL
+    assert MixtureOfExpertsFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL
     with pytest.raises(ConfigError, match="n_experts"):
-        BlockSparseFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=5).init(jax.random.key(0), x)
+        MixtureOfExpertsFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=5).init(jax.random.key(0), x)

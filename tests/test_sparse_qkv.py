@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from terra.errors import ConfigError
-from terra.layers import MultiplicativeDense, MultiplicativeLogits, SparseQKVAttention, SparseQueryCrossAttention
+from terra.layers import MultiplicativeDense, SparseLossLogits, SparseQKVAttention, SparseQueryCrossAttention
 from terra.layers.sparse_qkv import sparse_qkv_param_count
 
 D, H = 32, 4  # S = H = 4 modules of M = 8
@@ -111,7 +111,7 @@ def test_sparse_query_cross_attention_decode_matches_the_full_pass():
 
 
 def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
-    layer = MultiplicativeLogits(vocab_size=40, loss_sparsity=4)
+    layer = SparseLossLogits(vocab_size=40, loss_sparsity=4)
     x = jax.random.normal(jax.random.key(0), (2, 3, D))
     variables = layer.init(jax.random.key(1), x)
     p = nn.unbox(variables)["params"]["multiplicative"]
@@ -123,4 +123,4 @@ def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
     expected = jnp.einsum("bli,i,i->bl", x, p["gate"][s], p["kernel"][:, m]) + p["bias"][s * 10 + m]
     np.testing.assert_allclose(logits[..., s * 10 + m], expected, atol=1e-5)
     with pytest.raises(ConfigError, match="vocab_size=40 is not divisible by loss_sparsity=3"):
-        MultiplicativeLogits(vocab_size=40, loss_sparsity=3).init(jax.random.key(0), x)
+        SparseLossLogits(vocab_size=40, loss_sparsity=3).init(jax.random.key(0), x)

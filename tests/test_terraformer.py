@@ -10,9 +10,9 @@ import pytest
 from terra.benchmarks import reversible_memory
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.errors import ConfigError
-from terra.layers import LSHSelfAttention, MultiplicativeLogits, SparseFeedForward, SparseQKVAttention
+from terra.layers import LSHSelfAttention, SparseLossLogits, SparseFeedForward, SparseQKVAttention
 from terra.layers.length_concat import concat_with_padding, strip_to_decoder
-from terra.models import EncoderDecoderModel, Terraformer
+from terra.models import Terraformer, TerraformerModel
 from terra.models.terraformer import shared_qk_from_dense_attention
 
 from conftest import tiny_config
@@ -22,7 +22,7 @@ VOCAB = 64
 SPARSE = dict(
     feed_forward=functools.partial(SparseFeedForward, ff_sparsity=8),
     decoder_attention=functools.partial(SparseQKVAttention, attention_sparsity=4),
-    logits_layer=functools.partial(MultiplicativeLogits, loss_sparsity=4),
+    logits_layer=functools.partial(SparseLossLogits, loss_sparsity=4),
 )
 LSH = dict(
     encoder_attention=functools.partial(LSHSelfAttention, causal=False, n_chunks_after=1, chunk_len=16, n_hashes=2),
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _model(**kwargs):
-    return EncoderDecoderModel(Terraformer(tiny_config(vocab_size=VOCAB), **kwargs))
+    return TerraformerModel(Terraformer(tiny_config(vocab_size=VOCAB), **kwargs))
 
 
 def _batch(batch=2, inputs=7, targets=6, seed=0):
@@ -72,7 +72,7 @@ def test_incremental_decode_matches_teacher_forced_forward(variant):
     batch = _batch()
     teacher_forced = model.logits(params, batch)
     decoder = IncrementalDecoder(model.module, 8)
-    decoder_inputs = np.asarray(model._decoder_inputs(batch))
+    decoder_inputs = np.asarray(model.decoder_input_tokens(batch))
 
     def decode_all(rows):
         cache = decoder.prefill(params, batch["encoder_input_tokens"][rows])
@@ -95,7 +95,7 @@ def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
     logits = model.logits(params, dict(batch, encoder_mask=mask))
     garbage = jnp.where(mask, batch["encoder_input_tokens"], 7)  # padded positions hold real ids
     np.testing.assert_allclose(model.logits(params, dict(batch, encoder_input_tokens=garbage, encoder_mask=mask)), logits, atol=1e-5)
-    changed = dict(batch, decoder_input_tokens=model._decoder_inputs(batch).at[:, 4].set(9), encoder_mask=mask)
+    changed = dict(batch, decoder_input_tokens=model.decoder_input_tokens(batch).at[:, 4].set(9), encoder_mask=mask)
     after = model.logits(params, changed)
     np.testing.assert_allclose(after[:, :4], logits[:, :4], atol=1e-5)
     assert float(jnp.max(jnp.abs(after[:, 4:] - logits[:, 4:]))) > 1e-3

@@ -32,9 +32,9 @@ TINY = [
     "TransformerConfig.max_len = 64",
     "TASK_FEATURE_LENGTHS = {'inputs': 24, 'targets': 24}",
     "terra.data.copy_dataset.train_length = 20",
-    "terra.train.log_every = 1",
-    "terra.train.eval_every = 0",
-    "terra.train.progress = False",
+    "terra.training.LoggingSettings.every = 1",
+    "terra.training.EvaluationSettings.every = 0",
+    "terra.training.LoggingSettings.progress = False",
 ]
 FILES = ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"]
 # XLA's optimizations only cost compile time at this size; off in this process and in every
@@ -83,7 +83,7 @@ def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path
     from terra.data import tasks
 
     gin_utils.parse_gin([path], [f"MODEL_DIR = {str(tmp_path)!r}", f"INIT_FROM = {str(tmp_path)!r}"])
-    model = gin.query_parameter("terra.train.model").scoped_configurable_fn()  # sizes checked abstractly
+    model = gin.query_parameter("terra.training.Trainer.model").scoped_configurable_fn()  # sizes checked abstractly
     task = tasks.get_task(gin.query_parameter("%TASK"))
     assert model.config.vocab_size >= task.output_features["targets"].vocabulary.vocab_size
     assert gin.query_parameter("%BATCH_SIZE") > 0 and gin.query_parameter("%TRAIN_STEPS") > 0
@@ -91,48 +91,52 @@ def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path
 
 def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
     assert len(jax.devices()) == 8
-    _parse(tmp_path / "mesh", 4, "terra.train.mesh_shape = {'data': 4, 'model': 2}")
-    sharded = trainer.train()
-    _parse(tmp_path / "one", 4, "terra.train.num_devices = 1")
-    single = trainer.train()
+    _parse(tmp_path / "mesh", 4, "terra.training.ParallelSettings.mesh_shape = {'data': 4, 'model': 2}")
+    sharded = trainer.Trainer().run()
+    _parse(tmp_path / "one", 4, "terra.training.ParallelSettings.num_devices = 1")
+    single = trainer.Trainer().run()
     np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
     wi = _leaf(sharded.params, "wi")  # the feed-forward's d_ff axis is split over 'model'
     assert "model" in tuple(wi.sharding.spec) and wi.addressable_shards[0].data.shape != wi.shape
     _assert_same_params(sharded.params, single.params, rtol=1e-4, atol=1e-5)
 
 
-def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path):
-    _parse(tmp_path / "a", 6, "terra.train.checkpoint_every = 3", "terra.train.eval_every = 6", "terra.train.eval_steps = 1")
-    first = trainer.train()
+def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path, capsys):
+    _parse(tmp_path / "a", 6, "terra.training.CheckpointSettings.every = 3", "terra.training.EvaluationSettings.every = 6",
+           "terra.training.EvaluationSettings.steps = 1")
+    first = trainer.Trainer().run()
     run = tmp_path / "a"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert {"train/loss", "train/learning_rate", "train/tokens_per_second"} <= set(rows[0])
     assert {"eval/loss", "eval/token_accuracy", "eval/sequence_accuracy"} <= set(rows[-1])
+    # Eval metrics reach the console too, with the values written to metrics.jsonl.
+    printed = re.search(r"step 6 eval: loss ([0-9.]+), sequence_accuracy", capsys.readouterr().out)
+    assert printed and abs(float(printed.group(1)) - rows[-1]["eval/loss"]) < 1e-4
     assert any(name.startswith("events.out.tfevents") for _, _, names in os.walk(run / "tensorboard") for name in names)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
     # The written operative config alone reproduces the run.
-    gin_utils.parse_gin([str(run / "config.gin")], [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.train.model_dir = {str(tmp_path / 'b')!r}"])
-    second = trainer.train()
+    gin_utils.parse_gin([str(run / "config.gin")], [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.training.Trainer.model_dir = {str(tmp_path / 'b')!r}"])
+    second = trainer.Trainer().run()
     assert _losses(tmp_path / "b") == _losses(run)
     _assert_same_params(first.params, second.params, rtol=0, atol=0)
 
 
 def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimizer(tmp_path):
     _parse(tmp_path / "pre", 3)
-    pretrained = trainer.train()
+    pretrained = trainer.Trainer().run()
     # Learning rate 0: after one step the parameters are still exactly the pretrained ones.
     _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(tmp_path / 'pre')!r}",
-           "terra.train.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 0.0")
-    fine = trainer.train()
+           "terra.training.Trainer.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 0.0")
+    fine = trainer.Trainer().run()
     _assert_same_params(fine.params, pretrained.params, rtol=0, atol=0)
     assert fine.step == 1 and checkpointing.Checkpointer(str(tmp_path / "fine")).latest_step() == 1
 
 
 def test_a_non_finite_loss_stops_training_and_leaves_the_last_checkpoint(tmp_path):
-    _parse(tmp_path / "nan", 20, "terra.train.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 1e30",
-           "terra.train.checkpoint_every = 1")
+    _parse(tmp_path / "nan", 20, "terra.training.Trainer.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 1e30",
+           "terra.training.CheckpointSettings.every = 1")
     with pytest.raises(trainer.TrainingDiverged, match="not finite") as error:
-        trainer.train()
+        trainer.Trainer().run()
     assert "intact" in str(error.value)
     ckpt = checkpointing.Checkpointer(str(tmp_path / "nan"))
     last = ckpt.latest_step()
@@ -144,14 +148,28 @@ def test_a_non_finite_loss_stops_training_and_leaves_the_last_checkpoint(tmp_pat
 def test_a_model_task_mismatch_fails_before_model_dir_is_written(tmp_path):
     _parse(tmp_path / "bad", 2, "TransformerConfig.vocab_size = 64")
     with pytest.raises(ConfigError, match="vocab_size = 259"):
-        trainer.train()
+        trainer.Trainer().run()
+    assert not (tmp_path / "bad").exists()
+
+
+def test_settings_groups_validate_their_values_before_anything_is_written(tmp_path):
+    _parse(tmp_path / "bad", 2, "terra.training.CheckpointSettings.every = 0")
+    with pytest.raises(ConfigError, match="CheckpointSettings.every=0"):
+        trainer.Trainer().run()
+    _parse(tmp_path / "bad", 2, "terra.training.CheckpointSettings.best_metric = 'eval/rougeLsum'")
+    with pytest.raises(ConfigError, match="not a metric this run evaluates"):
+        trainer.Trainer().run()
+    # ROUGE scores summaries: the hook refuses the copy task.
+    _parse(tmp_path / "bad", 2, "terra.training.EvaluationSettings.hooks = [@terra.evaluation.RougeEvaluation()]")
+    with pytest.raises(ConfigError, match="RougeEvaluation scores summaries"):
+        trainer.Trainer().run()
     assert not (tmp_path / "bad").exists()
 
 
 def test_a_misspelled_binding_fails_before_model_dir_is_written(tmp_path):
-    result = subprocess.run(_cli(tmp_path / "typo", 2, "terra.train.chekpoint_every = 3"),
+    result = subprocess.run(_cli(tmp_path / "typo", 2, "terra.training.CheckpointSettings.evrey = 3"),
                             cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "checkpoint_every" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "'every'" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "typo").exists()
 
 
@@ -171,7 +189,7 @@ def _wait_for_checkpoint(model_dir, at_least, process, timeout=240):
 
 def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(tmp_path):
     steps, run = 60, tmp_path / "run"
-    extra = ("terra.train.checkpoint_every = 5", "terra.train.log_every = 5")
+    extra = ("terra.training.CheckpointSettings.every = 5", "terra.training.LoggingSettings.every = 5")
     command = _cli(run, steps, *extra)
     first = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_after = _wait_for_checkpoint(run, 10, first)
@@ -188,15 +206,15 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     assert killed_after < preempted_at < steps
     # The same run, resumed in this process, finishes where an uninterrupted one does.
     _parse(run, steps, *extra)
-    resumed = trainer.train()
+    resumed = trainer.Trainer().run()
     assert resumed.step == steps
     _parse(tmp_path / "straight", steps, *extra)
-    straight = trainer.train()
+    straight = trainer.Trainer().run()
     _assert_same_params(resumed.params, straight.params, rtol=1e-6, atol=1e-7)
 
 
 def test_two_processes_reach_the_same_loss_as_one(tmp_path):
-    extra = ("terra.train.shuffle = False",)
+    extra = ("terra.training.Trainer.shuffle = False",)
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4", TERRA_LOG_DIR=str(tmp_path / "logs"))
     result = subprocess.run(
         ["bash", os.path.join(REPO_ROOT, "scripts", "launch_local_multihost.sh"), "2",
@@ -205,7 +223,7 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "over 8 cpu devices, 2 processes" in result.stdout
     _parse(tmp_path / "single", 5, *extra)
-    trainer.train()
+    trainer.Trainer().run()
     np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=1e-4)
 
 

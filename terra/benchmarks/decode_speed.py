@@ -27,7 +27,6 @@ import sys
 import time
 from typing import List, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -38,7 +37,6 @@ from terra.benchmarks import presets as preset_lib
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.models.param_count import params_read_per_token
 
 
 @dataclasses.dataclass
@@ -132,10 +130,9 @@ def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int,
     - ``flops``: XLA's cost analysis of the lowered ``step`` (2 per multiply-add of every
       product, 1 per elementwise op; a gather counts none).
     """
-    abstract = model.abstract_variables()["params"]
-    unboxed = nn.unbox(abstract)
+    unboxed = model.abstract_params()
     cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
-    weights = params_read_per_token(model.module, abstract)["total"] * weights_itemsize
+    weights = model.params_read_per_token()["total"] * weights_itemsize
     caches = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
     analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
@@ -151,8 +148,7 @@ _LEAFWISE_INIT_BYTES = 4 << 30
 def random_params(model, seed: int):
     """Random weights for timing. Small models use their real initialisers; large ones get
     N(0, 1/fan_in) per leaf (timing does not depend on the distribution), one leaf at a time."""
-    abstract = nn.unbox(model.abstract_variables())["params"]
-    leaves, treedef = jax.tree.flatten(abstract)
+    leaves, treedef = jax.tree.flatten(model.abstract_params())
     if sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) < _LEAFWISE_INIT_BYTES:
         return model.init_params(jax.random.key(seed))
 
@@ -166,7 +162,7 @@ def random_params(model, seed: int):
 
 def _build(gin_files, bindings):
     gin_utils.parse_gin(gin_files, bindings)
-    return gin_utils.build("terra.models.EncoderDecoderModel")
+    return gin_utils.build_model()
 
 
 def _time_model(gin_files, bindings, config, seed: int = 0):

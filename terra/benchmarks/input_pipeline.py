@@ -37,8 +37,9 @@ def _write_local_datasets(root: str, copies: int) -> Dict[str, str]:
         if ex["kind"] == b"module"
     ]
     papers = [fixtures.cohan_record(i, a.split("\n"), [s]) for i, (a, s) in enumerate(pairs * copies)]
-    fixtures.write_cohan(os.path.join(root, "raw"), {"train": papers, "validation": papers[:8], "test": papers[:8]})
-    fixtures.prepare_arxiv_tfds(os.path.join(root, "tfds"), os.path.join(root, "raw"))
+    splits = {"train": papers, "validation": papers[:8], "test": papers[:8]}
+    fixtures.write_cohan(os.path.join(root, "raw"), splits)
+    fixtures.write_arxiv_tfds(os.path.join(root, "tfds"), splits)
     return {"c4_json": os.path.join(root, "c4json"), "arxiv_cohan": os.path.join(root, "raw"), "tfds_data_dir": os.path.join(root, "tfds")}
 
 

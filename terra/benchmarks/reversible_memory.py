@@ -16,12 +16,12 @@ from typing import Dict, List, Sequence
 import jax
 import jax.numpy as jnp
 
-from terra.models import EncoderDecoderModel, Terraformer, TransformerConfig
+from terra.models import Terraformer, TerraformerModel, TransformerConfig
 
 
 def temp_bytes(config: TransformerConfig, *, reversible: bool, batch: int, inputs: int, targets: int) -> int:
     """Compiled temporary bytes of ``grad(loss)`` for one Terraformer (nothing is executed)."""
-    model = EncoderDecoderModel(Terraformer(config, reversible=reversible))
+    model = TerraformerModel(Terraformer(config, reversible=reversible))
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), jax.eval_shape(model.init_params, jax.random.key(0))
     )

@@ -36,7 +36,7 @@ SMALL_SIZE = [
     "SparseFeedForward.ff_sparsity = 64",
     "SparseQKVAttention.attention_sparsity = 8",
     "SparseQueryCrossAttention.attention_sparsity = 8",
-    "MultiplicativeLogits.loss_sparsity = 4",
+    "SparseLossLogits.loss_sparsity = 4",
 ]
 # --small: seconds, for the smoke test.
 SMOKE_SIZE = [
@@ -59,7 +59,7 @@ ROWS = {  # key: (name, model config, bindings)
 def measure(gin_file: str, bindings: Sequence[str], *, size: Sequence[str], batch_size: int, inputs: int, targets: int,
             steps: int) -> dict:
     gin_utils.parse_gin([gin_file], list(size) + list(bindings))
-    model = gin_utils.build("terra.models.EncoderDecoderModel")
+    model = gin_utils.build_model()
     tx = optimizers.adafactor().transform
     params = model.init_params(jax.random.key(0))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))

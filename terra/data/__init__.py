@@ -1,43 +1,12 @@
 """Data: seqio sources, preprocessors, tasks, vocabularies and the embedded default corpus.
 
-Importing the package registers every data configurable with gin; an entry point that reads
-data imports it before parsing its gin config (gin refuses registrations after a config is
-finalized). Task gin files start with ``import terra.data.tasks`` for the same reason.
+Every gin-configurable data function is re-exported here under the name gin knows it by
+(``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...). Importing the package registers
+them; ``terra.configurables.import_all`` does so before any config is parsed. Command-line
+tools load TensorFlow through ``terra.tensorflow_setup`` first.
 """
 
-import os
-import sys
-import tempfile
-
-
-def _import_tensorflow_quietly() -> None:
-    """Import TensorFlow for the input pipeline only: its GPUs are hidden from it (as T5X and
-    MaxText do) so it never takes accelerator memory from JAX. TF 2.21 prints start-up lines from
-    C++ ("oneDNN custom operations are on", "Could not find cuda drivers", "failed call to
-    cuInit") before its logging is initialised, so TF_CPP_MIN_LOG_LEVEL cannot hide them; they
-    are dropped here unless the import fails."""
-    if "tensorflow" in sys.modules:
-        return
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            import tensorflow
-
-            tensorflow.config.set_visible_devices([], "GPU")
-        except BaseException:
-            os.dup2(saved, 2)
-            sink.seek(0)
-            sys.stderr.write(sink.read().decode("utf-8", "replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-_import_tensorflow_quietly()
-
-from terra.data import (  # noqa: E402,F401
+from terra.data import (  # noqa: F401
     embedded,
     feature_converters,
     pipeline,
@@ -47,3 +16,49 @@ from terra.data import (  # noqa: E402,F401
     tasks,
     vocabularies,
 )
+from terra.data.embedded import build_corpus, corpus_texts, lm_source, summarization_source
+from terra.data.feature_converters import encoder_decoder_converter, length_concat_converter, prefix_lm_converter
+from terra.data.pipeline import get_dataset
+from terra.data.preprocessors import (
+    concatenate_and_split,
+    full_lm,
+    prefix_lm,
+    random_spans_noise_mask,
+    single_word_masking,
+    span_corruption,
+    split_tokens,
+    summarization,
+)
+from terra.data.synthetic import addition_dataset, copy_dataset
+from terra.data.tasks import arxiv_source, c4_source, pretraining_preprocessors, synthetic_vocabulary, text_vocabulary
+from terra.data.vocabularies import byte_vocabulary, embedded_vocabulary, sentencepiece_vocabulary, train_sentencepiece
+
+__all__ = [
+    "addition_dataset",
+    "arxiv_source",
+    "build_corpus",
+    "byte_vocabulary",
+    "c4_source",
+    "concatenate_and_split",
+    "copy_dataset",
+    "corpus_texts",
+    "embedded_vocabulary",
+    "encoder_decoder_converter",
+    "full_lm",
+    "get_dataset",
+    "length_concat_converter",
+    "lm_source",
+    "prefix_lm",
+    "prefix_lm_converter",
+    "pretraining_preprocessors",
+    "random_spans_noise_mask",
+    "sentencepiece_vocabulary",
+    "single_word_masking",
+    "span_corruption",
+    "split_tokens",
+    "summarization",
+    "summarization_source",
+    "synthetic_vocabulary",
+    "text_vocabulary",
+    "train_sentencepiece",
+]

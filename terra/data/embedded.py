@@ -14,11 +14,16 @@ files of ``tf.train.Example`` (so :class:`seqio.TFExampleDataSource` reads them 
 ``tf.data`` iterators over them are checkpointable):
 
 * language modelling: one document per topic or docstring (feature ``text``);
-* summarization (features ``article``, ``abstract``, ``kind``):
+* summarization (features ``article``, ``abstract``, ``kind``, ``id``):
 
   - ``kind=b"docstring"``: a docstring's body -> its first paragraph (the summary line);
   - ``kind=b"module"``: all of a module's docstrings joined -> the module docstring's first
-    paragraph, long inputs that resemble long-document (arXiv-style) summarization.
+    paragraph, long inputs that resemble long-document (arXiv-style) summarization;
+  - ``id`` names where the pair comes from, unique and the same in every build:
+    ``b"docstring:textwrap.py:TextWrapper.wrap"`` (the module's path in the standard
+    library, then the dotted names of the enclosing classes and functions; none for the module
+    docstring itself), ``b"module:json/__init__.py"``; ``#2``, ``#3``, ... follow a name that
+    occurs again in the same module (e.g. a function defined in both branches of an ``if``).
 
   Articles keep their newlines: ROUGE-Lsum splits summaries into sentences on newlines, so a
   pipeline that loses them scores differently.
@@ -52,7 +57,7 @@ import tensorflow as tf
 
 # Bump when the extraction or the file layout changes: caches of an older format are
 # then ignored rather than misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: summarization pairs have an ``id``
 
 SPLITS = ("train", "validation")
 VALIDATION_PERCENT = 5
@@ -63,6 +68,7 @@ SUMMARIZATION_FEATURES = {
     "article": tf.io.FixedLenFeature([], tf.string),
     "abstract": tf.io.FixedLenFeature([], tf.string),
     "kind": tf.io.FixedLenFeature([], tf.string),
+    "id": tf.io.FixedLenFeature([], tf.string),
 }
 
 # Tests, GUI code and vendored packages are mostly code-like or duplicated text.
@@ -84,6 +90,7 @@ class _Pair:
     abstract: str
     kind: str
     split: str
+    id: str
 
 
 def split_of(text: str) -> str:
@@ -103,8 +110,9 @@ def corpus_dir(*, cache_dir: Optional[str] = None) -> str:
     return os.path.join(root, name)
 
 
-def _stdlib_docstrings() -> List[Tuple[str, List[str]]]:
-    """``[(module path relative to the stdlib, [docstrings in source order])]``, module docstring first."""
+def _stdlib_docstrings() -> List[Tuple[str, List[Tuple[str, str]]]]:
+    """``[(module path relative to the stdlib, [(name, docstring) in source order])]``, the
+    module docstring (name ``""``) first; see :func:`_docstrings_in_source_order`."""
     root = sysconfig.get_paths()["stdlib"]
     modules = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -128,22 +136,28 @@ def _stdlib_docstrings() -> List[Tuple[str, List[str]]]:
     return modules
 
 
-def _docstrings_in_source_order(tree: ast.Module) -> List[str]:
-    docs: List[str] = []
-    stack: List[ast.AST] = [tree]
+def _docstrings_in_source_order(tree: ast.Module) -> List[Tuple[str, str]]:
+    """``[(name, docstring)]``: the name is the dotted path of the enclosing classes and
+    functions (``""`` for the module docstring), with ``#2``, ``#3``, ... when a name repeats."""
+    docs: List[Tuple[str, str]] = []
+    seen: Dict[str, int] = {}
+    stack: List[Tuple[ast.AST, str]] = [(tree, "")]
     while stack:
-        node = stack.pop()
+        node, name = stack.pop()
         if isinstance(node, _DOCSTRING_NODES):
+            if not isinstance(node, ast.Module):
+                name = f"{name}.{node.name}" if name else node.name
             doc = ast.get_docstring(node, clean=False)
             doc = inspect.cleandoc(doc) if doc is not None else ""
             if len(doc) >= _MIN_DOCSTRING_CHARS:
-                docs.append(doc)
+                seen[name] = seen.get(name, 0) + 1
+                docs.append((name if seen[name] == 1 else f"{name}#{seen[name]}", doc))
             elif isinstance(node, ast.Module):
                 # Holds the module's place, so a function's docstring is never taken for the module's.
-                docs.append("")
+                docs.append(("", ""))
         # Docstrings only open statement lists, so expressions (most of the tree) are skipped.
         children = [c for f in _STATEMENT_FIELDS if isinstance(getattr(node, f, None), list) for c in getattr(node, f)]
-        stack.extend(reversed(children))
+        stack.extend((child, name) for child in reversed(children))
     return docs
 
 
@@ -170,8 +184,8 @@ def _extract() -> Tuple[List[str], List[str], List[_Pair], Dict[str, int]]:
     modules = _stdlib_docstrings()
     pairs: List[_Pair] = []
     n_docstrings = n_duplicates = 0
-    for _, docs in modules:
-        for doc in docs:
+    for path, docs in modules:
+        for name, doc in docs:
             if not doc:
                 continue
             n_docstrings += 1
@@ -185,8 +199,11 @@ def _extract() -> Tuple[List[str], List[str], List[_Pair], Dict[str, int]]:
             summary = _split_summary(doc)
             if summary is not None and len(summary[1].split()) >= _MIN_BODY_WORDS:
                 # Split by the whole docstring so a validation pair's source is also validation text.
-                pairs.append(_Pair(article=summary[1], abstract=summary[0], kind="docstring", split=split_of(doc)))
-    for _, docs in modules:
+                pair_id = f"docstring:{path}:{name}" if name else f"docstring:{path}"
+                pairs.append(_Pair(article=summary[1], abstract=summary[0], kind="docstring", split=split_of(doc),
+                                   id=pair_id))
+    for path, named_docs in modules:
+        docs = [doc for _, doc in named_docs]
         if not docs or not docs[0]:
             continue
         summary = _split_summary(docs[0])
@@ -194,7 +211,8 @@ def _extract() -> Tuple[List[str], List[str], List[_Pair], Dict[str, int]]:
             continue
         article = "\n\n".join(d for d in [summary[1], *docs[1:]] if d)
         if len(article.split()) >= _MIN_MODULE_ARTICLE_WORDS:
-            pairs.append(_Pair(article=article, abstract=summary[0], kind="module", split=split_of(article)))
+            pairs.append(_Pair(article=article, abstract=summary[0], kind="module", split=split_of(article),
+                               id=f"module:{path}"))
     stats = {
         "pydoc_topics": len(topics),
         "stdlib_modules": len(modules),
@@ -251,7 +269,7 @@ def _write_corpus(directory: str) -> None:
         split_pairs = [p for p in pairs if p.split == split]
         _write_records(
             os.path.join(directory, f"summarization-{split}.tfrecord"),
-            [_example({"article": p.article, "abstract": p.abstract, "kind": p.kind}) for p in split_pairs],
+            [_example({"article": p.article, "abstract": p.abstract, "kind": p.kind, "id": p.id}) for p in split_pairs],
         )
         manifest["summarization"][split] = {
             "pairs": len(split_pairs),
@@ -319,7 +337,7 @@ def lm_source(*, cache_dir: Optional[str] = None) -> seqio.TFExampleDataSource:
 
 
 def summarization_source(*, cache_dir: Optional[str] = None) -> seqio.TFExampleDataSource:
-    """Summarization pairs (features ``article``, ``abstract``, ``kind``), splits ``train``/``validation``."""
+    """Summarization pairs (features ``article``, ``abstract``, ``kind``, ``id``), splits ``train``/``validation``."""
     manifest = read_manifest(cache_dir=cache_dir)
     counts = {split: manifest["summarization"][split]["pairs"] for split in SPLITS}
     return _source("summarization", SUMMARIZATION_FEATURES, counts, corpus_dir(cache_dir=cache_dir))

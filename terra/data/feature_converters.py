@@ -2,7 +2,7 @@
 
 * :func:`encoder_decoder_converter` — seqio's ``EncDecFeatureConverter`` without packing:
   ``encoder_input_tokens [I]``, ``decoder_input_tokens``/``decoder_target_tokens``/
-  ``decoder_loss_weights [T]`` (the names ``EncoderDecoderModel.loss_fn`` reads; loss weights
+  ``decoder_loss_weights [T]`` (the names ``Model.loss_fn`` reads; loss weights
   are 0 on padding).
 * :class:`LengthConcatFeatureConverter` — the same features plus Terraformer's LengthConcat
   layout (paper §4.1; ``trax_reference.md`` §4.1): one causal sequence of length ``I + T`` made

@@ -1,13 +1,12 @@
 """Tiny real on-disk datasets in every format terra reads, for the tests and the input-pipeline
-benchmark (``data_and_seqio.md`` §3): a prepared TFDS ``c4/en`` directory, a prepared TFDS
-``scientific_papers/arxiv`` directory made by the real builder from Cohan files, allenai/c4
-JSON shards and Cohan JSON lines. Reading them exercises exactly the production code paths."""
+benchmark: prepared TFDS ``c4/en`` and ``scientific_papers/arxiv`` directories, allenai/c4 JSON
+shards and Cohan JSON lines. Reading them exercises exactly the production code paths (the
+tests also check that the arXiv directory reads as the real TFDS builder's does)."""
 
 import gzip
 import json
 import os
 from typing import Mapping, Sequence
-from unittest import mock
 
 from terra.data import sources
 
@@ -71,14 +70,27 @@ def write_cohan(directory: str, papers: Mapping[str, Sequence[dict]]) -> str:
     return folder
 
 
-def prepare_arxiv_tfds(data_dir: str, cohan_directory: str) -> str:
-    """Run the real ``scientific_papers`` builder over local Cohan files (its download step
-    replaced by the directory, as TFDS's own builder tests do). ``cohan_directory`` holds
-    ``arxiv-dataset/`` (what :func:`write_cohan` was given)."""
+def write_arxiv_tfds(data_dir: str, papers: Mapping[str, Sequence[dict]]) -> str:
+    """``papers = {"train": [cohan record, ...], ...}`` -> a prepared TFDS
+    ``<data_dir>/scientific_papers/arxiv/1.1.1`` with the features and text the real
+    ``scientific_papers`` builder makes of the same Cohan files: paragraphs joined by newlines,
+    the abstract's ``<S>``/``</S>`` tags removed."""
     import tensorflow_datasets as tfds
 
-    tfds.disable_progress_bar()
-    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
-                           return_value={"arxiv": cohan_directory, "pubmed": cohan_directory}):
-        tfds.builder(sources.ARXIV_TFDS_NAME, data_dir=data_dir).download_and_prepare()
-    return os.path.join(data_dir, "scientific_papers", "arxiv", "1.1.1")
+    name, rest = sources.ARXIV_TFDS_NAME.split("/")
+    config, version = rest.split(":")
+    features = tfds.features.FeaturesDict({k: tfds.features.Text() for k in ("article", "abstract", "section_names")})
+
+    def examples(records):
+        for record in records:
+            abstract = "\n".join(record["abstract_text"]).replace("<S>", "").replace("</S>", "")
+            yield record["article_id"], {
+                "article": "\n".join(record["article_text"]),
+                "abstract": abstract,
+                "section_names": "\n".join(record["section_names"]),
+            }
+
+    tfds.dataset_builders.store_as_tfds_dataset(
+        name=name, config=config, version=version, data_dir=data_dir, features=features,
+        split_datasets={split: examples(records) for split, records in papers.items()}, disable_shuffling=False)
+    return os.path.join(data_dir, name, config, version)

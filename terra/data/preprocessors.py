@@ -512,15 +512,23 @@ def summarization(
     *,
     article_key: str = "article",
     abstract_key: str = "abstract",
+    id_key: Optional[str] = "id",
 ) -> tf.data.Dataset:
-    """Text summarization examples -> ``{"inputs": article, "targets": abstract}`` (untokenized).
+    """Text summarization examples -> ``{"inputs": article, "targets": abstract}`` (untokenized),
+    plus ``"id"`` when the source has an ``id_key`` feature.
 
     The abstract keeps one sentence per line (ROUGE-Lsum splits sentences on "\\n"): ``<S>``/``</S>``
     sentence tags (arXiv) are removed, ``</S>`` ending a line; every line is stripped and empty
     lines are dropped. The article loses its tags and surrounding whitespace. Examples whose article
     or abstract ends up empty are dropped (the reference code's FilterEmptyExamples). Use
     ``abstract_key="highlights"`` for CNN/DailyMail.
+
+    The ``id`` (a string naming the document in its source, e.g. the arXiv ``article_id``) is not
+    an output feature: ``seqio.preprocessors.tokenize`` and ``append_eos_after_trim`` pass it
+    through untouched, so ``Task.get_dataset`` still has it for evaluation output, and the
+    feature converters, which build the model features from ``inputs``/``targets`` only, drop it.
     """
+    keep_id = bool(id_key) and id_key in dataset.element_spec
 
     def clean(features):
         article = tf.strings.regex_replace(features[article_key], r"</?S>", " ")
@@ -529,7 +537,10 @@ def summarization(
         abstract = tf.strings.regex_replace(abstract, r"<S>", " ")
         lines = tf.strings.strip(tf.strings.split(abstract, sep="\n"))
         lines = tf.boolean_mask(lines, tf.strings.length(lines) > 0)
-        return {"inputs": article, "targets": tf.strings.reduce_join(lines, separator="\n")}
+        out = {"inputs": article, "targets": tf.strings.reduce_join(lines, separator="\n")}
+        if keep_id:
+            out["id"] = features[id_key]
+        return out
 
     def not_empty(features):
         return tf.logical_and(

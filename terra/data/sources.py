@@ -12,6 +12,9 @@ already have. Two real code paths per dataset (``data_and_seqio.md`` §0):
   yield exactly the TFDS features (``article``/``abstract`` joined with newlines, ``<S>`` tags
   removed, one sentence per line).
 
+Both arXiv paths also give each paper a stable string ``id`` for evaluation output: the Cohan
+files' ``article_id``, or TFDS's record id for the prepared directory (whose builder keeps no id).
+
 Every source checks its data before anything is built (:func:`check_available`), so a missing
 or unprepared dataset fails in well under a second with the path it tried and how to get the
 data. ``read_only=True`` matters: without it seqio asks TFDS to download and prepare, which for
@@ -20,7 +23,7 @@ arXiv retries Google Drive for minutes before failing.
 
 import json
 import os
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import seqio
 import tensorflow as tf
@@ -61,12 +64,23 @@ def _tfds_path(data_dir: str, name: str) -> str:
 
 class ReadOnlyTfdsSource(seqio.TfdsDataSource):
     """A ``seqio.TfdsDataSource`` that only ever reads a prepared directory and says what to do
-    when it is not there (seqio's own message suggests a download)."""
+    when it is not there (seqio's own message suggests a download).
 
-    def __init__(self, name: str, *, data_dir: Optional[str] = None, how_to_get: str = "", splits=None):
+    With ``add_ids=True`` every example also has a string feature ``id``: TFDS's own record id
+    (``tfds.ReadConfig(add_tfds_id=True)``), ``<prepared file name>__<index in the file>``, e.g.
+    ``b"scientific_papers-test.tfrecord-00000-of-00001__3"``. It names the record in the prepared
+    directory, so it is the same however the files are shuffled or sharded across hosts, for
+    datasets like ``scientific_papers`` that store no id of their own.
+    """
+
+    def __init__(self, name: str, *, data_dir: Optional[str] = None, how_to_get: str = "", splits=None,
+                 add_ids: bool = False):
         self.name_with_version = name
         self.data_dir = os.path.expanduser(data_dir) if data_dir else default_tfds_data_dir()
         self.how_to_get = how_to_get
+        self.add_ids = add_ids
+        # seqio keeps only the canonical split names; reading with ids needs the TFDS split too.
+        self.split_map = dict(splits) if isinstance(splits, Mapping) else {}
         super().__init__(tfds_name=name, tfds_data_dir=self.data_dir, splits=splits, read_only=True)
 
     @property
@@ -95,7 +109,33 @@ class ReadOnlyTfdsSource(seqio.TfdsDataSource):
 
     def get_dataset(self, split=None, shuffle=True, seed=None, shard_info=None, **kwargs):
         self.check_available(split)
-        return super().get_dataset(split, shuffle, seed, shard_info, **kwargs)
+        if not self.add_ids:
+            return super().get_dataset(split, shuffle, seed, shard_info, **kwargs)
+        return self._read_with_ids(split or "train", shuffle, seed, shard_info)
+
+    def _read_with_ids(self, split: str, shuffle: bool, seed: Optional[int], shard_info) -> tf.data.Dataset:
+        """What seqio's read-only TFDS load does (same file shuffling, seed and per-host
+        input context), with TFDS's record ids added and renamed to ``id``."""
+        import tensorflow_datasets as tfds
+
+        read_config = tfds.ReadConfig(
+            add_tfds_id=True,
+            shuffle_seed=seed,
+            skip_prefetch=True,
+            input_context=(
+                tf.distribute.InputContext(num_input_pipelines=shard_info.num_shards, input_pipeline_id=shard_info.index)
+                if shard_info else None
+            ),
+        )
+        ds = self.tfds_dataset.builder.as_dataset(
+            split=self.split_map.get(split, split), shuffle_files=shuffle, read_config=read_config)
+
+        def rename(features):
+            features = dict(features)
+            features["id"] = features.pop("tfds_id")
+            return features
+
+        return ds.map(rename, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 class LocalFileSource(seqio.FileDataSource):
@@ -174,33 +214,36 @@ def c4_json_source(*, path: str) -> LocalFileSource:
 
 def arxiv_tfds_source(*, data_dir: Optional[str] = None) -> ReadOnlyTfdsSource:
     """arXiv from a prepared TFDS ``scientific_papers/arxiv:1.1.1`` directory; fields
-    ``article``, ``abstract`` (one sentence per line) and ``section_names``."""
-    return ReadOnlyTfdsSource(ARXIV_TFDS_NAME, data_dir=data_dir, how_to_get=ARXIV_HOW_TO_GET)
+    ``article``, ``abstract`` (one sentence per line), ``section_names`` and ``id``. The TFDS
+    builder does not keep the papers' ``article_id``, so ``id`` is TFDS's record id (see
+    :class:`ReadOnlyTfdsSource`)."""
+    return ReadOnlyTfdsSource(ARXIV_TFDS_NAME, data_dir=data_dir, how_to_get=ARXIV_HOW_TO_GET, add_ids=True)
 
 
 def cohan_example(record: dict) -> dict:
     """One Cohan et al. JSON record -> the TFDS ``scientific_papers`` features: sentences joined
     by newlines, ``<S>``/``</S>`` removed and each abstract line stripped (the TFDS builder
-    leaves the spaces around each sentence)."""
+    leaves the spaces around each sentence); plus ``id``, the record's ``article_id``, which the
+    TFDS builder drops."""
     abstract = [s.replace("<S>", "").replace("</S>", "").strip() for s in record.get("abstract_text") or []]
     return {
         "article": "\n".join(record.get("article_text") or []),
         "abstract": "\n".join(s for s in abstract if s),
         "section_names": "\n".join(record.get("section_names") or []),
+        "id": str(record.get("article_id") or ""),
     }
+
+
+COHAN_FEATURES = ("article", "abstract", "section_names", "id")
 
 
 def _parse_cohan_line(line: tf.Tensor) -> dict:
     def parse(raw):
         ex = cohan_example(json.loads(raw.numpy()))
-        return ex["article"], ex["abstract"], ex["section_names"]
+        return [ex[k] for k in COHAN_FEATURES]
 
-    article, abstract, sections = tf.py_function(parse, [line], [tf.string, tf.string, tf.string])
-    return {
-        "article": tf.ensure_shape(article, []),
-        "abstract": tf.ensure_shape(abstract, []),
-        "section_names": tf.ensure_shape(sections, []),
-    }
+    values = tf.py_function(parse, [line], [tf.string] * len(COHAN_FEATURES))
+    return {k: tf.ensure_shape(v, []) for k, v in zip(COHAN_FEATURES, values)}
 
 
 COHAN_SPLIT_FILES = {"train": "train.txt", "validation": "val.txt", "test": "test.txt"}
@@ -208,7 +251,7 @@ COHAN_SPLIT_FILES = {"train": "train.txt", "validation": "val.txt", "test": "tes
 
 def arxiv_cohan_source(*, path: str) -> LocalFileSource:
     """The extracted ``arxiv-dataset/{train,val,test}.txt`` (JSON lines, one paper each), given
-    that folder or its parent."""
+    that folder or its parent; features as :func:`cohan_example`."""
     folder = os.path.expanduser(path)
     if os.path.isdir(os.path.join(folder, "arxiv-dataset")):
         folder = os.path.join(folder, "arxiv-dataset")

@@ -16,11 +16,17 @@ the command line reaches the source. Nothing touches the disk until a dataset is
 | ``embedded_span_corruption`` / ``embedded_lm`` | the embedded stdlib corpus | span corruption / prefix LM |
 | ``embedded_summarization`` | the embedded stdlib corpus | docstring (or module) -> summary line |
 | mixture ``synthetic`` | copy + addition, equal rates | |
+
+Each task's objective is also recorded in :data:`TASK_OBJECTIVES` (:func:`task_objective`,
+:func:`is_summarization`), so tools can tell what a task trains without building it.
+Summarization tasks keep their source's document ``id`` as a string feature next to the
+``*_pretokenized`` texts, for evaluation output; the feature converters drop it.
 """
 
 import argparse
+import difflib
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import gin
 import seqio
@@ -131,6 +137,23 @@ TASK_BUILDERS: Dict[str, Callable[[], dict]] = {
 }
 MIXTURES: Dict[str, Sequence[str]] = {"synthetic": ("synthetic_copy", "synthetic_addition")}
 
+# What each entry of TASK_BUILDERS trains (keep the two in step: a task without an objective
+# fails task_objective). One of OBJECTIVES.
+SUMMARIZATION, SPAN_CORRUPTION, PREFIX_LM, SYNTHETIC = "summarization", "span_corruption", "prefix_lm", "synthetic"
+OBJECTIVES = (SUMMARIZATION, SPAN_CORRUPTION, PREFIX_LM, SYNTHETIC)
+MIXTURE_OBJECTIVE = "mixture"
+TASK_OBJECTIVES: Dict[str, str] = {
+    "c4_span_corruption": SPAN_CORRUPTION,
+    "c4_single_word_masking": SPAN_CORRUPTION,
+    "c4_lm": PREFIX_LM,
+    "arxiv_summarization": SUMMARIZATION,
+    "synthetic_copy": SYNTHETIC,
+    "synthetic_addition": SYNTHETIC,
+    "embedded_span_corruption": SPAN_CORRUPTION,
+    "embedded_lm": PREFIX_LM,
+    "embedded_summarization": SUMMARIZATION,
+}
+
 
 def task_names() -> list:
     return sorted(TASK_BUILDERS) + sorted(MIXTURES)
@@ -151,12 +174,14 @@ def get_task(name: str):
             seqio.MixtureRegistry.remove(name)
         return seqio.MixtureRegistry.add(name, [(m, 1.0) for m in MIXTURES[name]])
     if name not in TASK_BUILDERS:
-        import difflib
-
-        close = difflib.get_close_matches(name, task_names(), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"unknown task '{name}'.{hint} Known tasks: {', '.join(task_names())}.")
+        raise _unknown_task(name)
     return _register(name, TASK_BUILDERS[name]())
+
+
+def _unknown_task(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, task_names(), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown task '{name}'.{hint} Known tasks: {', '.join(task_names())}.")
 
 
 def register_all() -> list:
@@ -164,6 +189,60 @@ def register_all() -> list:
     for name in task_names():
         get_task(name)
     return task_names()
+
+
+def task_objective(name_or_task) -> str:
+    """What a task trains: ``"summarization"``, ``"span_corruption"``, ``"prefix_lm"`` or
+    ``"synthetic"``, from :data:`TASK_OBJECTIVES`; for a mixture, its members' common objective,
+    or ``"mixture"`` when they differ.
+
+    Takes a name (of a task or mixture) or a seqio Task or Mixture, and builds nothing. Raises
+    ConfigError for a name terra does not know, and for a task registered with seqio by other code,
+    whose objective terra cannot know.
+    """
+    if isinstance(name_or_task, seqio.Mixture):
+        members = [task.name for task in name_or_task.tasks]
+    elif isinstance(name_or_task, str) and name_or_task in MIXTURES:
+        members = list(MIXTURES[name_or_task])
+    else:
+        name = name_or_task if isinstance(name_or_task, str) else name_or_task.name
+        if name in TASK_OBJECTIVES:
+            return TASK_OBJECTIVES[name]
+        if name in TASK_BUILDERS:
+            raise ConfigError(f"task '{name}' has no objective; add it to terra.data.tasks.TASK_OBJECTIVES "
+                              f"(one of {', '.join(OBJECTIVES)}).")
+        if isinstance(name_or_task, str):
+            raise _unknown_task(name)
+        raise ConfigError(f"task '{name}' is not one of terra's tasks, so its objective is unknown; "
+                          f"terra's tasks are {', '.join(task_names())}.")
+    objectives = {task_objective(member) for member in members}
+    return objectives.pop() if len(objectives) == 1 else MIXTURE_OBJECTIVE
+
+
+def is_summarization(name_or_task) -> bool:
+    """Whether a task (or every member of a mixture) maps a document to its summary."""
+    return task_objective(name_or_task) == SUMMARIZATION
+
+
+def check_vocabulary_and_lengths(provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int) -> None:
+    """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
+    ``max_len`` positions cannot take ``provider``'s data (a task or mixture, or its name): a
+    task vocabulary with more ids than the model has, or a feature length beyond ``max_len``.
+    Call it before anything is built or written."""
+    provider = get_task(provider) if isinstance(provider, str) else provider
+    for name, feature in provider.output_features.items():
+        if feature.vocabulary.vocab_size > vocab_size:
+            raise ConfigError(
+                f"the task's '{name}' vocabulary has {feature.vocabulary.vocab_size} ids but the model's "
+                f"vocab_size is {vocab_size}; bind TransformerConfig.vocab_size = {feature.vocabulary.vocab_size} "
+                f"(or a multiple of 128 above it)."
+            )
+    too_long = {k: v for k, v in feature_lengths.items() if v > max_len}
+    if too_long:
+        raise ConfigError(
+            f"feature lengths {too_long} exceed the model's max_len={max_len}; "
+            f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features."
+        )
 
 
 def check_task_data(name_or_task, split: str = "train") -> None:

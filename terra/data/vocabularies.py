@@ -11,15 +11,12 @@ newlines and tabs into spaces, and ROUGE-Lsum, which splits summaries into sente
 would then score decoded summaries differently from their references.
 
 Train a model on your own text with ``python scripts/train_vocab.py`` (or
-``python -m terra.data.vocabularies``); see :func:`main`.
+``python -m terra.data.vocabulary_training``); see :mod:`terra.data.vocabulary_training`.
 """
 
-import argparse
 import os
-import re
-import sys
 import uuid
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Iterable, Iterator, Optional
 
 import gin
 import seqio
@@ -34,7 +31,6 @@ DEFAULT_EXTRA_IDS = 100
 # One document is one SentencePiece "sentence" (so its newlines reach the trainer); the
 # default limit of 4,192 bytes would silently drop every longer document.
 MAX_DOCUMENT_BYTES = 1 << 20
-_ROUND_TRIP_SAMPLE = "first sentence .\nsecond sentence ."
 
 
 def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -> seqio.SentencePieceVocabulary:
@@ -154,129 +150,6 @@ def embedded_vocabulary(
     return sentencepiece_vocabulary(path, extra_ids=extra_ids)
 
 
-_BLANK_LINES = re.compile(r"\n[ \t]*\n")
-
-
-def read_documents(path: str, *, documents: str = "blocks") -> List[str]:
-    """Documents of a UTF-8 text file: blank-line-separated ``"blocks"`` (single newlines are
-    kept inside a document) or one per line (``"lines"``)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read().replace("\r\n", "\n")
-    parts = _BLANK_LINES.split(text) if documents == "blocks" else text.split("\n")
-    return [p.strip("\n") for p in parts if p.strip()]
-
-
-def build_arg_parser() -> argparse.ArgumentParser:
-    """The CLI's parser; new text sources join the ``source`` group."""
-    parser = argparse.ArgumentParser(
-        prog="train_vocab",
-        description="Train a SentencePiece vocabulary (T5 id layout, newline kept as a piece).",
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--input",
-        action="append",
-        metavar="FILE",
-        help="UTF-8 text file (repeatable); see --documents for how it is split into documents",
-    )
-    source.add_argument("--embedded", action="store_true", help="the embedded corpus's train split (no download)")
-    source.add_argument("--task", help="the raw text (text, article, abstract) of a terra task's split, e.g. c4_span_corruption")
-    parser.add_argument("--split", default="train", help="--task split to read")
-    parser.add_argument("--max_documents", type=int, default=1_000_000, help="--task documents to read at most")
-    parser.add_argument(
-        "--documents",
-        choices=("blocks", "lines"),
-        default="blocks",
-        help="--input documents are blank-line-separated blocks (default; newlines inside are kept) or single lines",
-    )
-    parser.add_argument("--out", required=True, metavar="PATH.model", help="where to write the model (and .vocab)")
-    parser.add_argument("--vocab_size", type=int, default=DEFAULT_EMBEDDED_VOCAB_SIZE)
-    parser.add_argument("--model_type", choices=("unigram", "bpe", "char", "word"), default="unigram")
-    parser.add_argument("--input_sentence_size", type=int, default=2_000_000, help="most documents sampled")
-    parser.add_argument("--num_threads", type=int, default=2)
-    parser.add_argument(
-        "--hard_vocab_limit",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fail when the text cannot fill --vocab_size (--no-hard_vocab_limit: take fewer pieces)",
-    )
-    parser.add_argument("--cache_dir", default=None, help="embedded corpus cache root (default $TERRA_CACHE_DIR)")
-    from terra.data import tasks  # local: tasks itself imports this module
-
-    tasks.add_data_flags(parser)
-    return parser
-
-
-TASK_TEXT_FEATURES = ("text", "article", "abstract")
-
-
-def task_texts(name: str, *, split: str = "train", max_documents: int = 1_000_000) -> List[str]:
-    """The raw text of a task's source (before tokenization), in a fixed shuffled order."""
-    from terra.data import sources, tasks
-
-    source = tasks.get_task(name).source
-    sources.check_available(source, split)
-    texts: List[str] = []
-    for example in source.get_dataset(split, shuffle=True, seed=0).take(max_documents).as_numpy_iterator():
-        texts += [example[k].decode("utf-8") for k in TASK_TEXT_FEATURES if k in example and example[k]]
-    return texts
-
-
-def _texts(args: argparse.Namespace) -> Iterable[str]:
-    if args.embedded:
-        return embedded.corpus_texts(split="train", cache_dir=args.cache_dir)
-    if args.task:
-        from terra import gin_utils
-        from terra.data import tasks
-
-        gin_utils.parse_gin([], tasks.data_flag_bindings(args))
-        return task_texts(args.task, split=args.split, max_documents=args.max_documents)
-    texts: List[str] = []
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"input file not found: {os.path.abspath(path)}")
-        texts.extend(read_documents(path, documents=args.documents))
-    if not texts:
-        raise ValueError(f"no text in {', '.join(args.input)}")
-    return texts
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``train_vocab`` CLI: trains, prints the model path and a round trip through seqio."""
-    args = build_arg_parser().parse_args(argv)
-    try:
-        texts = _texts(args)
-        path = train_sentencepiece(
-            texts,
-            args.out,
-            vocab_size=args.vocab_size,
-            model_type=args.model_type,
-            input_sentence_size=args.input_sentence_size,
-            num_threads=args.num_threads,
-            hard_vocab_limit=args.hard_vocab_limit,
-        )
-    except (OSError, ValueError, RuntimeError) as e:  # incl. DataNotFoundError, ConfigError
-        # Bad input is the user's to fix; the message is enough, a traceback is noise.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    vocab = sentencepiece_vocabulary(path)
-    ids = vocab.encode(_ROUND_TRIP_SAMPLE)
-    decoded = vocab.decode(ids)
-    pieces = vocab.vocab_size - DEFAULT_EXTRA_IDS
-    print(f"wrote {path} ({vocab.vocab_size} ids: {pieces} pieces + {DEFAULT_EXTRA_IDS} extra ids)")
-    print(f"  text    {_ROUND_TRIP_SAMPLE!r}")
-    print(f"  pieces  {[vocab.tokenizer.id_to_piece(i) for i in ids]}")
-    print(f"  ids     {ids}")
-    print(f"  decoded {decoded!r} ({'round trip ok' if decoded == _ROUND_TRIP_SAMPLE else 'ROUND TRIP DIFFERS'})")
-    return 0
-
-
-# Under `python -m terra.data.vocabularies` this file also runs as __main__, possibly after the
-# package imported it as terra.data.vocabularies; registering only under the real module name
-# keeps gin from seeing one configurable twice.
-if __name__ != "__main__":
-    for _fn in (sentencepiece_vocabulary, byte_vocabulary, train_sentencepiece, embedded_vocabulary):
-        gin.register(_fn, module="terra.data")
-
-if __name__ == "__main__":
-    sys.exit(main())
+for _fn in (sentencepiece_vocabulary, byte_vocabulary, train_sentencepiece, embedded_vocabulary):
+    gin.register(_fn, module="terra.data")
+del _fn

@@ -24,7 +24,7 @@ Cache = Any
 
 
 class IncrementalDecoder:
-    """Jitted prefill/step for a module exposing ``prefill_cache`` and ``decode``.
+    """Jitted prefill/step for a module exposing ``prefill_cache`` and ``decode_step``.
 
     Args:
       module: the Flax model (e.g. ``EncoderDecoderTransformer``).
@@ -43,11 +43,23 @@ class IncrementalDecoder:
             )
         self.module = module
         self.max_decode_length = max_decode_length
-        self.prefill = jax.jit(self._prefill)
-        self.step = jax.jit(self._step, donate_argnums=(1,))
+        self.prefill = jax.jit(self.prefill_fn)
+        self.step = jax.jit(self.step_fn, donate_argnums=(1,))
         self._generate_tokens_jit = jax.jit(self._generate_tokens, donate_argnums=(1,))
 
-    def _prefill(self, params, encoder_input_tokens: jax.Array, encoder_mask: Optional[jax.Array] = None) -> Cache:
+    def checked_new_tokens(self, max_new_tokens: Optional[int]) -> int:
+        """``max_new_tokens`` (default: the cache length), checked to fit the cache."""
+        max_new_tokens = self.max_decode_length if max_new_tokens is None else max_new_tokens
+        if not 0 < max_new_tokens <= self.max_decode_length:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} must be in [1, {self.max_decode_length}] "
+                "(the decoder's max_decode_length)."
+            )
+        return max_new_tokens
+
+    def prefill_fn(self, params, encoder_input_tokens: jax.Array, encoder_mask: Optional[jax.Array] = None) -> Cache:
+        """The function ``prefill`` compiles, for callers that trace it inside their own jit
+        (beam search): ``[batch, input_length]`` tokens -> the filled cache."""
         _, variables = self.module.apply(
             {"params": params},
             encoder_input_tokens,
@@ -58,34 +70,46 @@ class IncrementalDecoder:
         )
         return variables["cache"]
 
-    def _step(self, params, cache: Cache, token: jax.Array):
+    def step_fn(self, params, cache: Cache, token: jax.Array):
+        """The function ``step`` compiles: ``[batch]`` tokens -> ``([batch, vocab] logits, cache)``."""
         logits, variables = self.module.apply(
             {"params": params, "cache": cache},
             token.astype(jnp.int32)[:, None],
-            decode=True,
-            method=self.module.decode,
+            method=self.module.decode_step,
             mutable=["cache"],
         )
         return logits[:, 0, :], variables["cache"]
 
-    def generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id):
+    def generate_tokens(
+        self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k=0, top_p=1.0
+    ):
         """Up to ``max_new_tokens`` steps in one jitted ``while_loop`` (the cache donated),
         stopping early once every row has emitted ``eos_id`` (a row's tokens after its EOS are
         ``pad_id``).
 
         Args: ``token`` ``[batch]`` int32, the start token; ``rng`` the sampling key, split once
-        per step; ``max_new_tokens``, ``temperature``, ``eos_id``, ``pad_id`` scalars, traced as
-        int32 / float32 whatever the caller passes, so one compilation serves them all
-        (``temperature == 0`` is greedy).
+        per step; ``max_new_tokens``, ``temperature``, ``eos_id``, ``pad_id``, ``top_k``,
+        ``top_p`` scalars, traced as int32 / float32 whatever the caller passes, so one
+        compilation serves them all (``temperature == 0`` is greedy; ``top_k=0`` and
+        ``top_p=1`` turn those filters off, see ``sampling.filter_logits``).
 
         Returns ``(tokens [batch, max_decode_length] int32, steps, cache)``: the first ``steps``
         columns were generated, the rest are ``pad_id``.
         """
         return self._generate_tokens_jit(
-            params, cache, token, rng, jnp.int32(max_new_tokens), jnp.float32(temperature), jnp.int32(eos_id), jnp.int32(pad_id)
+            params,
+            cache,
+            token,
+            rng,
+            jnp.int32(max_new_tokens),
+            jnp.float32(temperature),
+            jnp.int32(eos_id),
+            jnp.int32(pad_id),
+            jnp.int32(top_k),
+            jnp.float32(top_p),
         )
 
-    def _generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id):
+    def _generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k, top_p):
         batch = token.shape[0]
         tokens = jnp.full((batch, self.max_decode_length), pad_id, jnp.int32)
 
@@ -95,9 +119,9 @@ class IncrementalDecoder:
 
         def one_token(carry):
             i, cache, token, done, rng, tokens = carry
-            logits, cache = self._step(params, cache, token)
+            logits, cache = self.step_fn(params, cache, token)
             rng, sample_rng = jax.random.split(rng)
-            token = jnp.where(done, pad_id, sample_next_token(logits, sample_rng, temperature))
+            token = jnp.where(done, pad_id, sample_next_token(logits, sample_rng, temperature, top_k, top_p))
             tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
             return i + 1, cache, token, done | (token == eos_id), rng, tokens
 

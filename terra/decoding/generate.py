@@ -31,26 +31,38 @@ def generate(
     seed: int = 0,
     eos_id: int = 1,
     pad_id: int = 0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
 ) -> Generation:
     """Decode up to ``max_new_tokens`` (default: the decoder's cache length) for a batch.
 
     Greedy when ``temperature == 0``; otherwise samples with ``jax.random.key(seed)``, so a
-    seed reproduces its output. Each row stops at its first EOS (later positions are
-    ``pad_id``); the loop ends when every row has stopped.
+    seed reproduces its output, optionally from only the ``top_k`` most likely tokens and/or
+    the ``top_p`` nucleus (``None``: no filter; see ``sampling.filter_logits``). The filters
+    act on the sampling distribution, so greedy decoding ignores them. Each row stops at its
+    first EOS (later positions are ``pad_id``); the loop ends when every row has stopped.
     """
-    max_new_tokens = decoder.max_decode_length if max_new_tokens is None else max_new_tokens
-    if not 0 < max_new_tokens <= decoder.max_decode_length:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} must be in [1, {decoder.max_decode_length}] "
-            "(the decoder's max_decode_length)."
-        )
+    max_new_tokens = decoder.checked_new_tokens(max_new_tokens)
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy).")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (None keeps every token).")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (None keeps every token).")
     inputs = jnp.asarray(encoder_input_tokens, jnp.int32)
     cache = decoder.prefill(params, inputs, encoder_mask)
     start = jnp.full((inputs.shape[0],), pad_id, jnp.int32)  # as the reference's ShiftRight
     tokens, steps, _ = decoder.generate_tokens(
-        params, cache, start, jax.random.key(seed), max_new_tokens, temperature, eos_id, pad_id
+        params,
+        cache,
+        start,
+        jax.random.key(seed),
+        max_new_tokens,
+        temperature,
+        eos_id,
+        pad_id,
+        top_k=0 if top_k is None else top_k,  # 0 and 1.0 are the traced loop's "off"
+        top_p=1.0 if top_p is None else top_p,
     )
     tokens = np.asarray(tokens)[:, : int(steps)]
     is_eos = tokens == eos_id

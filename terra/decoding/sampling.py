@@ -1,20 +1,80 @@
-"""Choosing the next token from logits (pure functions)."""
+"""Choosing the next token from logits (pure functions): greedy, temperature sampling, and
+top-k / top-p (nucleus) filtering.
+
+Every knob (``temperature``, ``top_k``, ``top_p``) may be a traced scalar, so one compiled
+decode loop serves all their values: nothing branches in Python on them, and top-k is a rank
+comparison after a sort rather than ``lax.top_k`` (whose ``k`` must be static).
+"""
 
 import jax
 import jax.numpy as jnp
 
+# Cumulative probabilities are float32 sums, so a ``top_p`` that lands on the boundary between
+# two nucleus sizes in exact arithmetic can miss it by a few ulps either way. A ``top_p`` within
+# this much of a boundary counts as on it (the smaller nucleus), which makes the boundary case
+# well defined; it is far below any ``top_p`` resolution anyone asks for.
+TOP_P_TOLERANCE = 1e-6
 
-def sample_next_token(logits: jax.Array, rng: jax.Array, temperature: jax.Array) -> jax.Array:
+
+def filter_logits(logits: jax.Array, top_k=0, top_p=1.0) -> jax.Array:
+    """``[batch, vocab]`` logits -> the same logits with the excluded tokens set to ``-inf``.
+
+    Args:
+      logits: ``[batch, vocab]``; the result is float32.
+      top_k: keep the ``top_k`` largest logits per row; ``0`` (or less) keeps all. A ``top_k``
+        above ``vocab`` keeps all.
+      top_p: keep the nucleus: the fewest most-probable tokens whose cumulative probability
+        reaches ``top_p`` (the most probable token always); ``>= 1`` keeps all. With ``top_k``
+        also set, the nucleus is taken in the renormalised top-k distribution (top-k first,
+        as Hugging Face's warpers apply them). A ``top_p`` within ``TOP_P_TOLERANCE`` of a
+        cumulative boundary counts as landing on it.
+
+    Both may be traced scalars (int32 / float32).
+
+    Ties: tokens are ranked by a stable descending sort, so among equal logits the lower token
+    id ranks first. The kept set is always a prefix of that ranking: exactly ``min(top_k,
+    vocab)`` tokens for top-k, even when the k-th largest logit is tied with the next one.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+
+    order = jnp.argsort(logits, axis=-1, descending=True, stable=True)  # [batch, vocab] token ids
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    position = jnp.arange(vocab, dtype=jnp.int32)  # a token's rank, in sorted order
+
+    in_top_k = position < jnp.where(top_k > 0, top_k, vocab)
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    # The probability of the tokens ranked before each one: a token is needed for the nucleus
+    # exactly when those have not yet reached top_p.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    in_nucleus = (position == 0) | (mass_before < top_p - TOP_P_TOLERANCE) | (top_p >= 1.0)
+    # A prefix of the ranking survives both filters; its length is the number of tokens kept.
+    n_kept = jnp.sum(in_top_k & in_nucleus, axis=-1, keepdims=True)  # [batch, 1]
+
+    rank = jnp.argsort(order, axis=-1)  # the inverse permutation: each token id's rank
+    return jnp.where(rank < n_kept, logits, -jnp.inf)
+
+
+def sample_next_token(logits: jax.Array, rng: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
     """``[batch, vocab]`` logits -> ``[batch]`` int32 tokens.
 
-    ``temperature == 0`` is greedy (argmax). ``temperature > 0`` samples from
-    ``softmax(logits / temperature)``, which is what the reference's
-    ``argmax(log_softmax + T * Gumbel)`` does (``trax_reference.md`` §5.4: the paper's
-    "temperature 0.5" is sampling, not greedy). ``temperature`` may be a traced scalar, so
-    one compiled function serves every temperature.
+    ``temperature == 0`` is greedy (argmax of the unfiltered logits). ``temperature > 0``
+    samples from ``softmax(filter_logits(logits / temperature, top_k, top_p))``; unfiltered,
+    that is what the reference's ``argmax(log_softmax + T * Gumbel)`` does
+    (``trax_reference.md`` §5.4: the paper's "temperature 0.5" is sampling, not greedy).
+    ``temperature``, ``top_k`` and ``top_p`` may be traced scalars, so one compiled function
+    serves every value; ``top_k=0`` and ``top_p=1`` turn the filters off.
     """
     temperature = jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    # Filtering sorts the vocabulary twice; a traced cond runs it only when a filter is on, so
+    # greedy and plain sampling pay nothing for it per token (under vmap both branches run).
+    filtering = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
+    scaled = jax.lax.cond(filtering, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
     sampled = jax.random.categorical(rng, scaled, axis=-1)
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)

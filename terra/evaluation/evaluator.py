@@ -17,17 +17,16 @@ import dataclasses
 import json
 import os
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional
 
-import flax.linen as nn
 import gin
 
 from terra.data import tasks
 from terra.errors import ConfigError
 from terra.evaluation import rouge as rouge_lib
 from terra.evaluation import summaries
+from terra.files import write_atomically
 from terra.training import checkpointing
-from terra.training.trainer import check_model_and_task
 
 
 @dataclasses.dataclass
@@ -38,43 +37,6 @@ class EvaluationResult:
     predictions: List[Dict]
     examples: List[summaries.Example]
     output_dir: Optional[str]
-
-
-def load_params(model, checkpoint_dir: str, step: Optional[int] = None):
-    """``(params, step)`` of a terra checkpoint (a model_dir, its checkpoints folder or a step
-    directory), restored onto the default device."""
-    step = checkpointing.resolve_step(checkpoint_dir, step)
-    abstract = nn.unbox(model.abstract_variables())["params"]
-    return checkpointing.restore_params(checkpoint_dir, abstract, step=step), step
-
-
-def run_config_path(model_dir: str) -> str:
-    """The absolute path of a training run's ``config.gin``; a clear error when there is none."""
-    config = os.path.abspath(os.path.join(model_dir, "config.gin"))
-    if not os.path.exists(config):
-        raise ConfigError(
-            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
-            "or name the run's experiment with --gin_file.")
-    return config
-
-
-def configure_from_run(model_dir: str, bindings: Sequence[str] = ()):
-    """Parses a training run's ``config.gin`` (plus ``runs/evaluate.gin`` and ``bindings``) and
-    returns ``(model, task, feature_lengths)`` as that run trained them."""
-    from terra import gin_utils
-
-    gin_utils.parse_gin(
-        [run_config_path(model_dir), "runs/evaluate.gin"], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings])
-    model = gin_utils.build(gin.query_parameter("terra.evaluate.model").scoped_configurable_fn)
-    task = tasks.get_task(gin.query_parameter("%TASK"))
-    return model, task, dict(gin.query_parameter("%TASK_FEATURE_LENGTHS"))
-
-
-def write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def decode_and_score(
@@ -107,7 +69,7 @@ def decode_and_score(
     return rouge, predictions
 
 
-@gin.configurable(module="terra")
+@gin.configurable(module="terra.evaluation")
 def evaluate(
     *,
     model,
@@ -124,6 +86,7 @@ def evaluate(
     output_dir: Optional[str] = None,
     bootstrap_samples: int = 1000,
     excerpt_chars: int = 300,
+    force: bool = False,
     log=print,
 ) -> EvaluationResult:
     """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
@@ -137,6 +100,7 @@ def evaluate(
       temperature, seed: 0 is greedy; otherwise sampling, reproducible for a seed.
       num_examples: evaluate only the first ones (default: the whole split).
       output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``).
+      force: score a task that is not a summarization task anyway (its ROUGE means little).
     """
     if batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size} must be positive.")
@@ -145,9 +109,15 @@ def evaluate(
     if num_examples is not None and num_examples <= 0:
         raise ConfigError(f"num_examples={num_examples} must be positive (or None for the whole split).")
     provider = tasks.get_task(task) if isinstance(task, str) else task
-    check_model_and_task(model, provider, feature_lengths)
+    if not force and not tasks.is_summarization(provider):
+        raise ConfigError(
+            f"task '{provider.name}' is a {tasks.task_objective(provider)} task, not summarization: its decoded "
+            "outputs have no reference summaries to score with ROUGE. Evaluate a run fine-tuned on a summarization "
+            "task (e.g. experiments/finetune_arxiv_terraformer.gin), or pass --force to score it anyway.")
+    tasks.check_vocabulary_and_lengths(
+        provider, feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
     max_decode_length = max_decode_length or feature_lengths["targets"]
-    params, step = load_params(model, model_dir, step)  # fails before anything is written
+    params, step = checkpointing.load_params(model, model_dir, step)  # fails before anything is written
     examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
     if not examples:
         raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")
@@ -165,12 +135,12 @@ def evaluate(
 
     rows = [
         {
-            "id": i,
+            "id": e.id,
             "input": e.input_text[:excerpt_chars] + ("..." if len(e.input_text) > excerpt_chars else ""),
             "target": e.target_text,
             "prediction": p,
         }
-        for i, (e, p) in enumerate(zip(examples, predictions))
+        for e, p in zip(examples, predictions)
     ]
     metrics = {
         "task": provider.name,

@@ -3,7 +3,8 @@ ROUGE evaluation and ``terra.summarize`` share.
 
 Examples come straight from the seqio task (``inputs``/``targets`` token ids, already truncated
 with EOS by the task, and the ``*_pretokenized`` texts), so the reference a prediction is scored
-against is the task's own target text, not a detokenized copy of it.
+against is the task's own target text, not a detokenized copy of it. Each example carries the
+``id`` its source gives the document (see :class:`Example`).
 """
 
 import dataclasses
@@ -17,12 +18,17 @@ from terra.data import tasks
 
 @dataclasses.dataclass
 class Example:
-    """One evaluation example: token ids (1-D int32, EOS included) and the untokenized texts."""
+    """One evaluation example: token ids (1-D int32, EOS included), the untokenized texts and
+    the document's ``id`` in its source: the arXiv ``article_id`` (Cohan files), TFDS's record id
+    (a prepared TFDS directory), the embedded pair's origin (``"module:json/__init__.py"``), or,
+    where the source names nothing (the synthetic tasks), the example's index in the split as a
+    string."""
 
     inputs: np.ndarray
     targets: np.ndarray
     input_text: str
     target_text: str
+    id: str
 
 
 def _text(value) -> str:
@@ -30,7 +36,9 @@ def _text(value) -> str:
 
 
 def read_examples(task, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None) -> List[Example]:
-    """The first ``num_examples`` (default: all) examples of ``split``, in order, unshuffled."""
+    """The first ``num_examples`` (default: all) examples of ``split``, in order, unshuffled,
+    each with the ``id`` feature the task keeps from its source (its index, as a string, where
+    the source gives none or an empty one)."""
     provider = tasks.get_task(task) if isinstance(task, str) else task
     tasks.check_task_data(provider, split)
     ds = provider.get_dataset(
@@ -44,8 +52,9 @@ def read_examples(task, split: str, feature_lengths: Mapping[str, int], num_exam
             targets=np.asarray(ex["targets"], np.int32),
             input_text=_text(ex.get("inputs_pretokenized", b"")),
             target_text=_text(ex.get("targets_pretokenized", b"")),
+            id=_text(ex["id"]) if ex.get("id") else str(i),
         )
-        for ex in ds.as_numpy_iterator()
+        for i, ex in enumerate(ds.as_numpy_iterator())
     ]
 
 
@@ -91,7 +100,7 @@ def generate_summaries(
     for b, start in enumerate(range(0, len(inputs), batch_size)):
         rows = inputs[start : start + batch_size]
         encoder_input = pad_batch(rows, batch_size, input_length)
-        out = model.predict(
+        out = model.generate(
             params, encoder_input, max_decode_length=max_decode_length, temperature=temperature, seed=seed + b
         )
         for i in range(len(rows)):

@@ -19,17 +19,10 @@ from jax import lax
 
 from terra.layers import axes
 from terra.layers.dense import Dense
+from terra.layers.initializers import stacked_glorot_uniform
 
 # Additive mask value for disallowed positions (the reference uses -1e9).
 MASK_VALUE = -1e9
-
-
-def _stacked_glorot():
-    """Glorot-uniform for a fused ``[heads, n_stack, d_head, d_model]`` kernel: each of the
-    stacked projections is initialised as its own ``[d_model -> heads*d_head]`` matrix."""
-    return nn.initializers.variance_scaling(
-        1.0, "fan_avg", "uniform", in_axis=(3,), out_axis=(0, 2), batch_axis=(1,)
-    )
 
 
 def padding_bias(key_mask: jax.Array) -> jax.Array:
@@ -56,7 +49,7 @@ def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> j
     )(y)
 
 
-class _AttentionBase(nn.Module):
+class AttentionBase(nn.Module):
     """Shared sizes, projections and the softmax core.
 
     Injected-layer contract: constructed with ``d_model, n_heads, dropout_rate, dtype``.
@@ -95,7 +88,7 @@ class _AttentionBase(nn.Module):
             kernel_axes=(axes.HEADS, axes.QKV, axes.KV, axes.EMBED),
             use_bias=self.use_bias,
             dtype=self.dtype,
-            kernel_init=_stacked_glorot(),
+            kernel_init=stacked_glorot_uniform(),
             name=name,
         )(x)
         return jnp.moveaxis(y, 3, 0)
@@ -173,7 +166,7 @@ class _AttentionBase(nn.Module):
         # write the new key/value in place. XLA:CPU copies a donated buffer that is both
         # read and updated in one step unless the update provably comes after the reads
         # (measured: two full copies of every cache per layer per token, 1.4 ms for a
-        # 4096-token cache). ``_after`` gives the update that data dependency.
+        # 4096-token cache). ``write_after_read`` gives the update that data dependency.
         scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
         visible = jnp.arange(max_len)[None, :] < index
         if self.has_variable("cache", "key_mask"):  # a prefilled cache with padded slots
@@ -186,9 +179,9 @@ class _AttentionBase(nn.Module):
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic).astype(v.dtype)
         past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value.value)
         y = past_values + probs[..., max_len:] * v
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, _after(k, past_logits, index), (0, 0, index, 0))
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0))
         cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, _after(v, past_values, index), (0, 0, index, 0)
+            cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
         )
         cache_index.value = index + 1
         return y
@@ -222,7 +215,7 @@ class _AttentionBase(nn.Module):
         return jnp.swapaxes(x, 1, 2)  # [b, l, h, d] <-> [b, h, l, d]
 
 
-class SelfAttention(_AttentionBase):
+class SelfAttention(AttentionBase):
     """Bidirectional self-attention with a key padding mask (the encoder's attention).
 
     ``x``: ``[batch, length, d_model]``; ``mask``: ``[batch, length]`` (1 = real token).
@@ -235,7 +228,7 @@ class SelfAttention(_AttentionBase):
         return self._output(self._heads_first(y))
 
 
-class CausalSelfAttention(_AttentionBase):
+class CausalSelfAttention(AttentionBase):
     """Decoder self-attention; each position sees itself and the past.
 
     Full mode: ``x`` ``[batch, length, d_model]`` with a causal mask.
@@ -268,7 +261,7 @@ class CausalSelfAttention(_AttentionBase):
         return self._output(self._heads_first(y))
 
 
-def _after(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
+def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
     """``update`` unchanged, but data-dependent on ``read`` so XLA schedules the cache read
     before the in-place cache write. The added term is selected by a predicate that is
     false at run time but unknown at compile time, so it is exactly 0 (NaN-safe)."""
@@ -276,7 +269,7 @@ def _after(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
     return update + dependency.astype(update.dtype)
 
 
-class CrossAttention(_AttentionBase):
+class CrossAttention(AttentionBase):
     """Encoder-decoder attention: queries from the decoder, keys/values from the encoder.
 
     ``x``: ``[batch, length, d_model]``; ``encoded``: ``[batch, kv_length, d_model]``;

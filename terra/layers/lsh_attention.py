@@ -75,10 +75,11 @@ from jax import lax
 
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.attention import MASK_VALUE, _after, _stacked_glorot, output_projection
+from terra.layers.attention import MASK_VALUE, output_projection, write_after_read
 from terra.layers.dense import Dense
 from terra.layers.multiplicative import MultiplicativeDense
-from terra.layers.sparse_qkv import ModuleConvolution, _ConvCacheMixin, _sparsity
+from terra.layers.initializers import stacked_glorot_uniform
+from terra.layers.sparse_qkv import ConvolutionCacheMixin, ModuleConvolution, attention_sparsity_modules
 
 # Additive logit for a query's own key (the reference's exclude_self: dots - 1e5).
 SELF_MASK_VALUE = -1e5
@@ -261,7 +262,7 @@ def lsh_attention(
     return jnp.sum(o * weights[..., None].astype(o.dtype), axis=2)
 
 
-class LSHSelfAttention(nn.Module, _ConvCacheMixin):
+class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
     """LSH self-attention, ``[batch, length, d_model] -> [batch, length, d_model]``.
 
     Injected-layer contract as ``CausalSelfAttention`` (constructed with ``d_model, n_heads,
@@ -361,14 +362,14 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
                 kernel_axes=(axes.HEADS, axes.QKV, axes.KV, axes.EMBED),
                 use_bias=self.use_bias,
                 dtype=self.dtype,
-                kernel_init=_stacked_glorot(),
+                kernel_init=stacked_glorot_uniform(),
                 name="qv",
             )(x)
             return heads_first(y[..., 0, :]), heads_first(y[..., 1, :])
-        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "LSHSelfAttention")
+        s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "LSHSelfAttention")
         m = self.d_model // s
         u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode, prefix_mask)
+        window, causal_pad = self.conv_window(u, self.length_kernel_size, decode, prefix_mask)
 
         def conv(name, module_kernel):
             return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
@@ -507,9 +508,9 @@ class LSHSelfAttention(nn.Module, _ConvCacheMixin):
         probs = nn.Dropout(self._dropout)(probs, deterministic=deterministic).astype(v.dtype)
         past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values)
         y = past_values + probs[..., -1:] * v
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, _after(k, past_logits, index), (0, 0, index, 0))
+        cached_key.value = lax.dynamic_update_slice(cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0))
         cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, _after(v, past_values, index), (0, 0, index, 0)
+            cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
         )
         cached_buckets.value = lax.dynamic_update_slice(past, q_buckets, (0, 0, 0, index))
         cache_index.value = index + 1

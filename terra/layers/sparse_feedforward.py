@@ -24,13 +24,8 @@ import jax.numpy as jnp
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense, output_major_product
-from terra.layers.selection import (
-    block_argmax,
-    glorot_uniform,
-    gumbel_block_argmax,
-    straight_through_mask,
-    take_rows,
-)
+from terra.layers.initializers import glorot_uniform
+from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask, take_rows
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):

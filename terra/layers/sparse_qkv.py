@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from terra.layers import axes
-from terra.layers.attention import _AttentionBase
+from terra.layers.attention import AttentionBase
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.errors import ConfigError
@@ -83,7 +83,7 @@ class ModuleConvolution(nn.Module):
         return windows @ kernel.reshape(f * k * m_in, m_out)
 
 
-def _sparsity(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:
+def attention_sparsity_modules(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:
     s = n_heads if attention_sparsity is None else attention_sparsity
     if s <= 0 or d_model % s:
         raise ConfigError(
@@ -93,10 +93,10 @@ def _sparsity(d_model: int, n_heads: int, attention_sparsity: Optional[int], who
     return s
 
 
-class _ConvCacheMixin:
+class ConvolutionCacheMixin:
     """The last ``F - 1`` rows of a convolution's input, kept in the cache for decoding."""
 
-    def _conv_window(self, u: jax.Array, length_kernel_size: int, decode: bool, prefix_mask=None):
+    def conv_window(self, u: jax.Array, length_kernel_size: int, decode: bool, prefix_mask=None):
         """Returns ``(window, causal_pad)`` for convolutions over ``u`` ``[b, l, S, M]``.
 
         A cache-creating call given ``prefix_mask`` ``[b, l]`` (a prefill whose real tokens
@@ -122,7 +122,7 @@ class _ConvCacheMixin:
         return window, False
 
 
-class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
+class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
     """Decoder causal self-attention with sparse Q, K, V (the paper's "Sparse QKV").
 
     Same contract as ``CausalSelfAttention``; ``[batch, length, d_model] -> same``.
@@ -154,7 +154,7 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
     ) -> jax.Array:
         if self.variant not in VARIANTS:
             raise ConfigError(f"SparseQKVAttention.variant={self.variant!r}; use one of {VARIANTS}.")
-        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "SparseQKVAttention")
+        s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "SparseQKVAttention")
         m = self.d_model // s
         batch, length = x.shape[:2]
 
@@ -170,7 +170,7 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
                 u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
             else:
                 u = x.reshape(batch, length, s, m)
-            window, causal_pad = self._conv_window(u, self.length_kernel_size, decode, prefix_mask)
+            window, causal_pad = self.conv_window(u, self.length_kernel_size, decode, prefix_mask)
 
             def conv(name, module_kernel):
                 return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
@@ -200,7 +200,7 @@ class SparseQKVAttention(_AttentionBase, _ConvCacheMixin):
         return y  # the paper removes the output projection
 
 
-class SparseQueryCrossAttention(_AttentionBase, _ConvCacheMixin):
+class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
     """Encoder-decoder attention with a sparse query path (the reference's
     ``enc_dec_attention_sparsity``, §2.6): ``Q = conv(mult(x))`` (causal over decoder
     positions, F x k), keys and values dense from the encoder output and cached, and no
@@ -213,11 +213,11 @@ class SparseQueryCrossAttention(_AttentionBase, _ConvCacheMixin):
 
     @nn.compact
     def __call__(self, x, encoded, encoder_mask, *, deterministic: bool = True, decode: bool = False):
-        s = _sparsity(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
+        s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
         m = self.d_model // s
         batch = x.shape[0]
         u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-        window, causal_pad = self._conv_window(u, self.length_kernel_size, decode)
+        window, causal_pad = self.conv_window(u, self.length_kernel_size, decode)
         q = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")(
             window, causal_pad=causal_pad
         )

@@ -101,6 +101,22 @@ class TransformerConfig:
             **kwargs,
         )
 
+    def attention_kwargs(self) -> dict:
+        """What every injected attention layer is constructed with (``d_model``, ``n_heads``,
+        ``dropout_rate`` = the attention-probability dropout, ``dtype``)."""
+        return dict(d_model=self.d_model, n_heads=self.n_heads, dropout_rate=self.attention_dropout, dtype=self.jnp_dtype)
+
+    def feed_forward_kwargs(self) -> dict:
+        """What every injected feed-forward layer is constructed with (``d_model``, ``d_ff``,
+        ``dropout_rate`` = its output dropout, ``ff_dropout_rate`` = the inner one, ``dtype``)."""
+        return dict(
+            d_model=self.d_model,
+            d_ff=self.d_ff,
+            dropout_rate=self.dropout,
+            ff_dropout_rate=self.ff_dropout,
+            dtype=self.jnp_dtype,
+        )
+
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads

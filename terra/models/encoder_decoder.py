@@ -22,6 +22,7 @@ a token embedding shared by encoder and decoder with separate positional tables,
 untied logits layer. The decoder input is the targets shifted right with 0 as the start.
 """
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -31,7 +32,8 @@ import jax.numpy as jnp
 
 from terra.layers import axes
 from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAttention
-from terra.layers.embedding import DenseLogits, TokenEmbedding
+from terra.layers.embedding import TokenEmbedding
+from terra.layers.logits import DenseLogits
 from terra.layers.feedforward import FeedForward
 from terra.layers.normalization import LayerNorm
 from terra.models.config import TransformerConfig
@@ -39,20 +41,6 @@ from terra.models.config import TransformerConfig
 LayerFactory = Callable[..., nn.Module]
 
 _ACTIVATION = (axes.BATCH, axes.LENGTH, axes.EMBED)
-
-
-def _attention_kwargs(cfg: TransformerConfig) -> dict:
-    return dict(d_model=cfg.d_model, n_heads=cfg.n_heads, dropout_rate=cfg.attention_dropout, dtype=cfg.jnp_dtype)
-
-
-def _ff_kwargs(cfg: TransformerConfig) -> dict:
-    return dict(
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        dropout_rate=cfg.dropout,
-        ff_dropout_rate=cfg.ff_dropout,
-        dtype=cfg.jnp_dtype,
-    )
 
 
 class EncoderLayer(nn.Module):
@@ -66,10 +54,10 @@ class EncoderLayer(nn.Module):
     def __call__(self, x, mask, *, deterministic: bool):
         cfg = self.config
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_attention_norm")(x)
-        y = self.attention(**_attention_kwargs(cfg), name="attention")(y, mask, deterministic=deterministic)
+        y = self.attention(**cfg.attention_kwargs(), name="attention")(y, mask, deterministic=deterministic)
         x = x + nn.Dropout(cfg.dropout, broadcast_dims=(-2,))(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
-        x = x + self.feed_forward(**_ff_kwargs(cfg), name="feed_forward")(y, deterministic=deterministic, decode=False)
+        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(y, deterministic=deterministic, decode=False)
         return nn.with_logical_constraint(x, _ACTIVATION)
 
 
@@ -86,17 +74,17 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_self_attention_norm")(x)
-        y = self.self_attention(**_attention_kwargs(cfg), name="self_attention")(
+        y = self.self_attention(**cfg.attention_kwargs(), name="self_attention")(
             y, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length
         )
         x = x + dropout(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_cross_attention_norm")(x)
-        y = self.cross_attention(**_attention_kwargs(cfg), name="cross_attention")(
+        y = self.cross_attention(**cfg.attention_kwargs(), name="cross_attention")(
             y, encoded, encoder_mask, deterministic=deterministic, decode=decode
         )
         x = x + dropout(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
-        x = x + self.feed_forward(**_ff_kwargs(cfg), name="feed_forward")(y, deterministic=deterministic, decode=decode)
+        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(y, deterministic=deterministic, decode=decode)
         return nn.with_logical_constraint(x, _ACTIVATION)
 
 
@@ -108,7 +96,7 @@ class EncoderDecoderTransformer(nn.Module):
     ``tokens != pad_id``); logits ``[batch, target_length, vocab]`` in float32.
     """
 
-    config: TransformerConfig
+    config: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
     feed_forward: LayerFactory = FeedForward
     encoder_attention: LayerFactory = SelfAttention
     decoder_self_attention: LayerFactory = CausalSelfAttention
@@ -196,6 +184,11 @@ class EncoderDecoderTransformer(nn.Module):
             max_decode_length=max_decode_length,
         )
         return self.logits(x)
+
+    def decode_step(self, decoder_input_tokens, *, deterministic: bool = True):
+        """One decode step after ``prefill_cache``: ``[batch, 1]`` tokens -> ``[batch, 1, vocab]``
+        (pass ``mutable=['cache']``); the encoder's keys and values live in the caches."""
+        return self.decode(decoder_input_tokens, deterministic=deterministic, decode=True)
 
     def prefill_cache(self, encoder_input_tokens, encoder_mask=None, *, max_decode_length: int):
         """Encode the inputs and create every decode cache (call with ``mutable=['cache']``).

@@ -34,6 +34,7 @@ attention does not depend on where a key sits in the cache, so this equals the t
 forward pass over ``[real encoder, decoder, zeros]`` at every position, for any batch.
 """
 
+import dataclasses
 from typing import Optional, Sequence
 
 import flax.linen as nn
@@ -45,14 +46,15 @@ from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.attention import CausalSelfAttention, SelfAttention
 from terra.layers.dense import Dense
-from terra.layers.embedding import DenseLogits, TokenEmbedding
+from terra.layers.embedding import TokenEmbedding
+from terra.layers.logits import DenseLogits
 from terra.layers.feedforward import FeedForward
 from terra.layers.feedforward_with_sru import FeedForwardWithSRU
 from terra.layers.length_concat import LengthConcat
 from terra.layers.normalization import LayerNorm
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.models.config import TransformerConfig
-from terra.models.encoder_decoder import LayerFactory, _attention_kwargs, _ff_kwargs
+from terra.models.encoder_decoder import LayerFactory
 
 _ACTIVATION = (axes.BATCH, axes.LENGTH, axes.EMBED)
 _DECODER_ATTENTION_KWARGS = ("deterministic", "decode", "max_decode_length", "prefix_mask")
@@ -80,7 +82,7 @@ class Terraformer(nn.Module):
       center_layernorm: LayerNorm (True) or RMSNorm (False) everywhere in the blocks.
     """
 
-    config: TransformerConfig
+    config: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
     feed_forward: LayerFactory = FeedForward
     encoder_attention: LayerFactory = SelfAttention
     decoder_attention: LayerFactory = CausalSelfAttention
@@ -129,7 +131,7 @@ class Terraformer(nn.Module):
 
         def build():
             return HalfResidual(
-                factory(**_attention_kwargs(cfg)),
+                factory(**cfg.attention_kwargs()),
                 pre_norm=True,
                 center_layernorm=self.center_layernorm,
                 dropout_rate=cfg.dropout,
@@ -146,7 +148,7 @@ class Terraformer(nn.Module):
 
         def build():
             block = FeedForwardWithSRU(
-                self.feed_forward(**_ff_kwargs(cfg)),
+                self.feed_forward(**cfg.feed_forward_kwargs()),
                 d_model=cfg.d_model,
                 sru_units=self.sru_units,
                 sru_layers=self.sru_layers,
@@ -222,22 +224,9 @@ class Terraformer(nn.Module):
             prefix_mask=real,
         )
 
-    def decode(
-        self,
-        decoder_input_tokens,
-        encoded=None,
-        encoder_mask=None,
-        *,
-        deterministic: bool = True,
-        decode: bool = True,
-        max_decode_length: Optional[int] = None,
-    ):
+    def decode_step(self, decoder_input_tokens, *, deterministic: bool = True):
         """One decode step after ``prefill_cache``: ``[batch, 1]`` tokens -> ``[batch, 1, vocab]``
-        (pass ``mutable=['cache']``). ``encoded``/``encoder_mask``/``max_decode_length`` belong
-        to the generic contract and are unused: the encoder lives in the caches."""
-        del encoded, encoder_mask, max_decode_length
-        if not decode:
-            raise ValueError("Terraformer.decode is the single-token decode step; call the module for teacher forcing.")
+        (pass ``mutable=['cache']``). The encoder output lives in the caches."""
         x = self._embed_decoder(decoder_input_tokens, deterministic=deterministic, decode=True)
         y1, y2 = self.decoder_stack(x, x, deterministic=deterministic, decode=True)
         return self.logits(self._output(y1, y2))
@@ -248,7 +237,7 @@ gin.register(Terraformer, module="terra.models")
 
 @gin.configurable(module="terra.models")
 def shared_qk_from_dense_attention(params, scopes: Sequence[str] = ("encoder_stack",)):
-    """A ``param_map`` for fine-tuning (``terra.train.param_map``): initialise LSH attention
+    """A ``param_map`` for fine-tuning (``terra.training.Trainer.param_map``): initialise LSH attention
     from a checkpoint trained with dense attention.
 
     Inside the subtrees named in ``scopes`` (default: the encoder, whose dense attention

@@ -29,7 +29,7 @@ from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
 from terra.data import synthetic
 from terra.errors import ConfigError
-from terra.evaluation.evaluator import write_atomically
+from terra.files import write_atomically
 from terra.reproduce import runs
 
 TASKS = ("copy", "addition")
@@ -146,9 +146,9 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
             bindings = [
                 *_model_bindings(cfg, model_name), *_task_bindings(cfg, task),
                 f"BATCH_SIZE = {cfg.batch_size}", f"TRAIN_STEPS = {cfg.steps}",
-                f"terra.train.eval_every = {cfg.eval_every}", f"terra.train.eval_steps = {cfg.eval_steps}",
-                f"terra.train.log_every = {cfg.eval_every}", f"terra.train.checkpoint_every = {cfg.eval_every}",
-                "terra.train.keep_last = 1",
+                f"terra.training.EvaluationSettings.every = {cfg.eval_every}", f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}",
+                f"terra.training.LoggingSettings.every = {cfg.eval_every}", f"terra.training.CheckpointSettings.every = {cfg.eval_every}",
+                "terra.training.CheckpointSettings.keep_last = 1",
                 "terra.training.adamw.learning_rate = @terra.training.rsqrt_schedule()",
                 f"terra.training.rsqrt_schedule.constant = {cfg.learning_rate_constant}",
                 f"terra.training.rsqrt_schedule.warmup_steps = {cfg.warmup_steps}",
@@ -160,7 +160,7 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
                 result = runs.train_run(name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"), [gin_file],
                                         bindings, log=log)
                 # The run's gin config is still the parsed one: the same model, the train lengths.
-                model = gin_utils.build("terra.models.EncoderDecoderModel")
+                model = gin_utils.build_model()
                 lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
                 in_dist = runs.evaluate_split(model, result.params, f"synthetic_{task}", "train", lengths,
                                               cfg.batch_size, cfg.in_distribution_batches, seed=seed)

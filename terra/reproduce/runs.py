@@ -19,10 +19,11 @@ import numpy as np
 from terra import gin_utils
 from terra.data import pipeline, tasks
 from terra.errors import ConfigError
-from terra.evaluation.evaluator import write_atomically
+from terra.files import write_atomically
 from terra.training import metrics as metrics_lib
 from terra.training import trainer
-from terra.training.train_step import eval_step, evaluate_batches
+from terra.training.settings import LoggingSettings
+from terra.training.train_step import evaluate_batches
 
 
 @dataclasses.dataclass
@@ -69,9 +70,9 @@ def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bi
               log=print) -> RunResult:
     """Parses the run's gin config (files, then bindings, then the seed and model_dir) and trains."""
     gin_utils.parse_gin(list(gin_files), [*bindings, f"MODEL_DIR = {os.path.abspath(model_dir)!r}",
-                                          f"terra.train.seed = {seed}"])
+                                          f"terra.training.Trainer.seed = {seed}"])
     start = time.perf_counter()
-    result = trainer.train(progress=False)
+    result = trainer.Trainer(logging=LoggingSettings(progress=False)).run()
     # Training time summed over the invocations that trained this run (a resumed or finished
     # run adds only what this call spent), kept next to its checkpoints.
     seconds_path = os.path.join(model_dir, "study_seconds.json")
@@ -97,7 +98,7 @@ def evaluate_split(model, params, task: str, split: str, feature_lengths: Dict[s
                               batch_size=batch_size, feature_converter=feature_converter, seed=seed, shuffle=False,
                               num_epochs=1 if split != "train" else None)
     batches = itertools.islice(pipeline.BatchIterator(ds), num_batches)
-    metrics = evaluate_batches(jax.jit(lambda p, b: eval_step(model, p, b)), params, batches)
+    metrics = evaluate_batches(jax.jit(model.eval_metrics), params, batches)
     if not metrics:
         raise ConfigError(f"the {split!r} split of {task!r} gave no batch of {batch_size} examples.")
     return metrics

@@ -33,7 +33,7 @@ from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
 from terra.data import tasks
 from terra.errors import ConfigError
-from terra.evaluation.evaluator import write_atomically
+from terra.files import write_atomically
 from terra.reproduce import runs
 
 
@@ -155,9 +155,9 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
         bindings = [
             *_size_bindings(cfg.size, variant, vocab_size, cfg.dropout), *variant.bindings, *data_bindings,
             f"TASK_FEATURE_LENGTHS = {dict(cfg.feature_lengths)!r}", f"BATCH_SIZE = {cfg.batch_size}",
-            f"TRAIN_STEPS = {cfg.steps}", f"terra.train.eval_every = {cfg.eval_every}",
-            f"terra.train.eval_steps = {cfg.eval_steps}", f"terra.train.log_every = {cfg.eval_every}",
-            f"terra.train.checkpoint_every = {cfg.checkpoint_every}", "terra.train.keep_last = 1",
+            f"TRAIN_STEPS = {cfg.steps}", f"terra.training.EvaluationSettings.every = {cfg.eval_every}",
+            f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}", f"terra.training.LoggingSettings.every = {cfg.eval_every}",
+            f"terra.training.CheckpointSettings.every = {cfg.checkpoint_every}", "terra.training.CheckpointSettings.keep_last = 1",
             "terra.training.adafactor.learning_rate = @terra.training.rsqrt_schedule()",
             f"terra.training.rsqrt_schedule.warmup_steps = {cfg.warmup_steps}",
             *extra_bindings,

@@ -660,3 +660,11 @@ __all__: Sequence[str] = (
     "InputStateSave",
     "InputStateRestore",
 )
+
+
+def load_params(model, checkpoint_dir: str, step: Optional[int] = None) -> Tuple[Any, int]:
+    """``(params, step)`` of ``model`` (a ``terra.models.Model``) from a terra checkpoint (a
+    model_dir, its checkpoints folder or a step directory; default the latest step), restored
+    onto the default device."""
+    step = resolve_step(checkpoint_dir, step)
+    return restore_params(checkpoint_dir, model.abstract_params(), step=step), step

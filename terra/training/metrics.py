@@ -136,6 +136,13 @@ class ProgressBar:
         self._bar.update(max(0, step - self._step))
         self._step = max(self._step, step)
 
+    def write(self, line: str) -> None:
+        """Prints ``line`` to stdout above the bar (the bar is redrawn below it)."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -1,4 +1,4 @@
-"""The pure train and eval steps: no I/O, no Python state; the trainer jits each once.
+"""The pure train step and the evaluation sum: no I/O, no Python state; the trainer jits each once.
 
 ``train_step(model, tx, state, batch, rng) -> (state, metrics)``. The dropout key of a step is
 ``fold_in(rng, step)``, so a resumed run draws exactly the keys an uninterrupted one would.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from terra.training.losses import token_cross_entropy
+from terra.models import losses
 from terra.training.train_state import TrainState
 
 Metrics = Dict[str, jax.Array]
@@ -44,42 +44,11 @@ def train_step(model, tx: optax.GradientTransformation, state: TrainState, batch
     return new_state, metrics
 
 
-def eval_step(model, params, batch) -> Metrics:
-    """Summable metrics of one batch without dropout: NLL and token counts, correct tokens, and
-    sequences whose every target token is right (the synthetic tasks' sequence accuracy)."""
-    logits = model.logits(params, batch)
-    targets = batch["decoder_target_tokens"]
-    weights = batch.get("decoder_loss_weights")
-    weights = (targets != 0) if weights is None else weights
-    weights = weights.astype(jnp.float32)
-    nll = token_cross_entropy(logits, targets)
-    right = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * weights
-    has_target = jnp.sum(weights, -1) > 0
-    sequence_right = (jnp.sum(right, -1) == jnp.sum(weights, -1)) & has_target
-    return {
-        "loss_sum": jnp.sum(nll * weights),
-        "weight_sum": jnp.sum(weights),
-        "correct": jnp.sum(right),
-        "sequences": jnp.sum(has_target.astype(jnp.float32)),
-        "sequences_correct": jnp.sum(sequence_right.astype(jnp.float32)),
-    }
-
-
 def evaluate_batches(eval_fn, params, batches) -> Dict[str, float]:
-    """Sums ``eval_fn(params, batch)`` (an :func:`eval_step`) over ``batches`` and summarizes
-    it; ``{}`` when there is no batch."""
+    """Sums ``eval_fn(params, batch)`` (a jitted ``Model.eval_metrics``) over ``batches`` and
+    summarizes it (``terra.models.losses.summarize_evaluation``); ``{}`` when there is no batch."""
     totals = None
     for batch in batches:
         sums = eval_fn(params, batch)
         totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    return summarize_eval(totals) if totals is not None else {}
-
-
-def summarize_eval(totals: Metrics) -> Dict[str, float]:
-    """Summed eval metrics -> log-perplexity (nats per target token), token and sequence accuracy."""
-    weight = max(float(totals["weight_sum"]), 1.0)
-    return {
-        "loss": float(totals["loss_sum"]) / weight,
-        "token_accuracy": float(totals["correct"]) / weight,
-        "sequence_accuracy": float(totals["sequences_correct"]) / max(float(totals["sequences"]), 1.0),
-    }
+    return losses.summarize_evaluation(totals) if totals is not None else {}

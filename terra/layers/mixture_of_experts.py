@@ -22,10 +22,11 @@ import jax.numpy as jnp
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense, output_major_product
-from terra.layers.selection import block_argmax, glorot_uniform, gumbel_block_argmax, straight_through_mask, take_rows
+from terra.layers.initializers import glorot_uniform
+from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask, take_rows
 
 
-class BlockSparseFeedForward(nn.Module):
+class MixtureOfExpertsFeedForward(nn.Module):
     """``[batch, length, d_model] -> [batch, length, d_model]`` (the feed-forward swap point).
 
     W1 and W2 are stored as ``[n_experts, d_ff / n_experts, d_model]`` so an expert's block is
@@ -45,7 +46,7 @@ class BlockSparseFeedForward(nn.Module):
     def __call__(self, x: jax.Array, *, deterministic: bool = True, decode: bool = False) -> jax.Array:
         if self.n_experts <= 0 or self.d_ff % self.n_experts:
             raise ConfigError(
-                f"BlockSparseFeedForward: d_ff={self.d_ff} is not divisible by n_experts={self.n_experts}."
+                f"MixtureOfExpertsFeedForward: d_ff={self.d_ff} is not divisible by n_experts={self.n_experts}."
             )
         block = self.d_ff // self.n_experts
         shape, names = (self.n_experts, block, self.d_model), (axes.EXPERTS, axes.MLP, axes.EMBED)
@@ -84,4 +85,4 @@ class BlockSparseFeedForward(nn.Module):
         return params["router"]["kernel"].size + 2 * block * d_model + params["wo_bias"].size
 
 
-gin.register(BlockSparseFeedForward, module="terra.layers")
+gin.register(MixtureOfExpertsFeedForward, module="terra.layers")

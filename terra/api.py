@@ -1,0 +1,241 @@
+"""The Python API: a trained run or a fresh model, ready to generate, score and read logits.
+
+    import terra
+
+    run = terra.load("runs/quickstart/finetune")          # a training run's model_dir
+    run.generate(["A long document ..."], max_new_tokens=32, num_beams=4)
+    run.score(["A long document ..."], ["its summary"])   # log-likelihood per example
+    fresh = terra.build(["models/tiny.gin", "tasks/embedded_lm.gin"])
+
+``load`` reads the run's own ``config.gin`` (the model, task, vocabulary and lengths it trained
+with) and its latest checkpoint; ``build`` parses gin files and initialises parameters from a
+seed. Neither finalizes gin, and every configurable module is imported before parsing, so
+importing any terra module afterwards, in any order, raises no gin lock error. Texts go through
+the task's vocabulary (with EOS); token arrays (``[batch, length]`` ints, pad 0) are used as
+they are.
+"""
+
+import dataclasses
+import functools
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from terra import gin_utils
+from terra.data import tasks
+from terra.errors import ConfigError
+from terra.models.protocol import Model
+from terra.text_encoding import encode_text
+from terra.training import checkpointing
+
+Inputs = Union[str, Sequence[str], np.ndarray, jax.Array, Sequence[Sequence[int]]]
+
+
+def run_config_path(model_dir: str) -> str:
+    """The absolute path of a training run's ``config.gin``; a clear error when there is none."""
+    config = os.path.abspath(os.path.join(model_dir, "config.gin"))
+    if not os.path.exists(config):
+        raise ConfigError(
+            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
+            "or name the run's experiment with --gin_file.")
+    return config
+
+
+def _macro(name: str, default: Any = None) -> Any:
+    try:
+        return gin.query_parameter(f"%{name}")
+    except ValueError:
+        return default
+
+
+@dataclasses.dataclass
+class InteractiveModel:
+    """A model with its parameters, vocabulary and task, for use from Python.
+
+    Attributes:
+      model: the ``terra.models.Model`` (network, config, decode contract).
+      params: its parameters (a pytree of arrays).
+      vocabulary: the task's seqio vocabulary (None when the config names no task: token arrays only).
+      task: the seqio task (or mixture) the run trained on, or None.
+      feature_lengths: ``{"inputs": ..., "targets": ...}``: texts are truncated to these.
+      step: the checkpoint step (None for a fresh model).
+      model_dir: the run's directory (None for a fresh model).
+    """
+
+    model: Model
+    params: Any
+    vocabulary: Any = None
+    task: Any = None
+    feature_lengths: Dict[str, int] = dataclasses.field(default_factory=dict)
+    step: Optional[int] = None
+    model_dir: Optional[str] = None
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def __repr__(self) -> str:
+        where = f"{self.model_dir} step {self.step}" if self.model_dir else "fresh parameters"
+        task = getattr(self.task, "name", None)
+        return f"InteractiveModel({self.model!r}, task={task}, {where})"
+
+    # ----- inputs ----------------------------------------------------------------------------
+    def _length(self, feature: str) -> int:
+        return int(self.feature_lengths.get(feature, self.config.max_len))
+
+    def tokens(self, inputs: Inputs, feature: str = "inputs") -> Tuple[np.ndarray, bool]:
+        """``([batch, length] int32, were_texts)``: texts encoded with EOS and truncated to the
+        feature's length, or token rows padded with the pad id to the longest row."""
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if len(inputs) and all(isinstance(x, str) for x in inputs):
+            if self.vocabulary is None:
+                raise ConfigError("this model's config names no task, so there is no vocabulary for texts: "
+                                  "pass token arrays, or build it with a task gin file.")
+            rows = [encode_text(x, self.vocabulary, self._length(feature), self.config.eos_id)[0] for x in inputs]
+            return self._pad(rows, self._length(feature)), True
+        if isinstance(inputs, (np.ndarray, jax.Array)) and inputs.ndim == 1:
+            inputs = inputs[None]
+        rows = [np.asarray(r).reshape(-1) for r in inputs]
+        if not rows or any(r.size == 0 for r in rows):
+            raise ConfigError("give at least one non-empty text or token row.")
+        if any(not np.issubdtype(r.dtype, np.integer) for r in rows):
+            raise ConfigError("token rows must hold integer ids.")
+        too_big = [int(r.max()) for r in rows if r.max() >= self.config.vocab_size or r.min() < 0]
+        if too_big:
+            raise ConfigError(f"token id {too_big[0]} is outside the model's vocabulary [0, {self.config.vocab_size}).")
+        return self._pad(rows, max(len(r) for r in rows)), False
+
+    def _pad(self, rows, length: int) -> np.ndarray:
+        out = np.full((len(rows), length), self.config.pad_id, np.int32)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row[:length]
+        return out
+
+    def _texts(self, tokens: np.ndarray, lengths: np.ndarray) -> List[str]:
+        eos = self.config.eos_id
+        return [self.vocabulary.decode([int(t) for t in row[:n] if t != eos]) for row, n in zip(tokens, lengths)]
+
+    # ----- generation ------------------------------------------------------------------------
+    def generate(
+        self,
+        inputs: Inputs,
+        *,
+        max_new_tokens: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        num_beams: int = 1,
+        length_penalty: float = 0.0,
+        seed: int = 0,
+        batch_size: Optional[int] = None,
+    ) -> Union[List[str], np.ndarray]:
+        """Decode every input, ``batch_size`` rows at a time (default: all at once).
+
+        Args:
+          inputs: a text or texts (returns texts), or token rows (returns ``[batch, n]`` int32
+            tokens, EOS included and pad after it).
+          max_new_tokens: most tokens per output (default: the target feature length).
+          temperature, top_k, top_p: 0 is greedy; otherwise sampling, optionally from the
+            ``top_k`` most likely tokens or the ``top_p`` nucleus; reproducible for a ``seed``.
+          num_beams, length_penalty: beam search when ``num_beams > 1``.
+        """
+        tokens, were_texts = self.tokens(inputs)
+        max_new_tokens = max_new_tokens or self._length("targets")
+        batch_size = batch_size or len(tokens)
+        outputs, lengths = [], []
+        for start in range(0, len(tokens), batch_size):
+            chunk = tokens[start : start + batch_size]
+            rows = len(chunk)
+            if rows < batch_size:  # one shape per call: pad the last chunk with pad rows
+                chunk = np.concatenate([chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)])
+            result = self.model.generate(
+                self.params, chunk, max_decode_length=max_new_tokens, temperature=temperature, top_k=top_k,
+                top_p=top_p, num_beams=num_beams, length_penalty=length_penalty, seed=seed + start)
+            out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
+            out[:, : result.tokens.shape[1]] = result.tokens[:rows]
+            outputs.append(out)
+            lengths.append(result.lengths[:rows])
+        tokens_out, lengths_out = np.concatenate(outputs), np.concatenate(lengths)
+        return self._texts(tokens_out, lengths_out) if were_texts else tokens_out
+
+    def summarize(self, texts: Union[str, Sequence[str]], *, force: bool = False, **options) -> List[str]:
+        """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
+        a summarization task (its outputs would be its pretraining objective's, e.g. sentinel
+        tokens) unless ``force``."""
+        if not force and (self.task is None or not tasks.is_summarization(self.task)):
+            _summarization_required(self.task)
+        return self.generate(texts, **options)
+
+    # ----- teacher forcing -------------------------------------------------------------------
+    def _batch(self, inputs: Inputs, targets: Inputs) -> Dict[str, jax.Array]:
+        encoder, _ = self.tokens(inputs, "inputs")
+        decoder, _ = self.tokens(targets, "targets")
+        if len(encoder) != len(decoder):
+            raise ConfigError(f"{len(encoder)} inputs but {len(decoder)} targets.")
+        return {"encoder_input_tokens": jnp.asarray(encoder), "decoder_target_tokens": jnp.asarray(decoder)}
+
+    @functools.cached_property
+    def _jit_score(self):
+        return jax.jit(self.model.score)
+
+    @functools.cached_property
+    def _jit_logits(self):
+        return jax.jit(lambda params, batch: self.model.logits(params, batch))
+
+    def score(self, inputs: Inputs, targets: Inputs) -> np.ndarray:
+        """``[batch]`` float32 log-likelihood (nats) of each target given its input (texts get EOS,
+        as the tasks' targets do; pad positions of token rows are not scored)."""
+        return np.asarray(self._jit_score(self.params, self._batch(inputs, targets)))
+
+    def logits(self, encoder_tokens: Inputs, decoder_target_tokens: Inputs) -> jax.Array:
+        """Teacher-forced logits ``[batch, target_length, vocab]`` float32 (the decoder reads the
+        targets shifted right, the pad id first)."""
+        return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens))
+
+
+def _summarization_required(task) -> None:
+    objective = tasks.task_objective(task) if task is not None else "no"
+    raise ConfigError(
+        f"this model was trained on a {objective} task, not summarization: it would not write summaries. "
+        "Use a run fine-tuned on a summarization task (e.g. experiments/finetune_arxiv_terraformer.gin), "
+        "or force it (force=True, --force).")
+
+
+def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_summarization: bool = False):
+    model = gin_utils.build_model()
+    task_name = _macro("TASK")
+    task = tasks.get_task(task_name) if task_name else None
+    if require_summarization and (task is None or not tasks.is_summarization(task)):
+        _summarization_required(task)
+    lengths = dict(_macro("TASK_FEATURE_LENGTHS", {}) or {})
+    vocabulary = task.output_features["targets"].vocabulary if task is not None else None
+    if task is not None and lengths:
+        tasks.check_vocabulary_and_lengths(task, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
+    params, step = params_from(model)
+    return InteractiveModel(model=model, params=params, vocabulary=vocabulary, task=task, feature_lengths=lengths,
+                            step=step, model_dir=model_dir)
+
+
+def load(model_dir: str, step: Optional[int] = None, bindings: Sequence[str] = (), *,
+         require_summarization: bool = False) -> InteractiveModel:
+    """A training run's model, parameters (checkpoint ``step``, default the latest), task and
+    vocabulary, configured by the run's own ``config.gin`` plus ``bindings`` (gin binding
+    strings, e.g. data locations: ``"terra.data.arxiv_source.tfds_data_dir = '/data/tfds'"``).
+    ``require_summarization``: refuse, before reading the checkpoint, a run whose task is not
+    a summarization task."""
+    gin_utils.parse_gin([run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings],
+                        finalize=False)
+    return _from_parsed_config(lambda model: checkpointing.load_params(model, model_dir, step), model_dir,
+                               require_summarization)
+
+
+def build(gin_files: Sequence[str], bindings: Sequence[str] = (), seed: int = 0) -> InteractiveModel:
+    """A freshly initialised model from gin files (a model config, optionally a task config for
+    the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed``."""
+    gin_utils.parse_gin(list(gin_files), list(bindings), finalize=False)
+    return _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None))

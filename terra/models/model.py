@@ -1,0 +1,319 @@
+"""The model families: a Flax network wrapped with everything the ``Model`` protocol asks.
+
+``Seq2SeqModel`` holds what every family shares (initialisation, the loss and evaluation
+metrics with the configured pad id, scoring, the decode contract and generation, parameter
+counts); a family adds only what differs, which is how one decoded token reads its weights:
+
+- ``EncoderDecoderModel``: the Scaling Transformer's encoder-decoder, dense or with any of
+  the sparse layers injected (paper §3);
+- ``TerraformerModel``: the reversible Terraformer (paper §4), dense or LSH attention.
+
+Both construct a default network when none is given, so ``EncoderDecoderModel()`` is the
+paper's 800M dense baseline and ``EncoderDecoderModel(EncoderDecoderTransformer(cfg))`` works
+without gin; gin files bind the network (``terra.models.EncoderDecoderModel.module``).
+"""
+
+import abc
+import functools
+import math
+from typing import Dict, Optional, Tuple
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from terra.decoding.beam_search import beam_search
+from terra.decoding.decode_step import IncrementalDecoder
+from terra.decoding.generate import Generation, generate
+from terra.errors import ConfigError
+from terra.models import losses
+from terra.models.config import TransformerConfig
+from terra.models.encoder_decoder import EncoderDecoderTransformer
+from terra.models.protocol import Batch, Params
+from terra.models.terraformer import Terraformer
+
+
+def shift_right(targets: jax.Array, start_id: int = 0) -> jax.Array:
+    """``[batch, length]`` -> decoder inputs: ``start_id`` then the targets minus the last."""
+    start = jnp.full_like(targets[:, :1], start_id)
+    return jnp.concatenate([start, targets[:, :-1]], axis=1)
+
+
+def tree_size(tree) -> int:
+    """Number of elements in a pytree of arrays or shapes."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def layer_reads(layer_factory, params) -> int:
+    """Parameters a layer reads per decoded token: its own ``params_read_per_token`` when the
+    layer class defines one (sparse layers skip most rows), else all of them."""
+    reads = getattr(layer_factory, "params_read_per_token", None)
+    return int(reads(params)) if reads else tree_size(params)
+
+
+READ_PARTS = ("decoder self-attention", "encoder-decoder attention", "feed-forward", "norms", "embedding rows", "logits")
+
+
+class Seq2SeqModel(abc.ABC):
+    """Loss, scoring and decoding for a sequence-to-sequence Flax module (the ``Model`` protocol).
+
+    Args:
+      module: the network; a subclass supplies the default.
+    """
+
+    module_type: type = nn.Module
+
+    def __init__(self, module: Optional[nn.Module] = None):
+        module = self.default_module() if module is None else module
+        if not isinstance(module, self.module_type):
+            raise ConfigError(
+                f"{type(self).__name__} wraps a {self.module_type.__name__}, got {type(module).__name__}; "
+                f"bind MODEL = @terra.models.{_family_for(module)}() for that network.")
+        self.module = module
+        self.config: TransformerConfig = module.config
+        # Build the whole variable tree abstractly now (nothing is allocated), so that
+        # incompatible sizes in any injected layer (d_ff % N, d_model % S, vocab % S) fail
+        # when the model is configured, not in the middle of a training job.
+        self._abstract = jax.eval_shape(self.init_variables, jax.random.key(0))
+
+    @abc.abstractmethod
+    def default_module(self) -> nn.Module:
+        """The network built when none is given."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.module).__name__}, {self.param_count()['total']:,d} parameters)"
+
+    # ----- parameters -------------------------------------------------------------------
+    def init_variables(self, rng: jax.Array) -> Dict:
+        """Random variables boxed with their logical axes (see ``Model.init_variables``)."""
+        # Parameter shapes do not depend on lengths; short dummy sequences keep init cheap.
+        length = min(8, self.config.max_len)
+        inputs = jnp.ones((1, length), jnp.int32)
+        targets = jnp.ones((1, length), jnp.int32)
+        return self.module.init({"params": rng, "dropout": rng}, inputs, targets)
+
+    def abstract_variables(self) -> Dict:
+        """Shapes and logical axes of every variable (``LogicallyPartitioned`` boxes), computed
+        with ``jax.eval_shape``: nothing is allocated, so any size works."""
+        return self._abstract
+
+    def init_params(self, rng: jax.Array) -> Params:
+        """Random parameters as a plain (unboxed) pytree."""
+        return nn.unbox(jax.jit(self.init_variables)(rng))["params"]
+
+    def abstract_params(self) -> Params:
+        """``jax.ShapeDtypeStruct`` of every parameter, unboxed."""
+        return nn.unbox(self._abstract)["params"]
+
+    def param_count(self) -> Dict[str, int]:
+        """Parameters per top-level group (``encoder``, ``decoder``, ``token_embedding``, ...,
+        numbered layers counted together) plus ``'total'``."""
+        counts: Dict[str, int] = {}
+        for name, subtree in self.abstract_params().items():
+            group = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
+            counts[group] = counts.get(group, 0) + tree_size(subtree)
+        counts["total"] = sum(counts.values())
+        return counts
+
+    def params_read_per_token(self) -> Dict[str, int]:
+        """Parameters one batch-1 decode step must stream from memory, by part (plus
+        ``'total'``): the decoder's layers as their injected classes read them, its final
+        norm, one embedding row and one positional row, and the logits layer."""
+        params = self.abstract_params()
+        parts = dict.fromkeys(READ_PARTS, 0)
+        self.add_decoder_reads(params, parts)
+        parts["norms"] += tree_size(params["decoder_norm"])
+        parts["embedding rows"] = 2 * self.config.d_model  # the token's embedding and its positional row
+        parts["logits"] = layer_reads(self.module.logits_layer, params["logits"])
+        parts["total"] = sum(parts.values())
+        return parts
+
+    @abc.abstractmethod
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
+        """Adds what one decode step reads of each decoder layer to ``parts`` (by part name)."""
+
+    # ----- training and scoring ---------------------------------------------------------
+    def decoder_input_tokens(self, batch: Batch) -> jax.Array:
+        """``batch['decoder_input_tokens']``, or the targets shifted right with the pad id first."""
+        if "decoder_input_tokens" in batch:
+            return batch["decoder_input_tokens"]
+        return shift_right(batch["decoder_target_tokens"], self.config.pad_id)
+
+    def logits(self, params: Params, batch: Batch, *, dropout_rng: Optional[jax.Array] = None) -> jax.Array:
+        """Teacher-forced logits ``[batch, target_length, vocab]``; dropout on iff a
+        ``dropout_rng`` is given."""
+        rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+        return self.module.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            self.decoder_input_tokens(batch),
+            batch.get("encoder_mask"),
+            deterministic=dropout_rng is None,
+            rngs=rngs,
+        )
+
+    def loss_fn(self, params: Params, batch: Batch, dropout_rng: Optional[jax.Array] = None) -> Tuple[jax.Array, Dict]:
+        """Mean weighted cross-entropy per target token, and summable metrics (``loss_sum``,
+        ``weight_sum``, ``correct``)."""
+        logits = self.logits(params, batch, dropout_rng=dropout_rng)
+        targets = batch["decoder_target_tokens"]
+        weights = losses.target_weights(targets, batch.get("decoder_loss_weights"), pad_id=self.config.pad_id)
+        loss_sum, weight_sum = losses.weighted_cross_entropy(logits, targets, weights)
+        correct = jnp.sum((jnp.argmax(logits, -1) == targets) * weights)
+        loss = loss_sum / jnp.maximum(weight_sum, 1.0)
+        return loss, {"loss_sum": loss_sum, "weight_sum": weight_sum, "correct": correct}
+
+    def eval_metrics(self, params: Params, batch: Batch) -> Dict[str, jax.Array]:
+        """Summable metrics without dropout: NLL and token counts, correct tokens and fully
+        correct sequences (``terra.models.losses.evaluation_sums``, with this model's pad id)."""
+        logits = self.logits(params, batch)
+        return losses.evaluation_sums(
+            logits, batch["decoder_target_tokens"], batch.get("decoder_loss_weights"), pad_id=self.config.pad_id)
+
+    def score(self, params: Params, batch: Batch) -> jax.Array:
+        """``[batch]`` log-likelihood (nats) of each row's weighted target tokens, no dropout."""
+        logits = self.logits(params, batch)
+        targets = batch["decoder_target_tokens"]
+        weights = losses.target_weights(targets, batch.get("decoder_loss_weights"), pad_id=self.config.pad_id)
+        return -jnp.sum(losses.token_cross_entropy(logits, targets) * weights, axis=-1)
+
+    @functools.cached_property
+    def _jit_eval_metrics(self):
+        return jax.jit(self.eval_metrics)
+
+    def loss_sums(self, params: Params, batch: Batch) -> Dict[str, float]:
+        """:meth:`eval_metrics` of a batch as Python floats; jitted once per shape."""
+        return {k: float(v) for k, v in jax.device_get(self._jit_eval_metrics(params, dict(batch))).items()}
+
+    def log_perplexity(self, params: Params, batch: Batch) -> float:
+        """Mean negative log-likelihood (nats) per non-pad target token, no dropout."""
+        metrics = self.loss_sums(params, batch)
+        return metrics["loss_sum"] / max(metrics["weight_sum"], 1.0)
+
+    # ----- decoding ---------------------------------------------------------------------
+    @functools.lru_cache(maxsize=8)
+    def decoder(self, max_decode_length: int) -> IncrementalDecoder:
+        """The jitted prefill/step pair for a cache of ``max_decode_length`` tokens (cached,
+        so each length compiles once)."""
+        return IncrementalDecoder(self.module, max_decode_length)
+
+    def generate(
+        self,
+        params: Params,
+        encoder_input_tokens,
+        *,
+        max_decode_length: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        num_beams: int = 1,
+        length_penalty: float = 0.0,
+        seed: int = 0,
+        encoder_mask=None,
+    ) -> Generation:
+        """Generate up to ``max_decode_length`` tokens per row, stopping each row at EOS.
+
+        ``num_beams == 1``: greedy (``temperature == 0``) or sampling at ``temperature``,
+        optionally from the ``top_k`` most likely tokens or the ``top_p`` nucleus.
+        ``num_beams > 1``: beam search (deterministic; ``temperature``/``top_k``/``top_p``
+        must be left at their defaults), ranked by log-likelihood over the GNMT length
+        penalty ``((5 + length) / 6) ** length_penalty``.
+        """
+        if num_beams < 1:
+            raise ValueError(f"num_beams={num_beams} must be >= 1.")
+        decoder = self.decoder(max_decode_length)
+        if num_beams > 1:
+            if temperature or top_k is not None or top_p is not None:
+                raise ValueError("beam search is deterministic: leave temperature, top_k and top_p unset with num_beams > 1.")
+            result = beam_search(
+                decoder, params, encoder_input_tokens, encoder_mask=encoder_mask, num_beams=num_beams,
+                eos_id=self.config.eos_id, pad_id=self.config.pad_id, length_penalty=length_penalty)
+            return Generation(tokens=result.tokens, lengths=result.lengths)
+        return generate(
+            decoder,
+            params,
+            encoder_input_tokens,
+            encoder_mask=encoder_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_id=self.config.eos_id,
+            pad_id=self.config.pad_id,
+        )
+
+
+class EncoderDecoderModel(Seq2SeqModel):
+    """The Scaling Transformer's encoder-decoder (``EncoderDecoderTransformer``), dense or sparse.
+
+    Args:
+      module: the network (default: the paper's 800M dense baseline, ``TransformerConfig()``).
+    """
+
+    module_type = EncoderDecoderTransformer
+
+    def default_module(self) -> nn.Module:
+        return EncoderDecoderTransformer(TransformerConfig())
+
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
+        # Every decoder layer reads its three sub-layers as their injected classes read them;
+        # the encoder-decoder keys and values are cached at prefill, only Q and O are read.
+        module = self.module
+        layer_factories = {
+            "self_attention": ("decoder self-attention", module.decoder_self_attention),
+            "cross_attention": ("encoder-decoder attention", module.encoder_decoder_attention),
+            "feed_forward": ("feed-forward", module.feed_forward),
+        }
+        for index in range(self.config.n_decoder_layers):
+            for sub, sub_params in params[f"decoder_{index}"].items():
+                part, factory = layer_factories.get(sub, ("norms", None))
+                parts[part] += layer_reads(factory, sub_params) if factory else tree_size(sub_params)
+
+
+class TerraformerModel(Seq2SeqModel):
+    """The Terraformer (``Terraformer``): reversible blocks, SRU feed-forward, dense or LSH attention.
+
+    Args:
+      module: the network (default: ``Terraformer(TransformerConfig())``).
+    """
+
+    module_type = Terraformer
+
+    def default_module(self) -> nn.Module:
+        return Terraformer(TransformerConfig())
+
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
+        # Per block, n_decoder_attention_layers attention half-residuals then one
+        # FeedForwardWithSRU: its feed-forward read as the injected layer reads it, its norm
+        # and SRU branch whole.
+        module = self.module
+        period = module.n_decoder_attention_layers + 1
+        for name, half in params["decoder_stack"].items():
+            index = int(name.rsplit("_", 1)[1])
+            parts["norms"] += tree_size(half.get("norm", {}))
+            layer = half["layer"]
+            if index % period < module.n_decoder_attention_layers:
+                parts["decoder self-attention"] += layer_reads(module.decoder_attention, layer)
+                continue
+            for sub, sub_params in layer.items():
+                if sub == "feed_forward":
+                    parts["feed-forward"] += layer_reads(module.feed_forward, sub_params)
+                elif sub == "sru":
+                    parts["feed-forward"] += tree_size(sub_params)
+                else:
+                    parts["norms"] += tree_size(sub_params)
+
+
+FAMILIES = (EncoderDecoderModel, TerraformerModel)
+
+
+def _family_for(module: nn.Module) -> str:
+    for family in FAMILIES:
+        if isinstance(module, family.module_type):
+            return family.__name__
+    return "<a model class for it>"
+
+
+for _family in FAMILIES:
+    gin.register(_family, module="terra.models")

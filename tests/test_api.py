@@ -1,0 +1,164 @@
+"""The model protocol and the Python API: plain constructors, families, pad-aware metrics,
+``terra.build`` with generate / score / logits / summarize, and the gin registry's promises."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import terra
+from terra import configurables
+from terra.errors import ConfigError
+from terra.models import (
+    EncoderDecoderModel,
+    EncoderDecoderTransformer,
+    Model,
+    Terraformer,
+    TerraformerModel,
+    TransformerConfig,
+)
+
+from conftest import REPO_ROOT, tiny_config
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+TINY_COPY = [
+    "TransformerConfig.vocab_size = 259", "TransformerConfig.d_model = 32", "TransformerConfig.d_ff = 64",
+    "TransformerConfig.n_heads = 4", "TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1",
+    "TransformerConfig.max_len = 64", "TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 16}",
+]
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """A fresh tiny encoder-decoder on the byte-vocabulary copy task, built from gin."""
+    return terra.build(["models/tiny.gin", "tasks/synthetic_copy.gin"], TINY_COPY, seed=3)
+
+
+def test_plain_constructors_work_without_gin():
+    default = EncoderDecoderModel()  # the paper's 800M baseline, abstractly
+    assert default.config == TransformerConfig() and 700e6 < default.param_count()["total"] < 850e6
+    assert isinstance(default, Model)
+    assert isinstance(EncoderDecoderTransformer().config, TransformerConfig)
+    terraformer = TerraformerModel(Terraformer(tiny_config()))
+    assert isinstance(terraformer, Model)
+    assert terraformer.params_read_per_token()["total"] < terraformer.param_count()["total"]
+
+
+def test_a_family_refuses_another_familys_network():
+    with pytest.raises(ConfigError, match="TerraformerModel"):
+        EncoderDecoderModel(Terraformer(tiny_config()))
+
+
+def test_eval_metrics_and_scores_use_the_configured_pad_id():
+    model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(pad_id=3)))
+    params = model.init_params(jax.random.key(0))
+    targets = jnp.array([[5, 6, 7, 3], [8, 3, 3, 3]])
+    batch = {"encoder_input_tokens": jnp.array([[4, 5, 6, 3], [7, 8, 3, 3]]), "decoder_target_tokens": targets}
+    sums = model.eval_metrics(params, batch)
+    assert float(sums["weight_sum"]) == 4.0 and float(sums["sequences"]) == 2.0
+    loss, aux = model.loss_fn(params, batch)
+    np.testing.assert_allclose(aux["loss_sum"], sums["loss_sum"], rtol=1e-6)
+    # The decoder starts from the pad id (3), and a row's score is minus its summed NLL.
+    logits = model.logits(params, batch)
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0] * (targets != 3)
+    np.testing.assert_allclose(model.score(params, batch), -nll.sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(model.decoder_input_tokens(batch)[:, 0], [3, 3])
+
+
+def test_build_generates_texts_from_texts_and_tokens_from_tokens(copy_model):
+    texts = copy_model.generate(["abc", "hello world"], max_new_tokens=6)
+    assert isinstance(texts, list) and len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    out = copy_model.generate(tokens, max_new_tokens=6)
+    assert out.shape == (2, 6) and out.dtype == np.int32
+    # Batched in chunks (the last one padded) equals all at once.
+    np.testing.assert_array_equal(copy_model.generate(tokens, max_new_tokens=6, batch_size=1), out)
+    assert copy_model.tokens([[5, 6], [7]])[0].tolist() == [[5, 6], [7, 0]]
+
+
+def test_score_is_the_teacher_forced_log_likelihood(copy_model):
+    inputs, targets = ["abc", "xyz"], ["abc", "xy"]
+    scores = copy_model.score(inputs, targets)
+    logits = copy_model.logits(inputs, targets)
+    decoder_targets, _ = copy_model.tokens(targets, "targets")
+    assert logits.shape == (2, decoder_targets.shape[1], copy_model.config.vocab_size)
+    logp = jax.nn.log_softmax(logits)
+    picked = np.take_along_axis(np.asarray(logp), decoder_targets[..., None], -1)[..., 0] * (decoder_targets != 0)
+    np.testing.assert_allclose(scores, picked.sum(-1), rtol=1e-5)
+    assert scores.shape == (2,) and np.all(scores < 0)
+
+
+def test_summarize_refuses_a_task_that_is_not_summarization(copy_model):
+    with pytest.raises(ConfigError, match="not summarization"):
+        copy_model.summarize(["some text"])
+    assert len(copy_model.summarize(["some text"], force=True, max_new_tokens=4)) == 1
+
+
+def test_bad_token_inputs_fail_clearly(copy_model):
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        copy_model.generate([[1, 999]])
+    with pytest.raises(ConfigError, match="non-empty"):
+        copy_model.generate([])
+
+
+def test_generate_rejects_sampling_options_with_beams(copy_model):
+    with pytest.raises(ValueError, match="beam search is deterministic"):
+        copy_model.generate(["abc"], num_beams=2, temperature=0.5)
+
+
+def _registered_terra_configurables():
+    import gin
+
+    configurables.import_all()
+    return {selector: c for selector, c in gin.config._REGISTRY.items() if selector.startswith("terra.")}
+
+
+def test_every_terra_gin_name_resolves_by_import_to_its_object():
+    problems = []
+    for selector, configurable in _registered_terra_configurables().items():
+        module_name, _, attr = selector.rpartition(".")
+        found = getattr(importlib.import_module(module_name), attr, None)
+        if found is None or found not in (configurable.wrapper, configurable.wrapped):
+            problems.append(selector)
+    assert not problems, f"gin names that do not resolve by import: {problems}"
+
+
+def test_every_terra_name_in_the_shipped_gin_files_is_registered():
+    registered = set(_registered_terra_configurables())
+    used = set()
+    for root, _, files in os.walk(os.path.join(REPO_ROOT, "configs")):
+        for name in files:
+            with open(os.path.join(root, name)) as f:
+                text = "\n".join(line for line in f if not line.lstrip().startswith(("#", "import ")))
+            used |= set(re.findall(r"\b(terra(?:\.\w+)+)", text))
+    unknown = [u for u in sorted(used) if u not in registered and u.rpartition(".")[0] not in registered]
+    assert not unknown, f"gin files name unregistered terra configurables: {unknown}"
+
+
+def test_importing_any_module_after_parsing_registers_nothing_new():
+    """What makes ``terra.load``/``terra.build`` safe in a notebook: after ``import_all`` (which
+    parsing runs), importing every terra module adds no configurable, so none can hit gin's lock."""
+    script = (
+        "import gin, importlib, pkgutil, terra\n"
+        "from terra import gin_utils\n"
+        "gin_utils.parse_gin(['models/tiny.gin'])\n"
+        "before = {s for s, _ in gin.config._REGISTRY.items()}\n"
+        "for m in pkgutil.walk_packages(terra.__path__, 'terra.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "added = {s for s, _ in gin.config._REGISTRY.items()} - before\n"
+        "assert not added, added\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
