@@ -11,6 +11,10 @@ from terra.decoding.decode_step import IncrementalDecoder
 from terra.models import shift_right
 
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 def test_temperature_zero_is_argmax():
     logits = jax.random.normal(jax.random.key(0), (5, 13))
     for seed in range(3):

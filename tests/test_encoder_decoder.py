@@ -14,6 +14,10 @@ from terra.models import shift_right
 from conftest import tiny_config
 
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
 def _padded_batch(batch: int, input_length: int, target_length: int, vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     inputs = rng.integers(2, vocab, size=(batch, input_length)).astype(np.int32)

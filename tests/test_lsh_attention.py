@@ -17,6 +17,9 @@ from terra.layers.lsh_attention import (
     lsh_attention,
 )
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D, H = 32, 4  # d_head = 8
 CHUNK = 8
 

@@ -3,9 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from terra.models import shift_right
 from terra.models.losses import weighted_cross_entropy
+
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _batch(vocab, batch=2, input_length=7, target_length=6, seed=0):

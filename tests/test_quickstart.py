@@ -18,7 +18,7 @@ SMALL = ["--gin.TransformerConfig.d_model=32", "--gin.TransformerConfig.d_ff=64"
 
 
 @pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory):
+def quickstart_run(tmp_path_factory, fast_compile):
     """``(out folder, printed output)`` of one smoke-size quick start, shared by the module."""
     out = tmp_path_factory.mktemp("quick") / "runs" / "quickstart"
     argv = ["--out", str(out), "--pretrain_steps", "30", "--finetune_steps", "10", "--examples", "2", "--eval_examples", "6",

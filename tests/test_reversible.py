@@ -6,11 +6,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from terra.layers.attention import CausalSelfAttention, SelfAttention
 from terra.layers.feedforward import FeedForward
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.layers.sparse_feedforward import SparseFeedForward
+
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 D, FF = 16, 32
 BATCH, LENGTH = 2, 6

@@ -11,6 +11,9 @@ from terra.errors import ConfigError
 from terra.layers import MixtureOfExpertsFeedForward, SparseFeedForward
 from terra.layers.selection import block_argmax
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D_MODEL, D_FF, N = 16, 64, 8  # 8 blocks of 8 units
 
 

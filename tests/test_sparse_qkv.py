@@ -11,6 +11,9 @@ from terra.errors import ConfigError
 from terra.layers import MultiplicativeDense, SparseLossLogits, SparseQKVAttention, SparseQueryCrossAttention
 from terra.layers.sparse_qkv import sparse_qkv_param_count
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D, H = 32, 4  # S = H = 4 modules of M = 8
 
 
