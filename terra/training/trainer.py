@@ -228,20 +228,28 @@ class Trainer:
         """One compiled optimizer step: ``(state, metrics)``; the old state is donated."""
         return self.compiled_step(state, batch, self.rng)
 
+    def _due(self, every: int, step: int) -> bool:
+        """Every ``every`` steps (0: never) and at the last step."""
+        return bool(every) and (step % every == 0 or step == self.steps)
+
+    def _due_evaluations(self, step: int):
+        """``(teacher-forced evaluation due, hooks due)`` at ``step``."""
+        teacher_forced = self.evaluation.teacher_forced and self._due(self.evaluation.every, step)
+        return teacher_forced, [h for h in self.evaluation.hooks if self._due(h.every, step)]
+
     def evaluate(self, params, step: int) -> Dict[str, float]:
         """Teacher-forced metrics on the eval batches, plus every hook due at ``step``."""
+        teacher_forced, hooks = self._due_evaluations(step)
         results: Dict[str, float] = {}
-        if self.evaluation.teacher_forced and (step % self.evaluation.every == 0 or step == self.steps):
+        if teacher_forced:
             results.update(evaluate_batches(self.eval_fn, params, self.eval_batches))
-        for hook in self.evaluation.hooks:
-            if hook.every and (step % hook.every == 0 or step == self.steps):
-                results.update(hook(params))
+        for hook in hooks:
+            results.update(hook(params))
         return results
 
     def evaluation_due(self, step: int) -> bool:
-        if self.evaluation.teacher_forced and (step % self.evaluation.every == 0 or step == self.steps):
-            return True
-        return any(h.every and (step % h.every == 0 or step == self.steps) for h in self.evaluation.hooks)
+        teacher_forced, hooks = self._due_evaluations(step)
+        return teacher_forced or bool(hooks)
 
     def maybe_save(self, step: int, state: TrainState, train_batches, *, force: bool, metrics: Optional[dict]) -> None:
         """Saves at the checkpoint interval, when forced (end, preemption), or at orbax's
