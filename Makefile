@@ -1,16 +1,17 @@
 # terra: `make run` and `make test` set up .venv on first use (pinned requirements plus the
-# package in editable mode) and reuse it afterwards; a changed requirements.txt, setup.cfg
-# or pyproject.toml triggers a reinstall.
+# package in editable mode, which installs the terra-* commands into .venv/bin) and reuse it
+# afterwards; a changed requirements.txt, setup.cfg or pyproject.toml triggers a reinstall.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
 STAMP := $(VENV)/.terra-installed
 # Keep JAX on the CPU and quiet TensorFlow's start-up logging.
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
+.PHONY: run test lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
 
 install: $(STAMP)
 
@@ -18,11 +19,12 @@ $(STAMP): requirements.txt setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check --quiet --upgrade pip
 	$(PY) -m pip install --disable-pip-version-check --quiet -r requirements.txt
-	$(PY) -m pip install --disable-pip-version-check --quiet --no-deps -e .
+	$(PY) -m pip install --disable-pip-version-check --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# The quick start: pretrain, fine-tune, evaluate, then time dense against fully sparse decoding.
 run: $(STAMP)
-	$(PY) -m terra.quickstart
+	$(BIN)/terra-quickstart
 
 # Two workers: most of the suite's time is single-threaded XLA compilation.
 PYTEST_WORKERS ?= 2
@@ -30,27 +32,36 @@ PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
 
+# ruff, configured in pyproject.toml: the linter and the formatter's check.
+lint: $(STAMP)
+	$(BIN)/ruff check terra tests
+	$(BIN)/ruff format --check terra tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix terra tests
+	$(BIN)/ruff format terra tests
+
 bench: $(STAMP)
-	$(PY) -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed
+	$(BIN)/terra-bench decode --preset paper_800m --out out/decode_speed
 
 bench-input: $(STAMP)
-	$(PY) -m terra.benchmarks.input_pipeline --out out/input_pipeline
+	$(BIN)/terra-bench input --out out/input_pipeline
 
 bench-train: $(STAMP)
-	$(PY) -m terra.benchmarks.train_speed --out out/train_speed
+	$(BIN)/terra-bench train --out out/train_speed
 
-# The paper's claims at CPU size (README "Reproducing the paper"): about 45 + 30 minutes on 2 cores.
+# The paper's claims at CPU size (docs/reproduce.md).
 reproduce: reproduce-sparsity reproduce-length
 
 reproduce-sparsity: $(STAMP)
-	$(PY) -m terra.reproduce sparsity --out out/reproduce/sparsity
+	$(BIN)/terra-reproduce sparsity --out out/reproduce/sparsity
 
 reproduce-length: $(STAMP)
-	$(PY) -m terra.reproduce length_generalization --out out/reproduce/length_generalization
+	$(BIN)/terra-reproduce length_generalization --out out/reproduce/length_generalization
 
 params: $(STAMP)
-	$(PY) -m terra.benchmarks.param_count --all
+	$(BIN)/terra-params --all
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache out
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

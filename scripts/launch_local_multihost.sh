@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start N terra.train processes on this machine as one multi-host job: JAX's distributed runtime
+# Start N terra-train processes on this machine as one multi-host job: JAX's distributed runtime
 # (jax.distributed, coordinator on localhost) with CPU collectives over gloo, each process
 # feeding its own shard of the data. Shows on one machine what a multi-host run does.
 #
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
-  echo "usage: $0 N_PROCESSES [terra.train flags...]" >&2
+  echo "usage: $0 N_PROCESSES [terra-train flags...]" >&2
   exit 2
 fi
 N=$1
@@ -28,10 +28,10 @@ pids=()
 for ((i = 0; i < N; i++)); do
   if [[ $i -eq 0 ]]; then
     TERRA_COORDINATOR=localhost:$PORT TERRA_NUM_PROCESSES=$N TERRA_PROCESS_ID=$i \
-      "$PYTHON" -m terra.train "$@" &
+      "$PYTHON" -m terra.cli.train "$@" &
   else
     TERRA_COORDINATOR=localhost:$PORT TERRA_NUM_PROCESSES=$N TERRA_PROCESS_ID=$i \
-      "$PYTHON" -m terra.train "$@" > "$LOG_DIR/process-$i.log" 2>&1 &
+      "$PYTHON" -m terra.cli.train "$@" > "$LOG_DIR/process-$i.log" 2>&1 &
   fi
   pids+=($!)
 done

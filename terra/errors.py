@@ -20,3 +20,7 @@ class CheckpointError(RuntimeError):
 
 class InputError(ValueError):
     """A user's input file cannot be used (empty, not UTF-8, not the expected format)."""
+
+
+class UsageError(ValueError):
+    """A command line that cannot be parsed: an unknown flag, a bad flag value, a missing argument."""

@@ -1,14 +1,14 @@
-"""Command-line gin: repeated ``--gin_file`` and ``--gin.NAME=VALUE`` flags (the T5X form).
+"""Parsing gin files and bindings, and turning gin's errors into messages that name the fix.
 
-  python -m terra.train --gin_file=configs/models/tiny.gin --gin.TransformerConfig.d_model=64
-
-Files are parsed in order, then the bindings (later wins). Relative file names are looked up
-in the working directory, then in the repository's ``configs/`` folder, so
-``--gin_file=models/tiny.gin`` also works. Errors are re-raised as ``GinConfigError`` with the
-offending file or binding and, for a misspelled name, the closest valid names.
+Files are parsed in order, then the bindings (later wins). A relative file name is looked up in
+the working directory, then in the search paths a caller adds, then in the configs shipped in
+the package (``terra/configs``), so ``models/tiny.gin`` works from any directory. The shipped
+files include each other by their package path (``include 'terra/configs/runs/train.gin'``),
+which gin resolves as a package resource wherever terra is installed. Errors are raised as
+``GinConfigError`` with the offending file or binding and, for a misspelled name, the closest
+valid names. Only gin's public API is used.
 """
 
-import argparse
 import contextlib
 import difflib
 import inspect
@@ -16,14 +16,17 @@ import logging
 import os
 import re
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Sequence
 
 import gin
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+# Where a gin file's ``include 'models/tiny.gin'`` finds the shipped configs.
+CONFIG_FOLDERS = ("experiments", "models", "runs", "sizes", "tasks")
 
 _UNKNOWN_PARAM = re.compile(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'")
 _UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching (?:reference )?'@?([\w.]+)'")
+_SEARCH_PATHS_ADDED = set()  # gin's search path list only grows; add each path once per process
 
 
 class GinConfigError(ValueError):
@@ -38,44 +41,51 @@ def register_terra_configurables() -> None:
     configurables.import_all()
 
 
-def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """Separates ``--gin.NAME=VALUE`` flags (returned as gin binding strings) from the rest."""
-    bindings, rest = [], []
-    for arg in argv:
-        if arg.startswith("--gin."):
-            name, sep, value = arg[len("--gin.") :].partition("=")
-            if not sep or not name:
-                raise GinConfigError(f"Malformed flag {arg!r}; write --gin.NAME=VALUE, e.g. --gin.TransformerConfig.d_model=512.")
-            bindings.append(f"{name} = {value}")
-        else:
-            rest.append(arg)
-    return bindings, rest
+def shipped_configs(folder: str) -> List[str]:
+    """The shipped gin files of one of :data:`CONFIG_FOLDERS`, as ``folder/name.gin``."""
+    path = os.path.join(CONFIGS_DIR, folder)
+    names = sorted(n for n in os.listdir(path) if n.endswith(".gin")) if os.path.isdir(path) else []
+    return [f"{folder}/{n}" for n in names]
 
 
-def resolve_gin_file(path: str) -> str:
-    for candidate in (path, os.path.join(CONFIGS_DIR, path)):
+def resolve_gin_file(path: str, search_paths: Sequence[str] = ()) -> str:
+    """The file ``path`` names: as given (absolute, or relative to the working directory), else
+    under each of ``search_paths``, else among the shipped configs."""
+    candidates = [path] + [os.path.join(p, path) for p in (*search_paths, CONFIGS_DIR)]
+    for candidate in candidates:
         if os.path.isfile(candidate):
-            return candidate
+            return os.path.abspath(candidate)
+    where = ", ".join(["the working directory", *search_paths, CONFIGS_DIR])
+    models = ", ".join(n.split("/", 1)[1] for n in shipped_configs("models")) or "none found"
     raise GinConfigError(
-        f"Gin file {path!r} not found (looked in the working directory and in {CONFIGS_DIR}). "
-        f"Available model configs: {', '.join(sorted(os.listdir(os.path.join(CONFIGS_DIR, 'models'))))}."
+        f"Gin file {path!r} not found (looked in {where}). Shipped model configs (models/...): {models}; "
+        "experiments: --gin_file=experiments/NAME.gin."
     )
 
 
-def _registered_names() -> List[str]:
-    # gin has no public listing of configurables; fall back to no suggestions if that changes.
-    registry = getattr(gin.config, "_REGISTRY", None)
-    try:
-        return sorted({selector.split(".")[-1] for selector, _ in registry.items()})
-    except (AttributeError, TypeError):
-        return []
+def _configurable_names() -> List[str]:
+    """Short names of terra's gin configurables, for suggestions: every public class or function
+    of a loaded terra module that gin resolves (gin has no public listing of its registry)."""
+    names = set()
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("terra.") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or attr in names or not (inspect.isclass(value) or inspect.isfunction(value)):
+                continue
+            try:
+                gin.get_configurable(attr)
+            except ValueError:
+                continue
+            names.add(attr)
+    return sorted(names)
 
 
 def _parameter_names(selector: str) -> List[str]:
     try:
         fn = gin.get_configurable(selector)
         return list(inspect.signature(fn).parameters)
-    except Exception:  # pylint: disable=broad-except
+    except (ValueError, TypeError):
         return []
 
 
@@ -93,11 +103,31 @@ def explain_gin_error(error: Exception, where: str) -> GinConfigError:
             hint += f"Parameters of {match.group(1)}: {', '.join(n for n in names if n != 'self')}."
     match = _UNKNOWN_CONFIGURABLE.search(message)
     if match:
-        close = difflib.get_close_matches(match.group(1).split(".")[-1], _registered_names(), n=3)
+        close = difflib.get_close_matches(match.group(1).split(".")[-1], _configurable_names(), n=3)
         if close:
             hint = f"Did you mean {' or '.join(repr(c) for c in close)}?"
     text = f"Invalid gin configuration ({where}): {message}"
     return GinConfigError(text + (f"\n  {hint}" if hint else ""))
+
+
+def _include_error(error: TypeError, where: str) -> GinConfigError:
+    """gin resolves an include such as ``'models/tiny.gin'`` as a file under each search path
+    and also as a resource of a Python package ``models``; a folder of that name in the working
+    directory (a namespace package when the working directory is on ``sys.path``) makes gin's
+    package lookup fail with a TypeError instead of moving on."""
+    return GinConfigError(
+        f"Invalid gin configuration ({where}): gin could not resolve an include ({error}). A folder in the "
+        f"working directory named like a config folder ({', '.join(CONFIG_FOLDERS)}) hides the shipped configs "
+        "from gin's package lookup: include shipped files by their package path, e.g. "
+        "include 'terra/configs/models/dense_800m.gin', or run from another directory."
+    )
+
+
+def _explain_parse_error(error: Exception, where: str) -> GinConfigError:
+    # gin's package lookup of a namespace package ends in os.path.dirname(None).
+    if isinstance(error, TypeError) and "NoneType" in str(error):
+        return _include_error(error, where)
+    return explain_gin_error(error, where)
 
 
 class _DropPathNotFound(logging.Filter):
@@ -119,33 +149,27 @@ def _quiet_gin_path_probes():
         root.removeFilter(log_filter)
 
 
-def _tolerate_directories_named_like_config_folders() -> None:
-    """gin also looks for an ``include 'runs/train.gin'`` as a file of a Python package ``runs``;
-    a plain ``runs/`` directory in the working directory (where users put MODEL_DIRs) is a
-    namespace package without a file, and gin's check then raises TypeError instead of moving
-    on to the next search path. Treat that as "not found"."""
-    from gin import config as gin_config
-    from gin import resource_reader
-
-    for i, (reader, exists) in enumerate(gin_config._FILE_READERS):
-        if exists is resource_reader.system_path_file_exists:
-
-            def safe_exists(path, _exists=exists):
-                try:
-                    return _exists(path)
-                except TypeError:
-                    return False
-
-            gin_config._FILE_READERS[i] = (reader, safe_exists)
+def add_search_paths(paths: Iterable[str]) -> None:
+    """Make ``paths`` places where gin files' includes (and ``--gin_file`` names) are found."""
+    for path in paths:
+        path = os.path.abspath(os.path.expanduser(path))
+        if path not in _SEARCH_PATHS_ADDED:
+            gin.add_config_file_search_path(path)
+            _SEARCH_PATHS_ADDED.add(path)
 
 
-def parse_gin(gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (), *, finalize: bool = True) -> None:
+def parse_gin(
+    gin_files: Sequence[str] = (),
+    gin_bindings: Sequence[str] = (),
+    *,
+    finalize: bool = True,
+    search_paths: Sequence[str] = (),
+) -> None:
     """Parses files then bindings into the global gin config (clearing any earlier one)."""
     register_terra_configurables()
-    _tolerate_directories_named_like_config_folders()
     gin.clear_config()
-    gin.add_config_file_search_path(CONFIGS_DIR)
-    files = [resolve_gin_file(f) for f in gin_files]
+    add_search_paths([*search_paths, CONFIGS_DIR])
+    files = [resolve_gin_file(f, search_paths) for f in gin_files]
     with _quiet_gin_path_probes():
         _parse_files_and_bindings(files, gin_bindings)
     if finalize:
@@ -157,12 +181,12 @@ def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str])
         try:
             gin.parse_config_file(path)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError, IOError) as e:
-            raise explain_gin_error(e, f"file {path}") from None
+            raise _explain_parse_error(e, f"file {path}") from None
     for binding in gin_bindings:
         try:
             gin.parse_config(binding)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError) as e:
-            raise explain_gin_error(e, f"binding {binding!r}") from None
+            raise _explain_parse_error(e, f"binding {binding!r}") from None
 
 
 def build(selector_or_fn, where: str = "building the configured object"):
@@ -177,7 +201,7 @@ def build(selector_or_fn, where: str = "building the configured object"):
 
 
 def build_model(where: str = "building the model"):
-    """The model the parsed config's ``MODEL`` macro names (every ``configs/models/*.gin``
+    """The model the parsed config's ``MODEL`` macro names (every ``models/*.gin``
     defines it), constructed, with configuration errors as ``GinConfigError``."""
     try:
         reference = gin.query_parameter("%MODEL")
@@ -189,50 +213,3 @@ def build_model(where: str = "building the model"):
     # that scope too (unscoped bindings still apply there).
     with gin.config_scope("MODEL"):
         return build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
-
-
-def add_gin_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--gin_file",
-        action="append",
-        default=[],
-        help="Gin file to parse (repeatable; later files override earlier ones).",
-    )
-    parser.add_argument(
-        "--gin_bindings",
-        action="append",
-        default=[],
-        help="A gin binding 'NAME = VALUE' (repeatable); --gin.NAME=VALUE is the short form.",
-    )
-
-
-def parse_flags(
-    parser: argparse.ArgumentParser,
-    argv: Optional[Sequence[str]] = None,
-    flag_bindings: Optional[Callable[[argparse.Namespace], List[str]]] = None,
-):
-    """Parses ``argv`` (``--gin.X=Y`` included) and the gin config; returns the argparse namespace.
-    ``flag_bindings(args)`` turns convenience flags (e.g. ``--tfds_data_dir``) into bindings
-    applied after the gin files and before the explicit ``--gin`` bindings."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bindings, rest = split_gin_args(argv)
-    args = parser.parse_args(rest)
-    from_flags = flag_bindings(args) if flag_bindings else []
-    parse_gin(args.gin_file, from_flags + list(args.gin_bindings) + bindings)
-    return args
-
-
-def run_cli(main: Callable[[], int]) -> None:
-    """Runs ``main`` and reports configuration errors as one clear message (exit status 2)."""
-    from terra.errors import CheckpointError, ConfigError, DataNotFoundError, InputError, TrainingError  # local: import-light
-    from terra.tensorflow_setup import import_tensorflow_quietly
-
-    import_tensorflow_quietly()
-    try:
-        sys.exit(main() or 0)
-    except (GinConfigError, ConfigError, DataNotFoundError, CheckpointError, InputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)

@@ -1,5 +1,5 @@
 """Texts as the summarization tasks tokenize them, for inputs that do not come from a task
-(``terra.summarize``, the Python API). Pure Python: importing it loads nothing heavy."""
+(``terra-summarize``, the Python API). Pure Python: importing it loads nothing heavy."""
 
 import re
 from typing import List, Optional, Tuple

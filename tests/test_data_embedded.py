@@ -14,6 +14,7 @@ import sys
 import pytest
 import sentencepiece as spm
 
+from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
 
 from conftest import REPO_ROOT
@@ -141,7 +142,7 @@ def test_missing_sentencepiece_model_names_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "spm.model"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))) as info:
         vocabularies.sentencepiece_vocabulary(str(missing))
-    assert "train_vocab.py" in str(info.value)
+    assert "terra-vocab" in str(info.value)
     assert vocabularies.byte_vocabulary().decode(vocabularies.byte_vocabulary().encode(UNICODE_TEXT)) == UNICODE_TEXT
 
 
@@ -153,8 +154,8 @@ def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
     ]
     corpus.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
     out = tmp_path / "vocab" / "small.model"
-    argv = ["--input", str(corpus), "--out", str(out), "--vocab_size", "400", "--no-hard_vocab_limit"]
-    assert vocabulary_training.main(argv) == 0
+    argv = ["--input", str(corpus), "--out", str(out), "--vocab_size", "400", "--nohard_vocab_limit"]
+    assert vocab_cli.main(argv) == 0
     assert out.is_file() and out.with_suffix(".vocab").is_file()
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
     printed = capsys.readouterr().out
@@ -166,7 +167,7 @@ def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
 
 def test_train_vocab_cli_reports_a_missing_input_without_a_traceback(tmp_path, capsys):
     missing = tmp_path / "absent.txt"
-    assert vocabulary_training.main(["--input", str(missing), "--out", str(tmp_path / "x.model")]) == 2
+    assert vocab_cli.main(["--input", str(missing), "--out", str(tmp_path / "x.model")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(missing) in err and "Traceback" not in err
 
@@ -177,21 +178,21 @@ def _write_paragraphs(path, n=50):
     return paragraphs
 
 
-@pytest.mark.parametrize("command", [["scripts/train_vocab.py"], ["-m", "terra.data.vocabulary_training"]],
-                         ids=["script", "module"])
-def test_train_vocab_runs_as_a_script_and_as_a_module(command, tmp_path):
+@pytest.mark.parametrize("command", [[os.path.join(os.path.dirname(sys.executable), "terra-vocab")],
+                                     [sys.executable, "-m", "terra.cli.vocab"]], ids=["console", "module"])
+def test_train_vocab_runs_as_a_console_command_and_as_a_module(command, tmp_path):
     corpus = tmp_path / "docs.txt"
     paragraphs = _write_paragraphs(corpus)
     out = tmp_path / "v.model"
     env = {**os.environ, "TERRA_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run(
-        [sys.executable, *command, "--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--no-hard_vocab_limit"],
+        [*command, "--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--nohard_vocab_limit"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout and "round trip ok" in result.stdout
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(paragraphs[7])) == paragraphs[7]
-    missing = subprocess.run([sys.executable, *command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
+    missing = subprocess.run([*command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "error: input file not found" in missing.stderr
     assert "Traceback" not in missing.stderr
@@ -207,7 +208,8 @@ def test_the_vocabulary_library_has_no_command_line_and_no_task_import():
     assert imported & {"terra.data.embedded"}
     for name in ("main", "build_arg_parser", "task_texts", "read_documents"):
         assert not hasattr(vocabularies, name), name
-    assert vocabulary_training.build_arg_parser().parse_args(["--embedded", "--out", "x.model"]).embedded
+    for name in ("main", "build_arg_parser"):  # the command line lives in terra.cli.vocab
+        assert not hasattr(vocabulary_training, name), name
 
 
 def test_task_texts_reads_the_raw_text_of_a_task(tmp_path):

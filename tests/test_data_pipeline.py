@@ -12,7 +12,8 @@ import seqio
 
 from terra import gin_utils
 from terra.data import feature_converters, fixtures, pipeline, tasks
-from terra.data.__main__ import main as data_cli
+from terra.cli import data as data_cli
+from terra.cli import flag_groups
 from terra.errors import ConfigError, DataNotFoundError
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
@@ -65,7 +66,7 @@ def test_unknown_task_suggests_the_closest_name():
 
 
 def test_data_flags_bind_the_sources(c4_json_dir):
-    gin_utils.parse_gin([], tasks.data_flag_bindings(type("Args", (), {"c4_json": c4_json_dir, "tfds_data_dir": "/x"})()))
+    gin_utils.parse_gin([], flag_groups.data_bindings({"c4_json": c4_json_dir, "tfds_data_dir": "/x"}))
     task = tasks.get_task("c4_span_corruption")
     assert len(task.source.list_shards("train")) == 2
     assert tasks.arxiv_source().data_dir == "/x"
@@ -164,7 +165,7 @@ def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
 
 
 def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
-    assert data_cli(["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--n", "2", "--inputs_length", "64",
+    assert data_cli.call(["show", "--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--n", "2", "--inputs_length", "64",
                      "--targets_length", "16"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- example") == 4 and "<extra_id_0>" in out
@@ -189,24 +190,25 @@ def tiny_config_for_vocab():
 
 
 def test_train_vocab_reads_a_tasks_raw_text(c4_json_dir, tmp_path, capsys):
-    from terra.data import vocabularies, vocabulary_training
+    from terra.cli import vocab as vocab_cli
+    from terra.data import vocabularies
 
     out = tmp_path / "c4.model"
     argv = ["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--out", str(out), "--vocab_size", "300",
-            "--no-hard_vocab_limit"]
-    assert vocabulary_training.main(argv) == 0
+            "--nohard_vocab_limit"]
+    assert vocab_cli.main(argv) == 0
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(DOCS[0])) == DOCS[0]
-    assert vocabulary_training.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
-                                     "--out", str(tmp_path / "a.model")]) == 2
+    assert vocab_cli.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
+                           "--out", str(tmp_path / "a.model")]) == 2
     assert "scientific_papers" in capsys.readouterr().err
 
 
 def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
-    from terra.benchmarks import input_pipeline
+    from terra.cli import bench
 
     out = tmp_path / "bench"
-    assert input_pipeline.main(["--out", str(out), "--seconds", "0.2", "--copies", "1", "--batch_size", "2"]) == 0
+    assert bench.call(["input", "--out", str(out), "--seconds", "0.2", "--copies", "1", "--batch_size", "2"]) == 0
     import json
 
     rows = json.loads((out / "input_pipeline.json").read_text())["rows"]

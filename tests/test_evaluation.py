@@ -1,8 +1,9 @@
-"""ROUGE through rouge-score, self-consistent decoding, terra.evaluate and terra.summarize end to end."""
+"""ROUGE through rouge-score, self-consistent decoding, terra-evaluate and terra-summarize end to end."""
 
 import io
 import json
 import os
+import sys
 
 import gin
 import jax
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 from rouge_score import rouge_scorer, scoring
 
-from terra import gin_utils, summarize
-from terra import evaluate as evaluate_cli
+from terra import gin_utils
+from terra.cli import evaluate as evaluate_cli
+from terra.cli import summarize
 from terra.data import fixtures
 from terra.errors import ConfigError, InputError
 from terra.evaluation import evaluator, rouge, summaries
@@ -127,7 +129,7 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     out = tmp_path / "eval"
     argv = ["--checkpoint", model_dir, "--output_dir", str(out), "--batch_size", "2", "--max_decode_length", "6",
             f"--arxiv_cohan={cohan}"]
-    assert evaluate_cli.main(argv) == 0
+    assert evaluate_cli.call(argv) == 0
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
     assert predictions[0]["target"] == "sparse layers make decoding fast .\nwe report model 100 ."
@@ -137,11 +139,11 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     for name in rouge.ROUGE_TYPES:
         assert 0.0 <= metrics["rouge"][name]["f1_low"] <= metrics["rouge"][name]["f1"] <= metrics["rouge"][name]["f1_high"]
     # The predictions are the model's greedy decode: a rerun with the same settings agrees.
-    assert evaluate_cli.main(argv + ["--output_dir", str(tmp_path / "again")]) == 0
+    assert evaluate_cli.call(argv + ["--output_dir", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
 
 
-def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetuned, tmp_path):
+def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetuned, tmp_path, monkeypatch, capsys):
     model_dir, cohan = finetuned
     text = tmp_path / "doc.txt"
     text.write_text("we study sparse layers in a model .\nthe sparse layers make decoding fast .\n")
@@ -149,12 +151,12 @@ def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetu
     long_doc.write_text("sparse layers make decoding fast . " * 200)
     papers = tmp_path / "papers.json"
     papers.write_text("\n".join(json.dumps(p) for p in _papers(2, 300)) + "\n")
-    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"reversible networks save memory .")))
     argv = ["--checkpoint", model_dir, "--max_decode_length", "4", str(text), str(long_doc), str(papers), "-"]
-    assert summarize.main(argv, stdin=io.BytesIO(b"reversible networks save memory ."), out=out, err=err) == 0
-    printed = out.getvalue()
+    assert summarize.call(argv) == 0
+    printed, err = capsys.readouterr()
     assert printed.count("== ") == 5 and "papers.json [paper300]" in printed and "standard input" in printed
-    assert "long.txt" in err.getvalue() and "truncated to the model's input length of 47" in err.getvalue()
+    assert "long.txt" in err and "truncated to the model's input length of 47" in err
 
 
 def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetuned, tmp_path):
@@ -164,7 +166,7 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("résumé".encode("latin-1"))
     with pytest.raises(InputError) as e:
-        summarize.main(["--checkpoint", model_dir, str(empty), str(latin1), str(tmp_path / "missing.txt")])
+        summarize.call(["--checkpoint", model_dir, str(empty), str(latin1), str(tmp_path / "missing.txt")])
     message = str(e.value)
     assert "empty.txt is empty" in message and "latin1.txt is not UTF-8" in message and "missing.txt: cannot be read" in message
     no_checkpoint = tmp_path / "run"
@@ -173,7 +175,7 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
     doc = tmp_path / "doc.txt"
     doc.write_text("some text")
     with pytest.raises(Exception, match="no committed checkpoint under"):
-        summarize.main(["--checkpoint", str(no_checkpoint), str(doc)])
+        summarize.call(["--checkpoint", str(no_checkpoint), str(doc)])
     assert os.listdir(no_checkpoint) == ["config.gin"]  # nothing written, nothing lost
 
 
@@ -192,9 +194,9 @@ def test_evaluate_and_summarize_refuse_a_run_that_is_not_a_summarization_run(tin
     doc = tmp_path / "doc.txt"
     doc.write_text("some text")
     with pytest.raises(ConfigError, match="synthetic task, not summarization"):
-        summarize.main(["--checkpoint", run, str(doc)])
+        summarize.call(["--checkpoint", run, str(doc)])
     with pytest.raises(ConfigError, match="not summarization.*--force"):
-        evaluate_cli.main(["--checkpoint", run])
+        evaluate_cli.call(["--checkpoint", run])
     model, _ = tiny_model
     with pytest.raises(ConfigError, match="synthetic task, not summarization"):
         evaluator.evaluate(model=model, task="synthetic_copy", feature_lengths={"inputs": 8, "targets": 8},
@@ -202,4 +204,4 @@ def test_evaluate_and_summarize_refuse_a_run_that_is_not_a_summarization_run(tin
     assert os.listdir(run) == ["config.gin"]  # refused before reading or writing anything
     # Forced, the refusal gives way and the run's real problem (no checkpoint) is what stops it.
     with pytest.raises(Exception, match="no committed checkpoint under"):
-        summarize.main(["--checkpoint", run, "--force", str(doc)])
+        summarize.call(["--checkpoint", run, "--force", str(doc)])

@@ -88,10 +88,13 @@ def test_files_parse_in_order_and_later_bindings_win():
 
 
 def test_gin_flags_are_rewritten_into_bindings():
-    bindings, rest = gin_utils.split_gin_args(["--gin.TransformerConfig.d_ff=96", "--seed", "3"])
-    assert bindings == ["TransformerConfig.d_ff = 96"] and rest == ["--seed", "3"]
-    with pytest.raises(gin_utils.GinConfigError, match="--gin.NAME=VALUE"):
-        gin_utils.split_gin_args(["--gin.TransformerConfig.d_ff"])
+    from terra.cli import app
+    from terra.errors import UsageError
+
+    rewritten = app.rewrite_gin_args(["--gin.TransformerConfig.d_ff=96", "--seed", "3"])
+    assert rewritten == ["--gin_bindings=TransformerConfig.d_ff = 96", "--seed", "3"]
+    with pytest.raises(UsageError, match="--gin.NAME=VALUE"):
+        app.rewrite_gin_args(["--gin.TransformerConfig.d_ff"])
 
 
 def test_a_misspelled_binding_names_the_closest_parameter():
@@ -134,7 +137,7 @@ def test_invalid_sizes_are_rejected_on_construction(kwargs, message):
 
 def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
     result = subprocess.run(
-        [sys.executable, "-m", "terra.benchmarks.param_count", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
+        [sys.executable, "-m", "terra.cli.params", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -146,7 +149,7 @@ def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
 
 
 def test_a_runs_directory_in_the_working_directory_does_not_break_includes(tmp_path, monkeypatch):
-    # Users keep MODEL_DIRs under ./runs; gin must still find configs/runs/train.gin.
+    # Users keep MODEL_DIRs under ./runs; gin must still find terra/configs/runs/train.gin.
     (tmp_path / "runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,6 @@
 """The paper's 800M baseline: parameter count from abstract shapes equals the closed form."""
 
+import os
 import subprocess
 import sys
 
@@ -30,9 +31,9 @@ def test_closed_form_tracks_every_size():
         assert counts["total"] == closed_form_param_count(cfg), overrides
 
 
-def test_count_params_script_prints_the_800m_count():
+def test_the_terra_params_command_prints_the_800m_count():
     result = subprocess.run(
-        [sys.executable, "scripts/count_params.py", "--gin_file=models/dense_800m.gin"],
+        [os.path.join(os.path.dirname(sys.executable), "terra-params"), "--gin_file=models/dense_800m.gin"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

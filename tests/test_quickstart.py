@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from terra import quickstart
+from terra.cli import quickstart
 
 from conftest import REPO_ROOT
 
@@ -25,7 +25,7 @@ def quickstart_run(tmp_path_factory, fast_compile):
             "--max_decode_length", "8", *SMALL]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert quickstart.main(argv) == 0
+        assert quickstart.call(argv) == 0
     return out, printed.getvalue()
 
 

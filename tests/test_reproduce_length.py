@@ -1,4 +1,4 @@
-"""`python -m terra.reproduce length_generalization`: end to end at smoke size, and its length arithmetic."""
+"""`terra-reproduce length_generalization`: end to end at smoke size, and its length arithmetic."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import ONE_DEVICE, is_png
-from terra.reproduce import __main__ as cli
+from terra.cli import reproduce as cli
 from terra import gin_utils
 from terra.data import pipeline, synthetic, tasks
 from terra.reproduce import length_generalization
@@ -18,7 +18,7 @@ def test_length_generalization_writes_table_4_analogue_for_both_models(tmp_path)
     # Copy only: the addition runs differ in their data bindings alone, which the next test
     # checks example by example without training.
     out = str(tmp_path / "length")
-    assert cli.main(["length_generalization", "--out", out, "--preset", "smoke", "--config.tasks=copy", ONE_DEVICE]) == 0
+    assert cli.call(["length_generalization", "--out", out, "--preset", "smoke", "--config.tasks=copy", ONE_DEVICE]) == 0
     payload = json.load(open(os.path.join(out, "length_generalization.json")))
     assert {(r["task"], r["model"]) for r in payload["runs"]} == {("copy", "transformer"), ("copy", "terraformer")}
     for record in payload["runs"]:

@@ -1,14 +1,13 @@
-"""`python -m terra.reproduce sparsity` end to end at smoke size; both studies' error paths and seed statistics."""
+"""`terra-reproduce sparsity` end to end at smoke size; both studies' error paths and seed statistics."""
 
 import json
 import os
 
 import pytest
 
-from terra.errors import ConfigError, DataNotFoundError
-from terra.gin_utils import GinConfigError
+from terra.errors import ConfigError, DataNotFoundError, UsageError
 from conftest import ONE_DEVICE, is_png
-from terra.reproduce import __main__ as cli
+from terra.cli import reproduce as cli
 from terra.reproduce import runs, sparsity
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -18,7 +17,7 @@ def test_sparsity_study_trains_every_variant_and_seed_and_writes_json_markdown_p
     out = str(tmp_path / "sparsity")
     args = ["sparsity", "--out", out, "--preset", "smoke", "--config.variants=dense,sparse_ff_16", "--config.seeds=0,1",
                 "--config.steps=2", "--config.eval_every=2", ONE_DEVICE]
-    assert cli.main(args) == 0
+    assert cli.call(args) == 0
 
     payload = json.load(open(os.path.join(out, "sparsity.json")))
     assert [r["variant"] for r in payload["rows"]] == ["dense", "sparse_ff_16"]
@@ -54,14 +53,14 @@ def test_sparsity_study_rejects_bad_settings_before_training(tmp_path):
     cfg.seeds = "0,0"
     with pytest.raises(ConfigError, match="distinct"):
         sparsity.run(cfg, str(tmp_path))
-    with pytest.raises(GinConfigError, match="Unknown config field 'step'"):
-        cli.main(["sparsity", "--out", str(tmp_path), "--config.step=3"])
-    with pytest.raises(GinConfigError, match="expected a value like 3"):
-        cli.main(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--config.steps=many"])
+    with pytest.raises(UsageError, match="unknown --config field 'step'. Did you mean \"steps\""):
+        cli.call(["sparsity", "--out", str(tmp_path), "--config.step=3"])
+    with pytest.raises(UsageError, match="--config.steps=many: invalid literal for int"):
+        cli.call(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--config.steps=many"])
     with pytest.raises(DataNotFoundError, match="C4 JSON shards under /nowhere"):
-        cli.main(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--c4_json=/nowhere"])
-    with pytest.raises(GinConfigError, match="generates its data"):
-        cli.main(["length_generalization", "--out", str(tmp_path), "--c4_json=/nowhere"])
+        cli.call(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--c4_json=/nowhere"])
+    with pytest.raises(UsageError, match="generates its data"):
+        cli.call(["length_generalization", "--out", str(tmp_path), "--c4_json=/nowhere"])
     assert not os.listdir(tmp_path)
 
 

@@ -64,7 +64,7 @@ def _losses(model_dir):
 
 def _cli(model_dir, steps, *extra):
     args = [f"--gin_file={f}" for f in FILES] + [f"--gin.{b.replace(' = ', '=', 1)}" for b in _bindings(model_dir, steps, *extra)]
-    return [sys.executable, "-m", "terra.train", *args]
+    return [sys.executable, "-m", "terra.cli.train", *args]
 
 
 def _assert_same_params(a, b, **tol):
@@ -228,11 +228,11 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
 
 
 def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, capsys):
-    from terra.benchmarks import train_speed
+    from terra.cli import bench
 
-    argv = ["--out", str(tmp_path), "--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8",
+    argv = ["train", "--out", str(tmp_path), "--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8",
             "--rows", "dense", "--rows", "terraformer"]
-    assert train_speed.main(argv) == 0
+    assert bench.call(argv) == 0
     rows = json.loads((tmp_path / "train_speed.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["tokens_per_second"] > 0 and np.isfinite(r["final_loss"]) for r in rows)
     assert "tokens/s" in capsys.readouterr().out

@@ -1,9 +1,9 @@
 """Batch-1 decode speed of the paper's models on this CPU, against its memory bandwidth.
 
-  python -m terra.benchmarks.decode_speed --preset paper_800m --out out/decode_speed
-  python -m terra.benchmarks.decode_speed --preset paper_17b_block --out out/decode_17b
-  python -m terra.benchmarks.decode_speed --gin_file=models/fully_sparse_800m.gin   # one config
-  ... --config.tokens=20 --config.repeats=5                                           # override a preset
+  terra-bench decode --preset paper_800m --out out/decode_speed
+  terra-bench decode --preset paper_17b_block --out out/decode_17b
+  terra-bench decode --gin_file=models/fully_sparse_800m.gin      # one config
+  ... --config.tokens=20 --config.repeats=5                        # override a preset's field
 
 Protocol (the reference's, ``trax_reference.md`` §6): random weights; prefill a 16-token
 encoder input; warm up (compiles and runs a few steps); then, per repetition, prefill again and
@@ -19,11 +19,9 @@ reads), the achieved GB/s and the fraction of the machine's measured read bandwi
 ``decode_speed.{json,md,png}`` and ``machine.json`` to ``--out``.
 """
 
-import argparse
 import dataclasses
 import gc
 import math
-import sys
 import time
 from typing import List, Optional
 
@@ -278,32 +276,3 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     if out_dir:
         log(report.write_outputs(out_dir, rows, machine, bandwidth / 1e9, title))
     return rows
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    gin_utils.add_gin_flags(parser)
-    parser.add_argument("--preset", default=None, choices=sorted(preset_lib.PRESETS), help="A set of models to time.")
-    parser.add_argument("--out", default=None, help="Directory for decode_speed.{json,md,png}.")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = [a for a in argv if a.startswith("--config.")]
-    args = gin_utils.parse_flags(parser, [a for a in argv if not a.startswith("--config.")])
-    if args.preset and args.gin_file:
-        raise gin_utils.GinConfigError("Give either --preset or --gin_file, not both.")
-    if args.preset:
-        config = preset_lib.PRESETS[args.preset]()
-        title = f"decode speed, preset {args.preset}"
-    else:
-        files = args.gin_file or ["models/tiny.gin"]
-        config = preset_lib.tiny()
-        config.rows = [preset_lib.make_row(" + ".join(files), *files, bindings=args.gin_bindings)]
-        config.common_bindings = []
-        config.tokens, config.repeats, config.warmup = 12, 3, 4
-        title = f"decode speed, {' + '.join(files)}"
-    preset_lib.apply_overrides(config, overrides)
-    run_preset(config, args.out, title)
-    return 0
-
-
-if __name__ == "__main__":
-    gin_utils.run_cli(main)

@@ -1,4 +1,4 @@
-"""``python -m terra.benchmarks.input_pipeline --out DIR``: tokens per second of the C4 and
+"""Tokens per second of the C4 and
 arXiv input pipelines (JSON-lines and TFDS), so a reader can see whether input keeps up with
 training.
 
@@ -8,14 +8,13 @@ it delivers per second after a warm-up. Without data flags the rows read dataset
 temporary directory from the embedded corpus in every on-disk format (a prepared TFDS ``c4/en``
 directory, allenai/c4 JSON shards, Cohan ``arxiv-dataset`` files and a TFDS ``scientific_papers``
 directory made by the real builder); with ``--c4_json`` / ``--arxiv_cohan`` / ``--tfds_data_dir``
-they read the user's data instead. Writes ``input_pipeline.{json,md}``.
+they read the user's data instead. Writes ``input_pipeline.{json,md}``. Run by ``terra-bench input``.
 """
 
-import argparse
 import os
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 
 from terra import gin_utils
@@ -77,44 +76,33 @@ def markdown(rows: Sequence[dict], note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from terra.data import tasks  # registers the data configurables before gin is parsed
-
-    parser = argparse.ArgumentParser(prog="python -m terra.benchmarks.input_pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="out/input_pipeline")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per row")
-    parser.add_argument("--copies", type=int, default=3, help="passes over the embedded corpus in the written datasets")
-    tasks.add_data_flags(parser)
-    gin_utils.add_gin_flags(parser)
-    args = gin_utils.parse_flags(parser, argv)
-    given = {k: getattr(args, k) for k in ("c4_json", "arxiv_cohan", "tfds_data_dir")}
+def run(out_dir: str, *, data: Mapping[str, Optional[str]], bindings_for: Callable[[Mapping[str, Optional[str]]], List[str]],
+        batch_size: int = 8, seconds: float = 10.0, copies: int = 3, gin_files: Sequence[str] = (),
+        gin_bindings: Sequence[str] = ()) -> List[dict]:
+    """Times every row; writes ``input_pipeline.{json,md}`` to ``out_dir``. ``data`` holds the
+    data locations given (``c4_json``, ``arxiv_cohan``, ``tfds_data_dir``, ``vocabulary``; None
+    when absent) and ``bindings_for`` turns such a mapping into gin bindings."""
+    given = {k: data.get(k) for k in ("c4_json", "arxiv_cohan", "tfds_data_dir")}
     with tempfile.TemporaryDirectory() as tmp:
         if not all(given.values()):
-            written = _write_local_datasets(tmp, args.copies)
-            given = {k: v or written[k] for k, v in given.items()}
+            written = _write_local_datasets(tmp, copies)
             note = ("Data written from the embedded corpus to a temporary directory (" + ", ".join(
-                f"{k}: {'given' if getattr(args, k) else 'written'}" for k in given) + ").")
+                f"{k}: {'given' if v else 'written'}" for k, v in given.items()) + ").")
+            given = {k: v or written[k] for k, v in given.items()}
         else:
             note = "Data given on the command line."
-        vocab = f"; vocabulary {args.vocabulary}" if args.vocabulary else "; embedded-corpus vocabulary"
-        note += f" Batch {args.batch_size}, {args.seconds:.0f} s per row after 3 warm-up batches{vocab}; tokens = non-padding inputs + targets."
+        vocab = f"; vocabulary {data.get('vocabulary')}" if data.get("vocabulary") else "; embedded-corpus vocabulary"
+        note += f" Batch {batch_size}, {seconds:.0f} s per row after 3 warm-up batches{vocab}; tokens = non-padding inputs + targets."
         results: List[dict] = []
         for name, task, key, lengths in ROWS:
             # The row's source: the JSON-lines files when the row names them, else the TFDS directory.
-            flags = argparse.Namespace(
-                tfds_data_dir=given["tfds_data_dir"], vocabulary=args.vocabulary,
-                c4_json=given["c4_json"] if key == "c4_json" else None,
-                arxiv_cohan=given["arxiv_cohan"] if key == "arxiv_cohan" else None)
-            gin_utils.parse_gin(args.gin_file, tasks.data_flag_bindings(flags) + list(args.gin_bindings))
-            row = {"name": name, "task": task, "feature_lengths": lengths, "batch_size": args.batch_size,
-                   **measure(task, lengths, batch_size=args.batch_size, seconds=args.seconds)}
+            row_data = {"tfds_data_dir": given["tfds_data_dir"], "vocabulary": data.get("vocabulary"),
+                        "c4_json": given["c4_json"] if key == "c4_json" else None,
+                        "arxiv_cohan": given["arxiv_cohan"] if key == "arxiv_cohan" else None}
+            gin_utils.parse_gin(list(gin_files), bindings_for(row_data) + list(gin_bindings))
+            row = {"name": name, "task": task, "feature_lengths": lengths, "batch_size": batch_size,
+                   **measure(task, lengths, batch_size=batch_size, seconds=seconds)}
             print(f"{name:42s} {row['tokens_per_second']:>12,.0f} tokens/s {row['examples_per_second']:>8,.1f} examples/s", flush=True)
             results.append(row)
-    report.write_rows(args.out, "input_pipeline", results, note, markdown(results, note))
-    return 0
-
-
-if __name__ == "__main__":
-    gin_utils.run_cli(main)
+    report.write_rows(out_dir, "input_pipeline", results, note, markdown(results, note))
+    return results

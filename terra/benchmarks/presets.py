@@ -1,11 +1,13 @@
-"""Decode-speed presets: which models to time and how (``ml_collections`` ConfigDicts).
+"""Benchmark presets: which models to time and how.
+
+Decode speed (``ml_collections`` ConfigDicts, ``terra-bench decode``) and the training-throughput
+rows (``terra-bench train``). Importing this module loads nothing heavy.
 
 A row is a name, the gin files that build its model and extra gin bindings; a preset adds the
-timing protocol. Override any field from the command line, e.g.
-``--config.tokens=20 --config.input_length=32``.
+timing protocol. ``terra-bench decode --preset NAME`` overrides any field from the command line
+(``ml_collections.config_flags``), e.g. ``--config.tokens=20 --config.input_length=32``.
 """
 
-import ast
 from typing import Callable, Dict, Sequence
 
 import ml_collections
@@ -40,28 +42,6 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
     )
     config.update(overrides)
     return config
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
-    """Applies ``--config.FIELD=VALUE`` flags (Python literals, else strings) to ``config``;
-    an unknown field is a ``GinConfigError`` listing the fields."""
-    from terra.gin_utils import GinConfigError  # local: presets stay import-light
-
-    for item in overrides:
-        name, _, value = item[len("--config.") :].partition("=")
-        if name not in config:
-            raise GinConfigError(f"Unknown config field {name!r}; fields: {', '.join(sorted(config.keys()))}.")
-        if isinstance(config[name], str):
-            parsed = value  # a text field takes the text as given: --config.seeds=0,1
-        else:
-            try:
-                parsed = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                parsed = value
-        try:
-            config[name] = parsed
-        except TypeError:
-            raise GinConfigError(f"--config.{name}={value}: expected a value like {config[name]!r}.") from None
 
 
 def paper_800m() -> ml_collections.ConfigDict:
@@ -162,9 +142,48 @@ def tiny() -> ml_collections.ConfigDict:
     )
 
 
+def single_model(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """One model, from its own gin files, with the default timing protocol."""
+    return timing_config([make_row(" + ".join(gin_files), *gin_files, bindings=bindings)], common_bindings=[])
+
+
 PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "paper_800m": paper_800m,
     "paper_17b_block": paper_17b_block,
     "sparsity_sweep": sparsity_sweep,
     "tiny": tiny,
+}
+
+
+# --- terra-bench train: the training-throughput rows ---------------------------------------------
+
+# 6+6 layers, d_model 512, d_ff 2048 (N = 32 blocks of 64), 8 heads, a 4,100-id vocabulary.
+TRAIN_SPEED_SMALL_SIZE = [
+    "TransformerConfig.vocab_size = 4100",
+    "TransformerConfig.d_model = 512",
+    "TransformerConfig.d_ff = 2048",
+    "TransformerConfig.n_heads = 8",
+    "TransformerConfig.n_encoder_layers = 6",
+    "TransformerConfig.n_decoder_layers = 6",
+    "TransformerConfig.max_len = 512",
+    "SparseFeedForward.ff_sparsity = 64",
+    "SparseQKVAttention.attention_sparsity = 8",
+    "SparseQueryCrossAttention.attention_sparsity = 8",
+    "SparseLossLogits.loss_sparsity = 4",
+]
+# terra-bench train --small: seconds, for the smoke test.
+TRAIN_SPEED_SMOKE_SIZE = [
+    "TransformerConfig.d_model = 64",
+    "TransformerConfig.n_heads = 4",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+    "SparseQKVAttention.attention_sparsity = 4",
+    "SparseQueryCrossAttention.attention_sparsity = 4",
+]
+TRAIN_SPEED_ROWS = {  # key: (name, model config, bindings)
+    "dense": ("dense", "models/dense_800m.gin", ["TransformerConfig.d_ff = 2048"]),
+    "sparse_ff": ("Sparse FF", "models/sparse_ff_800m.gin", ["TransformerConfig.d_ff = 2048"]),
+    "scaling": ("Sparse FF+QKV+loss (Scaling Transformer)", "models/sparse_ff_qkv_loss4_800m.gin", ["TransformerConfig.d_ff = 3072"]),
+    # Reversible, two decoder attentions over [encoder | decoder], SRU; Sparse FF+QKV+loss 4.
+    "terraformer": ("Terraformer", "models/terraformer_800m.gin", ["TransformerConfig.d_ff = 3072", "TransformerConfig.max_len = 512"]),
 }

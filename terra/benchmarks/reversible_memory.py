@@ -1,6 +1,6 @@
 """Training-step memory of a Terraformer against its depth, reversible or not (paper §4.2).
 
-``python -m terra.benchmarks.reversible_memory [--out DIR]`` compiles (does not run) the
+``terra-bench memory [--out DIR]`` compiles (does not run) the
 gradient of the loss for Terraformers of increasing depth, once with the reversible layers'
 custom backward pass and once with plain autodiff of the same functions, and prints XLA's
 compiled temporary memory (``memory_analysis().temp_size_in_bytes``) as a Markdown table
@@ -8,10 +8,9 @@ compiled temporary memory (``memory_analysis().temp_size_in_bytes``) as a Markdo
 so their temporaries grow far less than linearly with depth.
 """
 
-import argparse
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,33 +85,16 @@ def markdown(rows: Sequence[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="directory for reversible_memory.json")
-    parser.add_argument("--depths", default="1,2,4,8")
-    parser.add_argument("--d_model", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--inputs", type=int, default=256)
-    parser.add_argument("--targets", type=int, default=64)
-    args = parser.parse_args(argv)
-    rows = measure(
-        [int(d) for d in args.depths.split(",")],
-        d_model=args.d_model,
-        d_ff=4 * args.d_model,
-        batch=args.batch,
-        inputs=args.inputs,
-        targets=args.targets,
-    )
-    print(
-        f"Terraformer training step (grad of the loss), d_model {args.d_model}, batch {args.batch} x "
-        f"({args.inputs} + {args.targets}) tokens: XLA compiled temporary memory\n"
-    )
+def run(out_dir: Optional[str] = None, *, depths: Sequence[int] = (1, 2, 4, 8), d_model: int = 256, batch: int = 4,
+        inputs: int = 256, targets: int = 64) -> List[Dict]:
+    """Prints the table of :func:`measure` (``d_ff = 4 d_model``) and writes
+    ``reversible_memory.json`` to ``out_dir`` when given."""
+    rows = measure(list(depths), d_model=d_model, d_ff=4 * d_model, batch=batch, inputs=inputs, targets=targets)
+    print(f"Terraformer training step (grad of the loss), d_model {d_model}, batch {batch} x "
+          f"({inputs} + {targets}) tokens: XLA compiled temporary memory\n")
     print(markdown(rows))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "reversible_memory.json"), "w") as f:
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "reversible_memory.json"), "w") as f:
             json.dump(rows, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return rows

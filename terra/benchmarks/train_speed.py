@@ -1,4 +1,4 @@
-"""``python -m terra.benchmarks.train_speed --out DIR``: training throughput (tokens per second)
+"""Training throughput (tokens per second)
 and compiled memory of the jitted train step, dense against sparse, at a small size.
 
 Each row builds a model from its gin config at the size below, creates the train state
@@ -6,10 +6,10 @@ Each row builds a model from its gin config at the size below, creates the train
 steps on fixed random batches (the input pipeline is measured separately by
 ``terra.benchmarks.input_pipeline``). Tokens per second counts inputs + targets of every
 example. Sparse layers train with their masks over all units (paper §3: the speed-up is for
-decoding), so training is not expected to be faster. Writes ``train_speed.{json,md}``.
+decoding), so training is not expected to be faster. Writes ``train_speed.{json,md}``. Run by
+``terra-bench train``.
 """
 
-import argparse
 import time
 from typing import List, Optional, Sequence
 
@@ -19,46 +19,17 @@ import numpy as np
 
 from terra import gin_utils
 from terra.benchmarks import report
+from terra.benchmarks.presets import TRAIN_SPEED_ROWS as ROWS
+from terra.benchmarks.presets import TRAIN_SPEED_SMALL_SIZE as SMALL_SIZE
+from terra.benchmarks.presets import TRAIN_SPEED_SMOKE_SIZE as SMOKE_SIZE
 from terra.training import metrics as metrics_lib
 from terra.training import optimizers
 from terra.training.train_state import TrainState
 from terra.training.train_step import train_step
 
-# 6+6 layers, d_model 512, d_ff 2048 (N = 32 blocks of 64), 8 heads, a 4,100-id vocabulary.
-SMALL_SIZE = [
-    "TransformerConfig.vocab_size = 4100",
-    "TransformerConfig.d_model = 512",
-    "TransformerConfig.d_ff = 2048",
-    "TransformerConfig.n_heads = 8",
-    "TransformerConfig.n_encoder_layers = 6",
-    "TransformerConfig.n_decoder_layers = 6",
-    "TransformerConfig.max_len = 512",
-    "SparseFeedForward.ff_sparsity = 64",
-    "SparseQKVAttention.attention_sparsity = 8",
-    "SparseQueryCrossAttention.attention_sparsity = 8",
-    "SparseLossLogits.loss_sparsity = 4",
-]
-# --small: seconds, for the smoke test.
-SMOKE_SIZE = [
-    "TransformerConfig.d_model = 64",
-    "TransformerConfig.n_heads = 4",
-    "TransformerConfig.n_encoder_layers = 1",
-    "TransformerConfig.n_decoder_layers = 1",
-    "SparseQKVAttention.attention_sparsity = 4",
-    "SparseQueryCrossAttention.attention_sparsity = 4",
-]
-ROWS = {  # key: (name, model config, bindings)
-    "dense": ("dense", "models/dense_800m.gin", ["TransformerConfig.d_ff = 2048"]),
-    "sparse_ff": ("Sparse FF", "models/sparse_ff_800m.gin", ["TransformerConfig.d_ff = 2048"]),
-    "scaling": ("Sparse FF+QKV+loss (Scaling Transformer)", "models/sparse_ff_qkv_loss4_800m.gin", ["TransformerConfig.d_ff = 3072"]),
-    # Reversible, two decoder attentions over [encoder | decoder], SRU; Sparse FF+QKV+loss 4.
-    "terraformer": ("Terraformer", "models/terraformer_800m.gin", ["TransformerConfig.d_ff = 3072", "TransformerConfig.max_len = 512"]),
-}
-
-
-def measure(gin_file: str, bindings: Sequence[str], *, size: Sequence[str], batch_size: int, inputs: int, targets: int,
-            steps: int) -> dict:
-    gin_utils.parse_gin([gin_file], list(size) + list(bindings))
+def measure(gin_files: Sequence[str], bindings: Sequence[str], *, size: Sequence[str], batch_size: int, inputs: int,
+            targets: int, steps: int) -> dict:
+    gin_utils.parse_gin(list(gin_files), list(size) + list(bindings))
     model = gin_utils.build_model()
     tx = optimizers.adafactor().transform
     params = model.init_params(jax.random.key(0))
@@ -106,31 +77,21 @@ def markdown(rows: List[dict], note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m terra.benchmarks.train_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="out/train_speed")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--inputs", type=int, default=256)
-    parser.add_argument("--targets", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
-    parser.add_argument("--small", action="store_true", help="a tiny size, for a smoke test")
-    parser.add_argument("--rows", action="append", choices=sorted(ROWS), help="rows to run (repeatable; default all)")
-    args = parser.parse_args(argv)
-    size = list(SMALL_SIZE) + (list(SMOKE_SIZE) if args.small else [])
+def run(out_dir: str, *, rows: Sequence[str] = (), batch_size: int = 8, inputs: int = 256, targets: int = 64,
+        steps: int = 5, small: bool = False, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = ()) -> List[dict]:
+    """Times each of ``rows`` (keys of :data:`ROWS`; default all); ``gin_files`` and
+    ``gin_bindings`` are applied to every row after its own. Writes ``train_speed.{json,md}``."""
+    size = list(SMALL_SIZE) + (list(SMOKE_SIZE) if small else [])
     results = []
-    for name, gin_file, bindings in (ROWS[k] for k in (args.rows or list(ROWS))):
-        bindings = bindings + (["TransformerConfig.d_ff = 256"] if args.small else [])
+    for name, gin_file, bindings in (ROWS[k] for k in (rows or list(ROWS))):
+        bindings = bindings + (["TransformerConfig.d_ff = 256"] if small else [])
         row = {"name": name, "gin_file": gin_file,
-               **measure(gin_file, bindings, size=size, batch_size=args.batch_size, inputs=args.inputs, targets=args.targets, steps=args.steps)}
+               **measure([gin_file, *gin_files], [*bindings, *gin_bindings], size=size, batch_size=batch_size,
+                         inputs=inputs, targets=targets, steps=steps)}
         print(f"{name:45s} {row['seconds_per_step'] * 1e3:8.1f} ms/step {row['tokens_per_second']:>10,.0f} tokens/s", flush=True)
         results.append(row)
-    note = (f"Batch {args.batch_size} x (inputs {args.inputs} + targets {args.targets}) tokens; Adafactor; median of "
-            f"{args.steps} steps after one warm-up; {jax.device_count()} {jax.default_backend()} device(s); sizes: "
+    note = (f"Batch {batch_size} x (inputs {inputs} + targets {targets}) tokens; Adafactor; median of "
+            f"{steps} steps after one warm-up; {jax.device_count()} {jax.default_backend()} device(s); sizes: "
             + ", ".join(b.split('.')[-1] for b in size[:7]) + ". Sparse-QKV rows use d_ff 1.5x to match parameters.")
-    report.write_rows(args.out, "train_speed", results, note, markdown(results, note))
-    return 0
-
-
-if __name__ == "__main__":
-    gin_utils.run_cli(main)
+    report.write_rows(out_dir, "train_speed", results, note, markdown(results, note))
+    return results

@@ -28,6 +28,7 @@ from typing import Mapping, Optional, Sequence
 import seqio
 import tensorflow as tf
 
+from terra.documents import cohan_example
 from terra.errors import DataNotFoundError
 
 C4_TFDS_VERSION = "3.1.0"
@@ -45,7 +46,7 @@ C4_HOW_TO_GET = (
 ARXIV_HOW_TO_GET = (
     "Download arxiv-dataset.zip (3.6 GB; the Google Drive link or archive.org mirror in the README "
     "of github.com/armancohan/long-summarization), put it in <data_dir>/downloads/manual/ and run "
-    "`python -m terra.data.sources prepare-arxiv --data_dir <data_dir>` (offline, about 15 GB "
+    "`terra-data prepare-arxiv --data_dir <data_dir>` (offline, about 15 GB "
     "of disk), or unzip it and point arxiv_summarization at the extracted train.txt/val.txt/test.txt with "
     "--arxiv_cohan=<dir> (gin: arxiv_source.cohan_path = '<dir>')."
 )
@@ -220,20 +221,6 @@ def arxiv_tfds_source(*, data_dir: Optional[str] = None) -> ReadOnlyTfdsSource:
     return ReadOnlyTfdsSource(ARXIV_TFDS_NAME, data_dir=data_dir, how_to_get=ARXIV_HOW_TO_GET, add_ids=True)
 
 
-def cohan_example(record: dict) -> dict:
-    """One Cohan et al. JSON record -> the TFDS ``scientific_papers`` features: sentences joined
-    by newlines, ``<S>``/``</S>`` removed and each abstract line stripped (the TFDS builder
-    leaves the spaces around each sentence); plus ``id``, the record's ``article_id``, which the
-    TFDS builder drops."""
-    abstract = [s.replace("<S>", "").replace("</S>", "").strip() for s in record.get("abstract_text") or []]
-    return {
-        "article": "\n".join(record.get("article_text") or []),
-        "abstract": "\n".join(s for s in abstract if s),
-        "section_names": "\n".join(record.get("section_names") or []),
-        "id": str(record.get("article_id") or ""),
-    }
-
-
 COHAN_FEATURES = ("article", "abstract", "section_names", "id")
 
 
@@ -277,26 +264,3 @@ def prepare_arxiv(data_dir: str, *, manual_dir: Optional[str] = None) -> str:
     builder = tfds.builder(ARXIV_TFDS_NAME, data_dir=data_dir)
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
     return _tfds_path(data_dir, ARXIV_TFDS_NAME)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m terra.data.sources prepare-arxiv --data_dir D [--manual_dir M]``."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m terra.data.sources", description=main.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare-arxiv", help="prepare TFDS scientific_papers/arxiv from arxiv-dataset.zip, offline")
-    prep.add_argument("--data_dir", required=True)
-    prep.add_argument("--manual_dir", default=None)
-    args = parser.parse_args(argv)
-    try:
-        print(prepare_arxiv(args.data_dir, manual_dir=args.manual_dir))
-    except DataNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,10 +23,9 @@ Summarization tasks keep their source's document ``id`` as a string feature next
 ``*_pretokenized`` texts, for evaluation output; the feature converters drop it.
 """
 
-import argparse
 import difflib
 import functools
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import gin
 import seqio
@@ -59,7 +58,7 @@ def arxiv_source(*, tfds_data_dir: Optional[str] = None, cohan_path: Optional[st
 @gin.configurable(module="terra.data")
 def text_vocabulary(*, spm_path: Optional[str] = None, extra_ids: int = EXTRA_IDS, embedded_vocab_size: Optional[int] = None):
     """The SentencePiece model of the natural-text tasks: ``spm_path`` if given (the paper used
-    T5's 32k model; train a substitute with ``scripts/train_vocab.py``), else the vocabulary
+    T5's 32k model; train a substitute with ``terra-vocab``), else the vocabulary
     trained on the embedded corpus on first use."""
     if spm_path:
         return vocabularies.sentencepiece_vocabulary(spm_path, extra_ids=extra_ids)
@@ -251,34 +250,3 @@ def check_task_data(name_or_task, split: str = "train") -> None:
     tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     for task in tasks:
         sources.check_available(task.source, split)
-
-
-# --- command-line flags for the data locations (T5X's --tfds_data_dir, plus terra's own) ----------
-
-DATA_FLAGS = {
-    "tfds_data_dir": ("terra.data.c4_source.tfds_data_dir", "terra.data.arxiv_source.tfds_data_dir"),
-    "c4_json": ("terra.data.c4_source.json_path",),
-    "arxiv_cohan": ("terra.data.arxiv_source.cohan_path",),
-    "vocabulary": ("terra.data.text_vocabulary.spm_path",),
-}
-_FLAG_HELP = {
-    "tfds_data_dir": "directory of prepared TFDS datasets (c4/en/3.1.0, scientific_papers/arxiv/1.1.1)",
-    "c4_json": "directory (or glob with {split}) of allenai/c4 c4-{train,validation}.*.json.gz shards",
-    "arxiv_cohan": "directory of the extracted arxiv-dataset/{train,val,test}.txt",
-    "vocabulary": "SentencePiece model for the text tasks (default: trained on the embedded corpus)",
-}
-
-
-def add_data_flags(parser: argparse.ArgumentParser) -> None:
-    for flag, help_text in _FLAG_HELP.items():
-        parser.add_argument(f"--{flag}", default=None, help=help_text)
-
-
-def data_flag_bindings(args: argparse.Namespace) -> List[str]:
-    """Gin bindings for the data flags given on the command line."""
-    bindings = []
-    for flag, targets in DATA_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            bindings += [f"{target} = {value!r}" for target in targets]
-    return bindings

@@ -10,8 +10,7 @@ NFKC-normal text, tabs and newlines included. SentencePiece's default ``nmt_nfkc
 newlines and tabs into spaces, and ROUGE-Lsum, which splits summaries into sentences on newlines,
 would then score decoded summaries differently from their references.
 
-Train a model on your own text with ``python scripts/train_vocab.py`` (or
-``python -m terra.data.vocabulary_training``); see :mod:`terra.data.vocabulary_training`.
+Train a model on your own text with ``terra-vocab`` (``python -m terra.cli.vocab``).
 """
 
 import os
@@ -43,7 +42,7 @@ def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -
     if not os.path.isfile(resolved):
         raise FileNotFoundError(
             f"SentencePiece model not found: {resolved!r}. Train one with "
-            f"`python scripts/train_vocab.py --embedded --out {resolved}` (or `--input FILE` for your own "
+            f"`terra-vocab --embedded --out {resolved}` (or `--input FILE` for your own "
             "text), or use terra.data.vocabularies.embedded_vocabulary() for the built-in one."
         )
     return seqio.SentencePieceVocabulary(resolved, extra_ids=extra_ids)

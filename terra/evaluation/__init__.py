@@ -1,4 +1,4 @@
-"""Evaluation: ROUGE as the paper reports it, batched summary decoding, ``terra.evaluate`` and
+"""Evaluation: ROUGE as the paper reports it, batched summary decoding, ``terra-evaluate``'s function and
 the in-training ROUGE hook."""
 
 from terra.evaluation.evaluator import EvaluationResult, decode_and_score, evaluate

@@ -1,4 +1,4 @@
-"""``terra.evaluate``: decode a task split from a checkpoint and score it as the paper does.
+"""What ``terra-evaluate`` runs: decode a task split from a checkpoint and score it as the paper does.
 
 Loads the parameters of a training run (latest checkpoint or a given step), decodes every
 example of the split with the jitted single-token decode loop (greedy by default; the paper's
@@ -92,7 +92,7 @@ def evaluate(
     """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
 
     Args:
-      model, task, feature_lengths: as in ``terra.train`` (gin: ``%MODEL``, ``%TASK``,
+      model, task, feature_lengths: as in ``terra-train`` (gin: ``%MODEL``, ``%TASK``,
         ``%TASK_FEATURE_LENGTHS``); inputs are truncated to ``feature_lengths['inputs']``.
       model_dir: the training run (or a checkpoints folder / one step directory).
       step: which checkpoint (default: the latest).
@@ -124,7 +124,7 @@ def evaluate(
     output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}")
     vocabulary = provider.output_features["targets"].vocabulary
 
-    log(f"terra.evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
+    log(f"evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
         f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}")
     start = time.perf_counter()
     rouge, predictions = decode_and_score(

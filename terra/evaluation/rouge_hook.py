@@ -1,5 +1,5 @@
 """ROUGE during training: an evaluation hook (``terra.training.settings.EvaluationHook``) that
-decodes a fixed set of validation examples greedily and scores them as ``terra.evaluate`` does.
+decodes a fixed set of validation examples greedily and scores them as ``terra-evaluate`` does.
 
   terra.training.EvaluationSettings.hooks = [@terra.evaluation.RougeEvaluation()]
   terra.evaluation.RougeEvaluation.every = 500
@@ -24,7 +24,7 @@ class RougeEvaluation:
     evaluation split greedily, up to ``max_decode_length`` tokens (default: the target length),
     and report their ROUGE F1 as ``eval/rouge1``, ``eval/rouge2``, ``eval/rougeLsum`` and
     ``eval/rougeL``. One process only (a multi-host run scores checkpoints with
-    ``python -m terra.evaluate``)."""
+    ``terra-evaluate``)."""
 
     metric_names = tuple(rouge_lib.ROUGE_TYPES)
     higher_is_better = True
@@ -43,7 +43,7 @@ class RougeEvaluation:
         """Checks the run can be scored by ROUGE and reads the fixed examples."""
         if jax.process_count() > 1:
             raise ConfigError("RougeEvaluation decodes on one process; remove it from EvaluationSettings.hooks in a "
-                              "multi-host run and score checkpoints with python -m terra.evaluate.")
+                              "multi-host run and score checkpoints with terra-evaluate.")
         if not tasks.is_summarization(task):
             raise ConfigError(f"RougeEvaluation scores summaries, but task '{task.name}' is a "
                               f"{tasks.task_objective(task)} task; remove the hook or train a summarization task.")

@@ -1,5 +1,5 @@
-"""Decoding summaries in batches and scoring them: the pieces ``terra.evaluate``, the trainer's
-ROUGE evaluation and ``terra.summarize`` share.
+"""Decoding summaries in batches and scoring them: the pieces ``terra-evaluate``, the trainer's
+ROUGE evaluation and ``terra-summarize`` share.
 
 Examples come straight from the seqio task (``inputs``/``targets`` token ids, already truncated
 with EOS by the task, and the ``*_pretokenized`` texts), so the reference a prediction is scored

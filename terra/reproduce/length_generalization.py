@@ -1,8 +1,8 @@
 """Paper Table 4 at a size a CPU can train: does a model trained on short inputs copy and add
 inputs twice as long?
 
-  python -m terra.reproduce length_generalization --out runs/reproduce/length      # ~25 min
-  python -m terra.reproduce length_generalization --out DIR --config.preset=paper  # the paper's sizes
+  terra-reproduce length_generalization --out out/reproduce/length
+  terra-reproduce length_generalization --out DIR --preset paper      # the paper's sizes
 
 Trains the Transformer and the Terraformer of ``experiments/synthetic_{copy,addition}_*.gin``
 (the reference's models: SRU in the Terraformer's feed-forward blocks, random positional start
@@ -31,70 +31,8 @@ from terra.data import synthetic
 from terra.errors import ConfigError
 from terra.files import write_atomically
 from terra.reproduce import runs
-
-TASKS = ("copy", "addition")
-MODELS = {"transformer": "Transformer", "terraformer": "Terraformer"}
-
-# Paper Table 4 (%): token accuracy and whole-sequence accuracy on inputs 2x the training length.
-PAPER_TABLE_4 = {
-    "transformer": {"copy": 79.8, "copy_seq": 0.0, "addition": 36.4, "addition_seq": 0.0},
-    "terraformer": {"copy": 99.9, "copy_seq": 93.9, "addition": 86.9, "addition_seq": 32.4},
-}
-
-_MODEL_SIZES = {
-    # Both models at the same width; the Terraformer has the deeper encoder, as the reference's
-    # 12 + 4 layers against the Transformer's 4.
-    "small": {
-        "transformer": dict(d_model=128, d_ff=512, n_heads=4, n_encoder_layers=2, n_decoder_layers=2),
-        "terraformer": dict(d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=2),
-    },
-    "smoke": {
-        "transformer": dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1),
-        "terraformer": dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1),
-    },
-}
-
-
-def config(preset: str = "small") -> ml_collections.ConfigDict:
-    """``small`` (CPU, inputs up to 16 digits, evaluated on 32+), ``smoke`` (tests) or ``paper``
-    (the experiments' own settings: up to 64 digits, evaluated on 128+, 300k steps)."""
-    if preset not in ("small", "smoke", "paper"):
-        raise ConfigError(f"unknown length_generalization preset {preset!r}; use 'small', 'smoke' or 'paper'.")
-    lengths = {
-        # copy: train words 1..copy_train_length-1; eval words in [eval_min, eval_max).
-        # addition: the reference's min/max lengths (first operand >= (min-1)//2 digits,
-        # whole input x+y <= max symbols).
-        "small": dict(copy_train_length=17, copy_eval_min_length=32, copy_eval_max_length=40,
-                      addition_train_min_length=3, addition_train_max_length=33,
-                      addition_eval_min_length=65, addition_eval_max_length=75),
-        "smoke": dict(copy_train_length=5, copy_eval_min_length=8, copy_eval_max_length=10,
-                      addition_train_min_length=3, addition_train_max_length=9,
-                      addition_eval_min_length=17, addition_eval_max_length=21),
-        "paper": dict(copy_train_length=64, copy_eval_min_length=128, copy_eval_max_length=160,
-                      addition_train_min_length=3, addition_train_max_length=129,
-                      addition_eval_min_length=257, addition_eval_max_length=301),
-    }[preset]
-    smoke, paper = preset == "smoke", preset == "paper"
-    return ml_collections.ConfigDict({
-        "preset": preset,
-        "tasks": ",".join(TASKS),
-        "models": ",".join(MODELS),
-        "seeds": "0",
-        "steps": 2 if smoke else (300_000 if paper else 3000),
-        "batch_size": 4 if smoke else 128 if paper else 32,
-        "eval_every": 2 if smoke else (1000 if paper else 500),
-        "eval_steps": 1 if smoke else 8,
-        "in_distribution_batches": 1 if smoke else 8,
-        # The reference's schedule, 0.5 * linear warm-up over 16k steps then rsqrt, scaled to the
-        # run length: peak 0.5/sqrt(16000) = 0.004 there, 0.1/sqrt(500) = 0.0045 here.
-        "learning_rate_constant": 0.5 if paper else 0.1,
-        "warmup_steps": 16000 if paper else (100 if smoke else 500),
-        "dropout": None if paper else 0.1,  # None: the experiments' own (0.1 / 0.3)
-        "position_max_offset": 300 if paper else (8 if smoke else 64),
-        "max_len": 512 if paper else 256,
-        **lengths,
-    })
-
+from terra.reproduce.presets import LENGTH_MODEL_SIZES, LENGTH_MODELS, LENGTH_TASKS, PAPER_TABLE_4
+from terra.reproduce.presets import length_generalization_config as config  # noqa: F401  (the settings, by preset)
 
 def _task_bindings(cfg, task: str) -> List[str]:
     if task == "copy":
@@ -116,8 +54,8 @@ def _task_bindings(cfg, task: str) -> List[str]:
 def _model_bindings(cfg, model: str) -> List[str]:
     bindings = [f"TransformerConfig.max_len = {cfg.max_len}",
                 f"TransformerConfig.position_max_offset = {cfg.position_max_offset}"]
-    if cfg.preset in _MODEL_SIZES:
-        bindings += [f"TransformerConfig.{k} = {v}" for k, v in _MODEL_SIZES[cfg.preset][model].items()]
+    if cfg.preset in LENGTH_MODEL_SIZES:
+        bindings += [f"TransformerConfig.{k} = {v}" for k, v in LENGTH_MODEL_SIZES[cfg.preset][model].items()]
     if cfg.dropout is not None:
         bindings += [f"TransformerConfig.{name} = {cfg.dropout}" for name in ("dropout", "ff_dropout", "attention_dropout")]
     return bindings
@@ -133,8 +71,8 @@ def _names(text: str, allowed, what: str) -> List[str]:
 
 def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[str] = (), log=print) -> dict:
     """Trains every (task, model, seed), evaluates in and out of distribution, writes the outputs."""
-    task_names = _names(cfg.tasks, TASKS, "tasks")
-    model_names = _names(cfg.models, MODELS, "models")
+    task_names = _names(cfg.tasks, LENGTH_TASKS, "tasks")
+    model_names = _names(cfg.models, LENGTH_MODELS, "models")
     seeds = runs.parse_seeds(cfg.seeds)
     os.makedirs(out_dir, exist_ok=True)
     log(f"length generalization: {task_names} x {model_names} x seeds {seeds}, {cfg.steps} steps of "
@@ -185,7 +123,7 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
 def _rows(records: Sequence[dict], task_names: Sequence[str], model_names: Sequence[str]) -> List[dict]:
     rows = []
     for model in model_names:
-        row = {"model": model, "label": MODELS[model]}
+        row = {"model": model, "label": LENGTH_MODELS[model]}
         for task in task_names:
             mine = [r for r in records if r["model"] == model and r["task"] == task]
             row["params_" + task] = mine[0]["params"]

@@ -1,9 +1,9 @@
-"""What both studies share: one ordinary ``terra.train`` run per (variant, seed), its curves,
+"""What both studies share: one ordinary training run (as ``terra-train``) per (variant, seed), its curves,
 teacher-forced evaluation on any split, mean ± spread over seeds, and the study's output files.
 
 Every run is a real training run in ``<out>/runs/<variant>/seed<k>`` (checkpoints,
 ``metrics.jsonl``, TensorBoard events, ``config.gin``), so a study that is stopped resumes
-where it was, and any run can be inspected or evaluated again with ``python -m terra.evaluate``.
+where it was, and any run can be inspected or evaluated again with ``terra-evaluate``.
 """
 
 import dataclasses

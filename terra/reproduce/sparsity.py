@@ -1,8 +1,8 @@
 """"Sparse is enough" at a size a CPU can train: the dense baseline against every sparse layer.
 
-  python -m terra.reproduce sparsity --out runs/reproduce/sparsity            # ~40 min on 2 cores
-  python -m terra.reproduce sparsity --out DIR --config.seeds=0,1,2           # mean ± spread
-  python -m terra.reproduce sparsity --out DIR --c4_json=/data/c4/en          # C4 instead
+  terra-reproduce sparsity --out out/reproduce/sparsity
+  terra-reproduce sparsity --out DIR --config.seeds=0,1,2           # mean ± spread
+  terra-reproduce sparsity --out DIR --c4_json=/data/c4/en          # C4 instead
 
 Trains the dense encoder-decoder and its sparse variants (paper Figures 1, 3, 5 and 7; Table 2's
 mixture-of-experts baseline) for the same number of steps on the same data and seeds, each
@@ -35,70 +35,12 @@ from terra.data import tasks
 from terra.errors import ConfigError
 from terra.files import write_atomically
 from terra.reproduce import runs
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A model of the study: a gin model config, sparsity bindings valid at any width, and the
-    d_ff multiplier that keeps its parameter count at the dense model's (the paper's sparse-QKV
-    configs raise d_ff from 4096 to 6144 for the parameters the attention gives up)."""
-
-    label: str
-    gin_file: str
-    bindings: tuple = ()
-    d_ff_scale: float = 1.0
-
-
-def _sparse_ff(n: int) -> tuple:
-    return (f"SparseFeedForward.ff_sparsity = {n}",)
-
-
-VARIANTS: Dict[str, Variant] = {
-    "dense": Variant("dense baseline", "models/dense_800m.gin"),
-    "sparse_ff_16": Variant("Sparse FF N=16", "models/sparse_ff_800m.gin", _sparse_ff(16)),
-    "sparse_ff_32": Variant("Sparse FF N=32", "models/sparse_ff_800m.gin", _sparse_ff(32)),
-    "sparse_ff_64": Variant("Sparse FF N=64", "models/sparse_ff_800m.gin", _sparse_ff(64)),
-    "sparse_qkv": Variant("Sparse QKV", "models/sparse_qkv_800m.gin", d_ff_scale=1.5),
-    "sparse_ff_qkv": Variant("Sparse FF+QKV", "models/sparse_ff_qkv_800m.gin", d_ff_scale=1.5),
-    "sparse_ff_qkv_loss": Variant("Sparse FF+QKV+loss S=4", "models/sparse_ff_qkv_loss4_800m.gin", d_ff_scale=1.5),
-    "moe_ff": Variant("MoE FF (64 experts, 1 active)", "models/moe_ff_800m.gin"),
-}
-
-# Widths per size. Attention sparsity S = n_heads as in the paper (S=16 with 16 heads at 800M).
-_SIZES = {
-    "small": dict(d_model=128, d_ff=512, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, attention_sparsity=4),
-    "smoke": dict(d_model=32, d_ff=128, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, attention_sparsity=4),
-}
-
-
-def config(preset: str = "small") -> ml_collections.ConfigDict:
-    """The study's settings; ``smoke`` is the few-step version the tests run."""
-    if preset not in ("small", "smoke"):
-        raise ConfigError(f"unknown sparsity preset {preset!r}; use 'small' or 'smoke'.")
-    smoke = preset == "smoke"
-    return ml_collections.ConfigDict({
-        "size": preset,
-        "variants": "dense,sparse_ff_qkv_loss" if smoke else ",".join(VARIANTS),
-        "seeds": "0,1" if smoke else "0",
-        "steps": 3 if smoke else 1000,
-        "batch_size": 4 if smoke else 16,
-        "eval_every": 3 if smoke else 100,
-        "eval_steps": 1 if smoke else 8,
-        "warmup_steps": 100 if smoke else 200,
-        "checkpoint_every": 1000,
-        "task_gin": "tasks/embedded_span_corruption.gin",
-        "c4_task_gin": "tasks/c4_span_corruption.gin",
-        "feature_lengths": {"inputs": 32, "targets": 8} if smoke else {"inputs": 128, "targets": 32},
-        "dropout": 0.0,
-        "decode_at": "trained",
-        "decode_tokens": 4 if smoke else 12,
-        "decode_repeats": 1 if smoke else 3,
-        "bandwidth_buffer_mb": 16 if smoke else 512,
-    })
+from terra.reproduce.presets import SPARSITY_SIZES, VARIANTS, Variant
+from terra.reproduce.presets import sparsity_config as config  # noqa: F401  (the study's settings, by preset)
 
 
 def _size_bindings(size: str, variant: Variant, vocab_size: int, dropout: float) -> List[str]:
-    s = _SIZES[size]
+    s = SPARSITY_SIZES[size]
     d_ff = int(round(s["d_ff"] * variant.d_ff_scale))
     return [
         f"TransformerConfig.vocab_size = {vocab_size}",
@@ -137,8 +79,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
     """Trains every (variant, seed), times decoding per variant, writes sparsity.{json,md,png}."""
     names = [n.strip() for n in str(cfg.variants).split(",") if n.strip()]
     seeds = runs.parse_seeds(cfg.seeds)
-    if cfg.size not in _SIZES:
-        raise ConfigError(f"size={cfg.size!r}: choose from {', '.join(_SIZES)}.")
+    if cfg.size not in SPARSITY_SIZES:
+        raise ConfigError(f"size={cfg.size!r}: choose from {', '.join(SPARSITY_SIZES)}.")
     if cfg.decode_at not in ("trained", "800m", "none"):
         raise ConfigError(f"decode_at={cfg.decode_at!r}: choose 'trained', '800m' or 'none'.")
     _check_variants(names)

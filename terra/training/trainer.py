@@ -1,4 +1,4 @@
-"""The trainer behind ``python -m terra.train``: gin-configured, sharded, resumable.
+"""The trainer behind ``terra-train``: gin-configured, sharded, resumable.
 
 ``Trainer(...)`` validates everything it can before touching ``model_dir`` (settings, data
 present, model and task agree, evaluation hooks ready); ``run()`` then:
@@ -305,7 +305,7 @@ class Trainer:
                 mesh_description=mesh_lib.describe_mesh(self.mesh), param_count=param_count,
                 compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step))
             if self.is_host0:
-                print(f"terra.train: {summary}; {origin}; {self.model_dir}", flush=True)
+                print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
                 with open(os.path.join(self.model_dir, "config.gin"), "w") as f:
                     f.write(gin.operative_config_str())
             return self._loop(state, start_step, train_batches, host_next, pending)
@@ -353,7 +353,7 @@ class Trainer:
                 if results:
                     writer.write(step, results, prefix="eval")
                     if self.is_host0 and self.logging.print_evaluation:
-                        bar.write(f"terra.train: step {step} eval: " + ", ".join(
+                        bar.write(f"train: step {step} eval: " + ", ".join(
                             f"{k} {v:.4f}" for k, v in sorted(results.items())))
                     last_eval = {**last_eval, **results}
                 self.maybe_save(step, state, train_batches, force=step == self.steps or term.received,

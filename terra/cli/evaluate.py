@@ -1,0 +1,67 @@
+"""Decode a split from a checkpoint and score it: ROUGE-1/2/LSum/LSent and log-perplexity.
+
+Name the run with --checkpoint MODEL_DIR (its own config.gin gives the model, task and lengths),
+or name its experiment with --gin_file and --gin.MODEL_DIR. Writes predictions.jsonl and
+metrics.json to MODEL_DIR/eval/<split>_step<step>/ (or --output_dir). Decoding is greedy unless
+--temperature is set (the paper sampled its arXiv abstracts at 0.5).
+
+  terra-evaluate --checkpoint runs/quickstart/finetune
+  terra-evaluate --checkpoint /runs/terraformer_arxiv --split test --temperature 0.5 --seed 1 \\
+      --tfds_data_dir=/data/tfds --vocabulary=vocab/c4-32k.model
+"""
+
+import os
+
+from absl import flags
+
+from terra.cli import app, flag_groups
+
+# Flags passed on to terra.evaluation.evaluate when given.
+OVERRIDES = ("step", "split", "num_examples", "batch_size", "max_decode_length", "temperature", "seed", "output_dir")
+
+
+def define_flags(flag_values: flags.FlagValues, argv) -> None:
+    flag_groups.define_gin_flags(flag_values)
+    flag_groups.define_data_flags(flag_values)
+    flags.DEFINE_string("checkpoint", None, "a terra MODEL_DIR: its config.gin configures the evaluation and its "
+                        "checkpoints are read", flag_values=flag_values)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=flag_values)
+    flags.DEFINE_string("split", None, "task split (default: validation)", flag_values=flag_values)
+    flags.DEFINE_integer("num_examples", None, "only the first N examples", flag_values=flag_values)
+    flags.DEFINE_integer("batch_size", None, "examples decoded together", flag_values=flag_values)
+    flags.DEFINE_integer("max_decode_length", None, "most tokens decoded per example (default: the task's "
+                         "target length)", flag_values=flag_values)
+    flags.DEFINE_float("temperature", None, "0 = greedy (the default); the paper sampled at 0.5", flag_values=flag_values)
+    flags.DEFINE_integer("seed", None, "sampling seed", flag_values=flag_values)
+    flags.DEFINE_string("output_dir", None, "where predictions.jsonl and metrics.json go", flag_values=flag_values)
+    flags.DEFINE_bool("force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values)
+
+
+def run(flag_values: flags.FlagValues, _) -> int:
+    from terra import api, gin_utils
+    from terra.errors import ConfigError
+    from terra.evaluation import evaluator
+
+    gin = flag_groups.gin_arguments(flag_values)
+    files, bindings = gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"]
+    if flag_values.checkpoint:
+        files = files or [api.run_config_path(flag_values.checkpoint)]
+        bindings.append(f"MODEL_DIR = {os.path.abspath(flag_values.checkpoint)!r}")
+    if not files:
+        raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
+    gin_utils.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])
+    overrides = {k: flag_values[k].value for k in OVERRIDES if flag_values[k].value is not None}
+    try:
+        evaluator.evaluate(**overrides, **({"force": True} if flag_values.force else {}))
+    except RuntimeError as e:
+        if "Required bindings" in str(e):
+            raise gin_utils.explain_gin_error(e, "running terra-evaluate") from None
+        raise
+    return 0
+
+
+COMMAND = app.command("terra-evaluate", "terra.cli.evaluate", __doc__, define_flags=define_flags, run=run)
+main, call = COMMAND.main, COMMAND.call
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Flags several commands share: gin files and bindings, data locations, and a preset's
+``ml_collections`` config.
+
+- gin (the T5X form): ``--gin_file`` (repeatable), ``--gin_bindings``/``--gin.NAME=VALUE``,
+  ``--gin_search_paths`` for the user's own config folders;
+- data: ``--tfds_data_dir``, ``--c4_json``, ``--arxiv_cohan`` and ``--vocabulary``, each turned
+  into the gin bindings of the sources it locates (:func:`data_bindings`);
+- config: a preset (a ``ConfigDict``) whose fields ``--config.FIELD=VALUE`` overrides, through
+  ``ml_collections.config_flags``.
+"""
+
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from absl import flags
+
+from terra import errors
+
+
+def define_gin_flags(flag_values: flags.FlagValues, *, files_help: str = "") -> None:
+    flags.DEFINE_multi_string(
+        "gin_file", [], files_help or "gin file to parse (later files override earlier ones); a relative "
+        "name is looked up in the working directory, then --gin_search_paths, then terra's shipped configs "
+        "(e.g. experiments/quickstart.gin)", flag_values=flag_values)
+    flags.DEFINE_multi_string(
+        "gin_bindings", [], "a gin binding 'NAME = VALUE'; --gin.NAME=VALUE is the short form, "
+        "applied after the files; strings need quotes: --gin.MODEL_DIR=\"'runs/x'\"", flag_values=flag_values)
+    flags.DEFINE_multi_string(
+        "gin_search_paths", [], "folder where --gin_file names and gin includes are also looked up",
+        flag_values=flag_values)
+
+
+def gin_arguments(flag_values: flags.FlagValues) -> Dict[str, List[str]]:
+    """``{"gin_files", "gin_bindings", "search_paths"}`` as given on the command line."""
+    return {"gin_files": list(flag_values.gin_file), "gin_bindings": list(flag_values.gin_bindings),
+            "search_paths": list(flag_values.gin_search_paths)}
+
+
+# flag -> (help, the gin parameters it binds)
+DATA_FLAGS: Dict[str, tuple] = {
+    "tfds_data_dir": ("directory of prepared TFDS datasets (c4/en/3.1.0, scientific_papers/arxiv/1.1.1)",
+                      ("terra.data.c4_source.tfds_data_dir", "terra.data.arxiv_source.tfds_data_dir")),
+    "c4_json": ("directory (or glob with {split}) of allenai/c4 c4-{train,validation}.*.json.gz shards",
+                ("terra.data.c4_source.json_path",)),
+    "arxiv_cohan": ("directory of the extracted arxiv-dataset/{train,val,test}.txt", ("terra.data.arxiv_source.cohan_path",)),
+    "vocabulary": ("SentencePiece model for the text tasks (default: one trained on the embedded corpus)",
+                   ("terra.data.text_vocabulary.spm_path",)),
+}
+
+
+def define_data_flags(flag_values: flags.FlagValues) -> None:
+    for name, (help_text, _) in DATA_FLAGS.items():
+        flags.DEFINE_string(name, None, help_text, flag_values=flag_values)
+
+
+def data_bindings(values) -> List[str]:
+    """Gin bindings for the data flags given: ``values`` is parsed flags or a mapping."""
+    get = values.get if isinstance(values, Mapping) else (lambda name: getattr(values, name, None))
+    bindings = []
+    for name, (_, targets) in DATA_FLAGS.items():
+        value = get(name)
+        if value is not None:
+            bindings += [f"{target} = {value!r}" for target in targets]
+    return bindings
+
+
+def given_data_flags(flag_values: flags.FlagValues) -> List[str]:
+    return [f"--{name}" for name in DATA_FLAGS if flag_values[name].present]
+
+
+# --- presets: ml_collections configs overridden field by field ------------------------------------
+
+
+def peek_flag(argv: Sequence[str], name: str, default: Optional[str]) -> Optional[str]:
+    """The value of ``--name`` in ``argv`` before the command's flags exist (a preset decides
+    which config, and so which ``--config.*`` fields, the command defines)."""
+    probe = flags.FlagValues()
+    flags.DEFINE_string(name, default, "", flag_values=probe)
+    try:
+        probe(["peek", *argv], known_only=True)
+    except flags.Error as e:
+        raise errors.UsageError(str(e)) from None
+    return probe[name].value
+
+
+def define_preset_flags(flag_values: flags.FlagValues, argv: Sequence[str], presets: Mapping[str, Callable],
+                        default: str, what: str) -> None:
+    """``--preset NAME`` (one of ``presets``) and ``--config.FIELD=VALUE`` over that preset's
+    ``ConfigDict``."""
+    name = peek_flag(argv, "preset", default)
+    if name not in presets:
+        raise errors.UsageError(f"unknown preset '{name}' for {what}; choose from: {', '.join(presets)}.")
+    flags.DEFINE_enum("preset", default, list(presets), f"the {what} preset", flag_values=flag_values)
+    define_config_flag(flag_values, presets[name](), argv, f"the {what} settings of the chosen --preset")
+
+
+def define_config_flag(flag_values: flags.FlagValues, config, argv: Sequence[str], help_text: str) -> None:
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_dict("config", config, help_text, flag_values=flag_values, sys_argv=["terra", *argv])

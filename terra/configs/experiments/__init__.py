@@ -1,0 +1,2 @@
+"""Experiments: a model, a task and a run config, composed.
+"""

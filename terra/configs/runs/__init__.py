@@ -1,0 +1,2 @@
+"""Run configs: the trainer's and the evaluator's bindings from macros.
+"""

@@ -1,0 +1,2 @@
+"""Size overrides that shrink any model config (``sizes/tiny.gin``).
+"""

@@ -1,0 +1,74 @@
+"""The documents a user asks terra to summarize: plain text, Cohan-format JSON lines (one paper
+per line with ``article_text``, as the arXiv release) or standard input. Pure Python: reading
+documents imports nothing heavy, so bad input is reported before a model is loaded."""
+
+import json
+import sys
+from typing import List, Sequence, Tuple
+
+from terra.errors import InputError
+from terra.text_encoding import clean_article
+
+
+def _decode_utf8(data: bytes, name: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it first, "
+            f"e.g. `iconv -f latin1 -t utf-8 {name} > {name}.utf8`."
+        ) from None
+
+
+def cohan_example(record: dict) -> dict:
+    """One Cohan et al. JSON record -> the TFDS ``scientific_papers`` features: sentences joined
+    by newlines, ``<S>``/``</S>`` removed and each abstract line stripped (the TFDS builder
+    leaves the spaces around each sentence); plus ``id``, the record's ``article_id``, which the
+    TFDS builder drops."""
+    abstract = [s.replace("<S>", "").replace("</S>", "").strip() for s in record.get("abstract_text") or []]
+    return {
+        "article": "\n".join(record.get("article_text") or []),
+        "abstract": "\n".join(s for s in abstract if s),
+        "section_names": "\n".join(record.get("section_names") or []),
+        "id": str(record.get("article_id") or ""),
+    }
+
+
+def split_documents(text: str, name: str) -> List[Tuple[str, str]]:
+    """``[(label, article text)]``: Cohan JSON lines (one paper each) or the whole plain text."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records = []
+    if lines and lines[0].lstrip().startswith("{"):
+        try:
+            records = [json.loads(line) for line in lines]
+        except json.JSONDecodeError:
+            records = []
+    if records and all(isinstance(r, dict) and "article_text" in r for r in records):
+        return [(f"{name} [{r.get('article_id', i)}]", cohan_example(r)["article"]) for i, r in enumerate(records)]
+    return [(name, text)]
+
+
+def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
+    """Every document of every path (``-`` is standard input); raises ``InputError`` naming
+    each unusable file."""
+    docs, problems = [], []
+    for path in paths:
+        name = "standard input" if path == "-" else path
+        try:
+            if path == "-":
+                data = (stdin or sys.stdin.buffer).read()
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+            found = split_documents(_decode_utf8(data, name), name)
+            for label, text in found:
+                if not clean_article(text):
+                    raise InputError(f"{label} is empty: there is no text to summarize.")
+            docs += found
+        except OSError as e:
+            problems.append(f"{name}: cannot be read ({e.strerror or e}).")
+        except InputError as e:
+            problems.append(str(e))
+    if problems:
+        raise InputError("nothing was summarized:\n  " + "\n  ".join(problems))
+    return docs
