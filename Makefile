@@ -29,7 +29,7 @@ run: $(STAMP)
 # Two workers: most of the suite's time is single-threaded XLA compilation.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # ruff, configured in pyproject.toml: the linter and the formatter's check.

@@ -4,7 +4,7 @@ Importing the package is cheap: ``terra.load``, ``terra.build`` and ``terra.Inte
 (the Python API, ``terra.api``) import JAX, Flax, gin and the data pipeline on first use.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["InteractiveModel", "build", "load"]
 
 

@@ -41,7 +41,8 @@ def run_config_path(model_dir: str) -> str:
     if not os.path.exists(config):
         raise ConfigError(
             f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
-            "or name the run's experiment with --gin_file.")
+            "or name the run's experiment with --gin_file."
+        )
     return config
 
 
@@ -94,8 +95,10 @@ class InteractiveModel:
             inputs = [inputs]
         if len(inputs) and all(isinstance(x, str) for x in inputs):
             if self.vocabulary is None:
-                raise ConfigError("this model's config names no task, so there is no vocabulary for texts: "
-                                  "pass token arrays, or build it with a task gin file.")
+                raise ConfigError(
+                    "this model's config names no task, so there is no vocabulary for texts: "
+                    "pass token arrays, or build it with a task gin file."
+                )
             rows = [encode_text(x, self.vocabulary, self._length(feature), self.config.eos_id)[0] for x in inputs]
             return self._pad(rows, self._length(feature)), True
         if isinstance(inputs, (np.ndarray, jax.Array)) and inputs.ndim == 1:
@@ -152,10 +155,20 @@ class InteractiveModel:
             chunk = tokens[start : start + batch_size]
             rows = len(chunk)
             if rows < batch_size:  # one shape per call: pad the last chunk with pad rows
-                chunk = np.concatenate([chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)])
+                chunk = np.concatenate(
+                    [chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)]
+                )
             result = self.model.generate(
-                self.params, chunk, max_decode_length=max_new_tokens, temperature=temperature, top_k=top_k,
-                top_p=top_p, num_beams=num_beams, length_penalty=length_penalty, seed=seed + start)
+                self.params,
+                chunk,
+                max_decode_length=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                num_beams=num_beams,
+                length_penalty=length_penalty,
+                seed=seed + start,
+            )
             out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
             out[:, : result.tokens.shape[1]] = result.tokens[:rows]
             outputs.append(out)
@@ -203,7 +216,8 @@ def _summarization_required(task) -> None:
     raise ConfigError(
         f"this model was trained on a {objective} task, not summarization: it would not write summaries. "
         "Use a run fine-tuned on a summarization task (e.g. experiments/finetune_arxiv_terraformer.gin), "
-        "or force it (force=True, --force).")
+        "or force it (force=True, --force)."
+    )
 
 
 def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_summarization: bool = False):
@@ -215,23 +229,35 @@ def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_su
     lengths = dict(_macro("TASK_FEATURE_LENGTHS", {}) or {})
     vocabulary = task.output_features["targets"].vocabulary if task is not None else None
     if task is not None and lengths:
-        tasks.check_vocabulary_and_lengths(task, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
+        tasks.check_vocabulary_and_lengths(
+            task, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
+        )
     params, step = params_from(model)
-    return InteractiveModel(model=model, params=params, vocabulary=vocabulary, task=task, feature_lengths=lengths,
-                            step=step, model_dir=model_dir)
+    return InteractiveModel(
+        model=model,
+        params=params,
+        vocabulary=vocabulary,
+        task=task,
+        feature_lengths=lengths,
+        step=step,
+        model_dir=model_dir,
+    )
 
 
-def load(model_dir: str, step: Optional[int] = None, bindings: Sequence[str] = (), *,
-         require_summarization: bool = False) -> InteractiveModel:
+def load(
+    model_dir: str, step: Optional[int] = None, bindings: Sequence[str] = (), *, require_summarization: bool = False
+) -> InteractiveModel:
     """A training run's model, parameters (checkpoint ``step``, default the latest), task and
     vocabulary, configured by the run's own ``config.gin`` plus ``bindings`` (gin binding
     strings, e.g. data locations: ``"terra.data.arxiv_source.tfds_data_dir = '/data/tfds'"``).
     ``require_summarization``: refuse, before reading the checkpoint, a run whose task is not
     a summarization task."""
-    gin_utils.parse_gin([run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings],
-                        finalize=False)
-    return _from_parsed_config(lambda model: checkpointing.load_params(model, model_dir, step), model_dir,
-                               require_summarization)
+    gin_utils.parse_gin(
+        [run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings], finalize=False
+    )
+    return _from_parsed_config(
+        lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
+    )
 
 
 def build(gin_files: Sequence[str], bindings: Sequence[str] = (), seed: int = 0) -> InteractiveModel:

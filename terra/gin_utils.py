@@ -207,7 +207,8 @@ def build_model(where: str = "building the model"):
         reference = gin.query_parameter("%MODEL")
     except ValueError:
         raise GinConfigError(
-            "the gin config defines no MODEL; include a model config (e.g. --gin_file=models/tiny.gin).") from None
+            "the gin config defines no MODEL; include a model config (e.g. --gin_file=models/tiny.gin)."
+        ) from None
     # gin evaluates ``%MODEL`` inside the scope ``MODEL`` (a macro is a scoped configurable),
     # so a run's operative config records the model's bindings as ``MODEL/...``: build it in
     # that scope too (unscoped bindings still apply there).

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO_ROOT, tiny_config
 
 import terra
 from terra import configurables
@@ -24,14 +25,17 @@ from terra.models import (
     TransformerConfig,
 )
 
-from conftest import REPO_ROOT, tiny_config
-
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 TINY_COPY = [
-    "TransformerConfig.vocab_size = 259", "TransformerConfig.d_model = 32", "TransformerConfig.d_ff = 64",
-    "TransformerConfig.n_heads = 4", "TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1",
-    "TransformerConfig.max_len = 64", "TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 16}",
+    "TransformerConfig.vocab_size = 259",
+    "TransformerConfig.d_model = 32",
+    "TransformerConfig.d_ff = 64",
+    "TransformerConfig.n_heads = 4",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+    "TransformerConfig.max_len = 64",
+    "TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 16}",
 ]
 
 
@@ -159,6 +163,7 @@ def test_importing_any_module_after_parsing_registers_nothing_new():
         "print('ok')\n"
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from terra.decoding import IncrementalDecoder, beam_search, generate
 from terra.decoding.beam_search import cache_batch_axes, length_normalized_score, length_penalty_divisor
 from terra.models import EncoderDecoderTransformer, Terraformer, shift_right
-
-from conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -24,7 +23,9 @@ FAMILIES = {"encoder_decoder": EncoderDecoderTransformer, "terraformer": Terrafo
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def tiny(request):
     """A tiny random-init network of each family, its parameters, and a decoder for 6 tokens."""
-    cfg = tiny_config(vocab_size=VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_len=16)
+    cfg = tiny_config(
+        vocab_size=VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_len=16
+    )
     module = FAMILIES[request.param](cfg)
     params = module.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32))["params"]
     return module, params, IncrementalDecoder(module, 6)
@@ -81,8 +82,13 @@ def test_enough_beams_find_the_exhaustive_best_and_fewer_score_what_they_return(
             best = np.argsort(-scores)
             assert scores[best[0]] - scores[best[1]] > 1e-4  # a unique optimum, so the check is sharp
             result = beam_search(
-                decoder, params, inputs[row : row + 1], num_beams=VOCAB**2, max_new_tokens=new_tokens,
-                eos_id=EOS, length_penalty=length_penalty,
+                decoder,
+                params,
+                inputs[row : row + 1],
+                num_beams=VOCAB**2,
+                max_new_tokens=new_tokens,
+                eos_id=EOS,
+                length_penalty=length_penalty,
             )
             assert result.tokens[0, : result.lengths[0]].tolist() == sequences[best[0]]
             np.testing.assert_allclose(result.scores[0], scores[best[0]], atol=1e-5)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from terra.data.pipeline import BatchIterator
-from terra.training.checkpointing import CheckpointError, Checkpointer, restore_params
+from terra.training.checkpointing import Checkpointer, CheckpointError, restore_params
 from terra.training.train_state import TrainState
 
 
@@ -99,9 +99,7 @@ def test_keeps_the_last_n_plus_the_best(tmp_path, mesh):
     assert on_disk == [2, 5, 6]
 
     # The metrics are stored with the steps, so a restarted job still knows step 2 is best.
-    with Checkpointer(
-        str(tmp_path), save_interval_steps=1, keep_last=2, keep_best=1, best_metric="eval/loss"
-    ) as ckpt:
+    with Checkpointer(str(tmp_path), save_interval_steps=1, keep_last=2, keep_best=1, best_metric="eval/loss") as ckpt:
         ckpt.save(7, state, metrics={"eval/loss": 3.5})
         assert ckpt.all_steps() == [2, 6, 7]
 

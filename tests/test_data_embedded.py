@@ -13,11 +13,10 @@ import sys
 
 import pytest
 import sentencepiece as spm
+from conftest import REPO_ROOT
 
 from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
-
-from conftest import REPO_ROOT
 
 NEWLINE_TEXT = "first sentence .\nsecond sentence ."
 UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  "
@@ -149,8 +148,7 @@ def test_missing_sentencepiece_model_names_the_path(tmp_path):
 def test_train_vocab_cli_writes_a_model(tmp_path, capsys):
     corpus = tmp_path / "docs.txt"
     paragraphs = [
-        f"Document {i} talks about sparse layers.\nIts second line mentions decoding speed {i}."
-        for i in range(50)
+        f"Document {i} talks about sparse layers.\nIts second line mentions decoding speed {i}." for i in range(50)
     ]
     corpus.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
     out = tmp_path / "vocab" / "small.model"
@@ -178,8 +176,11 @@ def _write_paragraphs(path, n=50):
     return paragraphs
 
 
-@pytest.mark.parametrize("command", [[os.path.join(os.path.dirname(sys.executable), "terra-vocab")],
-                                     [sys.executable, "-m", "terra.cli.vocab"]], ids=["console", "module"])
+@pytest.mark.parametrize(
+    "command",
+    [[os.path.join(os.path.dirname(sys.executable), "terra-vocab")], [sys.executable, "-m", "terra.cli.vocab"]],
+    ids=["console", "module"],
+)
 def test_train_vocab_runs_as_a_console_command_and_as_a_module(command, tmp_path):
     corpus = tmp_path / "docs.txt"
     paragraphs = _write_paragraphs(corpus)
@@ -187,13 +188,24 @@ def test_train_vocab_runs_as_a_console_command_and_as_a_module(command, tmp_path
     env = {**os.environ, "TERRA_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run(
         [*command, "--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--nohard_vocab_limit"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout and "round trip ok" in result.stdout
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(paragraphs[7])) == paragraphs[7]
-    missing = subprocess.run([*command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
-                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    missing = subprocess.run(
+        [*command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "error: input file not found" in missing.stderr
     assert "Traceback" not in missing.stderr
 

@@ -11,9 +11,9 @@ import pytest
 import seqio
 
 from terra import gin_utils
-from terra.data import feature_converters, fixtures, pipeline, tasks
 from terra.cli import data as data_cli
 from terra.cli import flag_groups
+from terra.data import feature_converters, fixtures, pipeline, tasks
 from terra.errors import ConfigError, DataNotFoundError
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
@@ -54,8 +54,16 @@ def test_every_task_config_builds_its_task(path):
 def test_registration_is_idempotent_and_names_are_stable():
     names = tasks.register_all()
     assert tasks.register_all() == names
-    for expected in ("c4_span_corruption", "c4_lm", "arxiv_summarization", "synthetic_copy", "synthetic_addition",
-                     "embedded_lm", "embedded_summarization", "synthetic"):
+    for expected in (
+        "c4_span_corruption",
+        "c4_lm",
+        "arxiv_summarization",
+        "synthetic_copy",
+        "synthetic_addition",
+        "embedded_lm",
+        "embedded_summarization",
+        "synthetic",
+    ):
         assert expected in names
     assert isinstance(tasks.get_task("synthetic"), seqio.Mixture)
 
@@ -88,7 +96,9 @@ def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir,
     gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
 
     def stream():
-        return pipeline.BatchIterator(pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3))
+        return pipeline.BatchIterator(
+            pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3)
+        )
 
     straight = stream()
     _take(straight, 3)
@@ -103,8 +113,11 @@ def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir,
 
 def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
     def first_batches(seed):
-        it = pipeline.BatchIterator(pipeline.get_dataset(
-            "embedded_span_corruption", feature_lengths={"inputs": 32, "targets": 8}, batch_size=4, seed=seed))
+        it = pipeline.BatchIterator(
+            pipeline.get_dataset(
+                "embedded_span_corruption", feature_lengths={"inputs": 32, "targets": 8}, batch_size=4, seed=seed
+            )
+        )
         return _take(it, 2)
 
     a, b, c = first_batches(1), first_batches(1), first_batches(2)
@@ -115,13 +128,25 @@ def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
 def test_each_host_reads_a_disjoint_shard():
     def inputs(index):
         ds = pipeline.get_dataset(
-            "synthetic_copy", split="validation", feature_lengths={"inputs": 160, "targets": 160}, batch_size=1,
-            shuffle=False, num_epochs=1, shard_info=seqio.ShardInfo(index, 2))
+            "synthetic_copy",
+            split="validation",
+            feature_lengths={"inputs": 160, "targets": 160},
+            batch_size=1,
+            shuffle=False,
+            num_epochs=1,
+            shard_info=seqio.ShardInfo(index, 2),
+        )
         return [bytes(b["encoder_input_tokens"][0]) for b in pipeline.BatchIterator(ds)]
 
     everything = pipeline.get_dataset(
-        "synthetic_copy", split="validation", feature_lengths={"inputs": 160, "targets": 160}, batch_size=1,
-        shuffle=False, num_epochs=1, shard_info=seqio.ShardInfo(0, 1))
+        "synthetic_copy",
+        split="validation",
+        feature_lengths={"inputs": 160, "targets": 160},
+        batch_size=1,
+        shuffle=False,
+        num_epochs=1,
+        shard_info=seqio.ShardInfo(0, 1),
+    )
     total = sum(1 for _ in pipeline.BatchIterator(everything))
     host0, host1 = inputs(0), inputs(1)
     assert len(host0) + len(host1) == total and not set(host0) & set(host1)
@@ -130,25 +155,37 @@ def test_each_host_reads_a_disjoint_shard():
 def test_length_concat_moves_the_input_padding_after_the_targets():
     gin_utils.parse_gin([], [])
     ds = pipeline.get_dataset(
-        "synthetic_addition", split="validation", feature_lengths={"inputs": 302, "targets": 216}, batch_size=2,
-        shuffle=False, num_epochs=1, feature_converter=feature_converters.length_concat_converter())
+        "synthetic_addition",
+        split="validation",
+        feature_lengths={"inputs": 302, "targets": 216},
+        batch_size=2,
+        shuffle=False,
+        num_epochs=1,
+        feature_converter=feature_converters.length_concat_converter(),
+    )
     b = next(pipeline.BatchIterator(ds))
     for i in range(2):
         n = int(b["encoder_lengths"][i])
         assert n == int((b["encoder_input_tokens"][i] != 0).sum())
         concat = b["concat_input_tokens"][i]
         np.testing.assert_array_equal(concat[:n], b["encoder_input_tokens"][i][:n])
-        np.testing.assert_array_equal(concat[n:n + 216], b["decoder_input_tokens"][i])
-        assert not concat[n + 216:].any()
-        np.testing.assert_array_equal(b["concat_target_tokens"][i][n:n + 216], b["decoder_target_tokens"][i])
+        np.testing.assert_array_equal(concat[n : n + 216], b["decoder_input_tokens"][i])
+        assert not concat[n + 216 :].any()
+        np.testing.assert_array_equal(b["concat_target_tokens"][i][n : n + 216], b["decoder_target_tokens"][i])
         weights = b["concat_loss_weights"][i]
         assert weights.sum() == b["decoder_loss_weights"][i].sum() and not weights[:n].any()
 
 
 def test_lm_format_puts_the_loss_on_the_answer_only():
     ds = pipeline.get_dataset(
-        "synthetic_addition", split="validation", feature_lengths={"inputs": 302, "targets": 216}, batch_size=1,
-        shuffle=False, num_epochs=1, feature_converter=feature_converters.prefix_lm_converter())
+        "synthetic_addition",
+        split="validation",
+        feature_lengths={"inputs": 302, "targets": 216},
+        batch_size=1,
+        shuffle=False,
+        num_epochs=1,
+        feature_converter=feature_converters.prefix_lm_converter(),
+    )
     b = next(pipeline.BatchIterator(ds))
     tokens, weights = b["decoder_target_tokens"][0], b["decoder_loss_weights"][0]
     vocab = tasks.get_task("synthetic_addition").output_features["targets"].vocabulary
@@ -165,8 +202,24 @@ def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
 
 
 def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
-    assert data_cli.call(["show", "--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--n", "2", "--inputs_length", "64",
-                     "--targets_length", "16"]) == 0
+    assert (
+        data_cli.call(
+            [
+                "show",
+                "--task",
+                "c4_span_corruption",
+                "--c4_json",
+                c4_json_dir,
+                "--n",
+                "2",
+                "--inputs_length",
+                "64",
+                "--targets_length",
+                "16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("--- example") == 4 and "<extra_id_0>" in out
 
@@ -176,8 +229,9 @@ def test_summarization_batches_train_the_model(tiny_config_for_vocab):
     vocab_size = task.output_features["targets"].vocabulary.vocab_size
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config_for_vocab(vocab_size)))
     params = model.init_params(jax.random.key(0))
-    batch = next(pipeline.BatchIterator(pipeline.get_dataset(
-        task, feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)))
+    batch = next(
+        pipeline.BatchIterator(pipeline.get_dataset(task, feature_lengths={"inputs": 64, "targets": 16}, batch_size=2))
+    )
     loss, _ = jax.jit(model.loss_fn)(params, batch, None)
     assert np.isfinite(float(loss)) and float(loss) > np.log(vocab_size) * 0.5
 
@@ -194,13 +248,33 @@ def test_train_vocab_reads_a_tasks_raw_text(c4_json_dir, tmp_path, capsys):
     from terra.data import vocabularies
 
     out = tmp_path / "c4.model"
-    argv = ["--task", "c4_span_corruption", "--c4_json", c4_json_dir, "--out", str(out), "--vocab_size", "300",
-            "--nohard_vocab_limit"]
+    argv = [
+        "--task",
+        "c4_span_corruption",
+        "--c4_json",
+        c4_json_dir,
+        "--out",
+        str(out),
+        "--vocab_size",
+        "300",
+        "--nohard_vocab_limit",
+    ]
     assert vocab_cli.main(argv) == 0
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(DOCS[0])) == DOCS[0]
-    assert vocab_cli.main(["--task", "arxiv_summarization", "--tfds_data_dir", str(tmp_path / "none"),
-                           "--out", str(tmp_path / "a.model")]) == 2
+    assert (
+        vocab_cli.main(
+            [
+                "--task",
+                "arxiv_summarization",
+                "--tfds_data_dir",
+                str(tmp_path / "none"),
+                "--out",
+                str(tmp_path / "a.model"),
+            ]
+        )
+        == 2
+    )
     assert "scientific_papers" in capsys.readouterr().err
 
 

@@ -264,9 +264,7 @@ def test_prefix_lm_splits_a_chunk_into_inputs_and_targets():
 def test_concatenate_and_split_packs_documents_into_full_chunks():
     documents = _documents([5, 3, 12, 1, 9])
     stream = np.concatenate(documents)
-    packed = list(
-        prep.concatenate_and_split(_token_dataset(documents), segment_length=8).as_numpy_iterator()
-    )
+    packed = list(prep.concatenate_and_split(_token_dataset(documents), segment_length=8).as_numpy_iterator())
     assert [len(x["targets"]) for x in packed] == [8, 8, 8]  # 30 tokens: 3 full chunks, 6 dropped
     np.testing.assert_array_equal(np.concatenate([x["targets"] for x in packed]), stream[:24])
 
@@ -321,20 +319,24 @@ def test_summarization_keeps_one_sentence_per_line_and_drops_empty_examples():
 
 
 def test_summarization_keeps_the_source_id_through_tokenization_and_nothing_else():
-    raw = tf.data.Dataset.from_tensor_slices({
-        "article": ["first article .", "   ", "third article ."],
-        "abstract": ["first .", "dropped .", "third ."],
-        "section_names": ["intro", "intro", "intro"],
-        "doc": ["paper-a", "paper-b", "paper-c"],
-    })
+    raw = tf.data.Dataset.from_tensor_slices(
+        {
+            "article": ["first article .", "   ", "third article ."],
+            "abstract": ["first .", "dropped .", "third ."],
+            "section_names": ["intro", "intro", "intro"],
+            "doc": ["paper-a", "paper-b", "paper-c"],
+        }
+    )
     cleaned = prep.summarization(raw, id_key="doc")
     assert set(cleaned.element_spec) == {"inputs", "targets", "id"}
     assert [ex["id"] for ex in cleaned.as_numpy_iterator()] == [b"paper-a", b"paper-c"]  # follows its example
     vocabulary = seqio.ByteVocabulary()
     features = {"inputs": seqio.Feature(vocabulary, add_eos=True), "targets": seqio.Feature(vocabulary, add_eos=True)}
     tokenized = seqio.preprocessors.append_eos_after_trim(
-        seqio.preprocessors.tokenize(cleaned, features), output_features=features,
-        sequence_length={"inputs": 8, "targets": 8})
+        seqio.preprocessors.tokenize(cleaned, features),
+        output_features=features,
+        sequence_length={"inputs": 8, "targets": 8},
+    )
     first = next(tokenized.as_numpy_iterator())
     assert first["id"] == b"paper-a" and first["inputs_pretokenized"] == b"first article ."
     assert len(first["inputs"]) == 8 and first["inputs"][-1] == vocabulary.eos_id

@@ -29,8 +29,11 @@ def _prepare_arxiv_with_the_real_builder(data_dir: str, cohan_directory: str) ->
     import tensorflow_datasets as tfds
 
     tfds.disable_progress_bar()
-    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
-                           return_value={"arxiv": cohan_directory, "pubmed": cohan_directory}):
+    with mock.patch.object(
+        tfds.download.DownloadManager,
+        "download_and_extract",
+        return_value={"arxiv": cohan_directory, "pubmed": cohan_directory},
+    ):
         tfds.builder(sources.ARXIV_TFDS_NAME, data_dir=data_dir).download_and_prepare()
 
 
@@ -98,7 +101,11 @@ def test_tfds_arxiv_examples_are_named_by_their_tfds_record_id(data_dir):
         assert articles_by_id("tfds_fixture", split, shuffle=False) == articles_by_id("tfds", split, shuffle=False)
     # Without ids the source reads exactly what seqio's TfdsDataSource reads.
     plain = sources.ReadOnlyTfdsSource(sources.ARXIV_TFDS_NAME, data_dir=os.path.join(data_dir, "tfds"))
-    assert set(next(plain.get_dataset("train", shuffle=False).as_numpy_iterator())) == {"article", "abstract", "section_names"}
+    assert set(next(plain.get_dataset("train", shuffle=False).as_numpy_iterator())) == {
+        "article",
+        "abstract",
+        "section_names",
+    }
 
 
 def test_cohan_files_yield_the_tfds_features_one_sentence_per_line(data_dir):
@@ -117,8 +124,10 @@ def test_cohan_files_yield_the_tfds_features_one_sentence_per_line(data_dir):
 def test_sharding_gives_each_host_a_disjoint_part(data_dir):
     source = sources.c4_json_source(path=os.path.join(data_dir, "c4json"))
     parts = [
-        sorted(ex["text"].decode() for ex in source.get_dataset(
-            "train", shuffle=False, shard_info=seqio.ShardInfo(i, 3)).as_numpy_iterator())
+        sorted(
+            ex["text"].decode()
+            for ex in source.get_dataset("train", shuffle=False, shard_info=seqio.ShardInfo(i, 3)).as_numpy_iterator()
+        )
         for i in range(3)
     ]
     assert sorted(sum(parts, [])) == sorted(TRAIN) and all(parts)

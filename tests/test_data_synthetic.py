@@ -159,9 +159,7 @@ def test_sources_work_through_a_seqio_task(source, make, check):
     )
     try:
         task = seqio.get_mixture_or_task(name)
-        dataset = task.get_dataset(
-            sequence_length={"inputs": 512, "targets": 512}, split="validation", shuffle=False
-        )
+        dataset = task.get_dataset(sequence_length={"inputs": 512, "targets": 512}, split="validation", shuffle=False)
         examples = list(dataset.as_numpy_iterator())
         assert len(examples) == 20
         direct = take(make("validation", seed=11, num_eval_examples=20))

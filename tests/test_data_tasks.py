@@ -17,17 +17,20 @@ def test_every_task_has_one_of_the_objectives():
     assert set(tasks.OBJECTIVES) == {"summarization", "span_corruption", "prefix_lm", "synthetic"}
 
 
-@pytest.mark.parametrize("name, objective", [
-    ("arxiv_summarization", "summarization"),
-    ("embedded_summarization", "summarization"),
-    ("c4_span_corruption", "span_corruption"),
-    ("c4_single_word_masking", "span_corruption"),
-    ("embedded_span_corruption", "span_corruption"),
-    ("c4_lm", "prefix_lm"),
-    ("embedded_lm", "prefix_lm"),
-    ("synthetic_copy", "synthetic"),
-    ("synthetic_addition", "synthetic"),
-])
+@pytest.mark.parametrize(
+    "name, objective",
+    [
+        ("arxiv_summarization", "summarization"),
+        ("embedded_summarization", "summarization"),
+        ("c4_span_corruption", "span_corruption"),
+        ("c4_single_word_masking", "span_corruption"),
+        ("embedded_span_corruption", "span_corruption"),
+        ("c4_lm", "prefix_lm"),
+        ("embedded_lm", "prefix_lm"),
+        ("synthetic_copy", "synthetic"),
+        ("synthetic_addition", "synthetic"),
+    ],
+)
 def test_task_objectives(name, objective):
     assert tasks.task_objective(name) == objective
     assert tasks.is_summarization(name) == (objective == "summarization")
@@ -74,8 +77,11 @@ def test_a_mixture_of_different_objectives_is_a_mixture(monkeypatch):
 def test_unknown_tasks_have_no_objective():
     with pytest.raises(ConfigError, match="Did you mean 'arxiv_summarization'"):
         tasks.task_objective("arxiv_summarisation")
-    foreign = seqio.Task("someone_elses_task", source=seqio.FunctionDataSource(lambda split, shuffle_files: None, ["train"]),
-                         output_features={})
+    foreign = seqio.Task(
+        "someone_elses_task",
+        source=seqio.FunctionDataSource(lambda split, shuffle_files: None, ["train"]),
+        output_features={},
+    )
     with pytest.raises(ConfigError, match="'someone_elses_task' is not one of terra's tasks"):
         tasks.is_summarization(foreign)
 
@@ -97,7 +103,8 @@ def test_a_too_small_vocabulary_names_the_binding_to_change():
         tasks.check_vocabulary_and_lengths(copy, {"inputs": 16, "targets": 16}, vocab_size=needed - 1, max_len=64)
     assert str(error.value) == (
         f"the task's 'inputs' vocabulary has {needed} ids but the model's vocab_size is {needed - 1}; "
-        f"bind TransformerConfig.vocab_size = {needed} (or a multiple of 128 above it).")
+        f"bind TransformerConfig.vocab_size = {needed} (or a multiple of 128 above it)."
+    )
 
 
 def test_too_long_features_name_the_binding_to_change():
@@ -106,7 +113,8 @@ def test_too_long_features_name_the_binding_to_change():
         tasks.check_vocabulary_and_lengths(copy, {"inputs": 100, "targets": 130}, vocab_size=512, max_len=64)
     assert str(error.value) == (
         "feature lengths {'inputs': 100, 'targets': 130} exceed the model's max_len=64; "
-        "bind TransformerConfig.max_len = 130 or shorten the features.")
+        "bind TransformerConfig.max_len = 130 or shorten the features."
+    )
     # The vocabulary is checked first, as the trainer's check does.
     with pytest.raises(ConfigError, match=re.escape("bind TransformerConfig.vocab_size = 259")):
         tasks.check_vocabulary_and_lengths(copy, {"inputs": 100, "targets": 130}, vocab_size=10, max_len=64)

@@ -4,13 +4,11 @@ accounting against the closed form. Timings are printed, never asserted."""
 import json
 import os
 
-import jax
 import pytest
+from conftest import tiny_config
 
 from terra.benchmarks import decode_speed, presets
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
-
-from conftest import tiny_config
 
 # Timings are printed, never asserted: XLA's optimisations would only cost compile time here.
 pytestmark = pytest.mark.usefixtures("fast_compile")

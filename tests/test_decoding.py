@@ -10,7 +10,6 @@ from terra.decoding import generate, sample_next_token
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.models import shift_right
 
-
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -18,9 +17,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 def test_temperature_zero_is_argmax():
     logits = jax.random.normal(jax.random.key(0), (5, 13))
     for seed in range(3):
-        np.testing.assert_array_equal(
-            sample_next_token(logits, jax.random.key(seed), 0.0), jnp.argmax(logits, -1)
-        )
+        np.testing.assert_array_equal(sample_next_token(logits, jax.random.key(seed), 0.0), jnp.argmax(logits, -1))
 
 
 def test_temperature_sampling_follows_the_tempered_softmax():
@@ -95,7 +92,9 @@ def test_generation_without_eos_runs_to_max_new_tokens():
 
 def test_asking_for_more_tokens_than_the_cache_holds_is_an_error():
     with pytest.raises(ValueError, match="max_decode_length"):
-        generate(_ScriptedDecoder(eos_at=[99], max_decode_length=4), None, jnp.ones((1, 2), jnp.int32), max_new_tokens=5)
+        generate(
+            _ScriptedDecoder(eos_at=[99], max_decode_length=4), None, jnp.ones((1, 2), jnp.int32), max_new_tokens=5
+        )
     with pytest.raises(ValueError, match="temperature"):
         generate(_ScriptedDecoder(eos_at=[99]), None, jnp.ones((1, 2), jnp.int32), temperature=-1.0)
 
@@ -146,7 +145,14 @@ def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
             token = sample_next_token(logits, sample_rng, temperature)
             expected.append(token)
         tokens, steps, _ = decoder.generate_tokens(
-            params, decoder.prefill(params, inputs), jnp.zeros((2,), jnp.int32), jax.random.key(11), 7, temperature, -1, 0
+            params,
+            decoder.prefill(params, inputs),
+            jnp.zeros((2,), jnp.int32),
+            jax.random.key(11),
+            7,
+            temperature,
+            -1,
+            0,
         )
         assert int(steps) == 7
         np.testing.assert_array_equal(tokens, jnp.stack(expected, axis=1))
@@ -156,8 +162,12 @@ def test_generation_compiles_once_whatever_types_its_scalars_come_in():
     decoder = _ScriptedDecoder(eos_at=[99])
     start = jnp.zeros((1,), jnp.int32)
     decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), 3, 0, 1, 0)
-    decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), jnp.int32(5), 0.5, jnp.int32(1), 0)
+    decoder.generate_tokens(
+        None, decoder.prefill(None, None), start, jax.random.key(0), jnp.int32(5), 0.5, jnp.int32(1), 0
+    )
     generate(decoder, None, jnp.ones((1, 2), jnp.int32), max_new_tokens=4, temperature=1.0)
     generate(decoder, None, jnp.ones((1, 2), jnp.int32), max_new_tokens=4, temperature=1.0, top_k=3, top_p=0.9)
-    decoder.generate_tokens(None, decoder.prefill(None, None), start, jax.random.key(0), 2, 1.0, 1, 0, jnp.int32(2), 0.5)
+    decoder.generate_tokens(
+        None, decoder.prefill(None, None), start, jax.random.key(0), 2, 1.0, 1, 0, jnp.int32(2), 0.5
+    )
     assert decoder._generate_tokens_jit._cache_size() == 1

@@ -8,11 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from terra.models import shift_right
-
 from conftest import tiny_config
 
+from terra.models import shift_right
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -29,7 +27,9 @@ def _padded_batch(batch: int, input_length: int, target_length: int, vocab: int,
 
 @functools.lru_cache(maxsize=None)
 def _jitted_forward(module):
-    return jax.jit(lambda params, inputs, decoder_inputs, mask: module.apply({"params": params}, inputs, decoder_inputs, mask))
+    return jax.jit(
+        lambda params, inputs, decoder_inputs, mask: module.apply({"params": params}, inputs, decoder_inputs, mask)
+    )
 
 
 def _full_logits(model, params, inputs, decoder_inputs, encoder_mask=None):
@@ -96,7 +96,12 @@ def test_prefill_creates_caches_without_advancing_them(tiny_model):
     assert layer["cached_key"].shape == (2, model.config.n_heads, 16, model.config.d_head)
     assert not np.any(np.asarray(layer["cached_key"]))
     assert int(cache["decoder_positions"]["position"]) == 0
-    assert cache["decoder_0"]["cross_attention"]["cached_key"].shape == (2, model.config.n_heads, 5, model.config.d_head)
+    assert cache["decoder_0"]["cross_attention"]["cached_key"].shape == (
+        2,
+        model.config.n_heads,
+        5,
+        model.config.d_head,
+    )
 
 
 def test_decode_step_compiles_once_and_updates_its_cache_in_place(tiny_model):
@@ -111,7 +116,7 @@ def test_decode_step_compiles_once_and_updates_its_cache_in_place(tiny_model):
     assert decoder.step._cache_size() == 1
     hlo = decoder.step.lower(params, cache, token).compile().as_text()
     entry = hlo[hlo.index("ENTRY") :]
-    cache_copies = [l for l in entry.splitlines() if re.search(r"\bcopy\(", l) and ",37," in l]
+    cache_copies = [line for line in entry.splitlines() if re.search(r"\bcopy\(", line) and ",37," in line]
     assert not cache_copies, "the donated KV cache is copied inside the step:\n" + "\n".join(cache_copies)
 
 

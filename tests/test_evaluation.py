@@ -6,7 +6,6 @@ import os
 import sys
 
 import gin
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,7 +71,8 @@ def test_sampling_is_reproducible_for_a_seed(tiny_model):
 
     def sample(seed):
         return summaries.generate_summaries(
-            model, params, rows, input_length=9, batch_size=2, max_decode_length=8, temperature=1.0, seed=seed)
+            model, params, rows, input_length=9, batch_size=2, max_decode_length=8, temperature=1.0, seed=seed
+        )
 
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
@@ -94,19 +94,34 @@ def finetuned(tmp_path_factory):
     """A tiny model trained a few steps on a Cohan-format arXiv the test writes, with ROUGE
     measured during training and the best checkpoint kept by it."""
     root = tmp_path_factory.mktemp("arxiv")
-    cohan = fixtures.write_cohan(str(root), {"train": _papers(12, 0), "validation": _papers(5, 100),
-                                                                "test": _papers(3, 200)})
+    cohan = fixtures.write_cohan(
+        str(root), {"train": _papers(12, 0), "validation": _papers(5, 100), "test": _papers(3, 200)}
+    )
     model_dir = str(root / "run")
-    gin_utils.parse_gin(["models/tiny.gin", "tasks/arxiv_summarization.gin", "runs/train.gin"], [
-        f"terra.data.arxiv_source.cohan_path = {cohan!r}",
-        "TransformerConfig.vocab_size = 4100", "TransformerConfig.d_model = 32", "TransformerConfig.d_ff = 64",
-        "TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1",
-        "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 16}", f"MODEL_DIR = {model_dir!r}", "BATCH_SIZE = 8",
-        "TRAIN_STEPS = 4", "terra.training.EvaluationSettings.every = 0", "terra.training.LoggingSettings.progress = False", "terra.training.LoggingSettings.every = 2",
-        "terra.training.EvaluationSettings.hooks = [@terra.evaluation.RougeEvaluation()]",
-        "terra.evaluation.RougeEvaluation.every = 2", "terra.evaluation.RougeEvaluation.examples = 3", "terra.training.CheckpointSettings.every = 2",
-        "terra.training.CheckpointSettings.best_metric = 'eval/rougeLsum'", "terra.training.CheckpointSettings.keep_last = 1",
-    ])
+    gin_utils.parse_gin(
+        ["models/tiny.gin", "tasks/arxiv_summarization.gin", "runs/train.gin"],
+        [
+            f"terra.data.arxiv_source.cohan_path = {cohan!r}",
+            "TransformerConfig.vocab_size = 4100",
+            "TransformerConfig.d_model = 32",
+            "TransformerConfig.d_ff = 64",
+            "TransformerConfig.n_encoder_layers = 1",
+            "TransformerConfig.n_decoder_layers = 1",
+            "TASK_FEATURE_LENGTHS = {'inputs': 48, 'targets': 16}",
+            f"MODEL_DIR = {model_dir!r}",
+            "BATCH_SIZE = 8",
+            "TRAIN_STEPS = 4",
+            "terra.training.EvaluationSettings.every = 0",
+            "terra.training.LoggingSettings.progress = False",
+            "terra.training.LoggingSettings.every = 2",
+            "terra.training.EvaluationSettings.hooks = [@terra.evaluation.RougeEvaluation()]",
+            "terra.evaluation.RougeEvaluation.every = 2",
+            "terra.evaluation.RougeEvaluation.examples = 3",
+            "terra.training.CheckpointSettings.every = 2",
+            "terra.training.CheckpointSettings.best_metric = 'eval/rougeLsum'",
+            "terra.training.CheckpointSettings.keep_last = 1",
+        ],
+    )
     trainer.Trainer().run()
     return model_dir, cohan
 
@@ -127,8 +142,17 @@ def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
 def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path):
     model_dir, cohan = finetuned
     out = tmp_path / "eval"
-    argv = ["--checkpoint", model_dir, "--output_dir", str(out), "--batch_size", "2", "--max_decode_length", "6",
-            f"--arxiv_cohan={cohan}"]
+    argv = [
+        "--checkpoint",
+        model_dir,
+        "--output_dir",
+        str(out),
+        "--batch_size",
+        "2",
+        "--max_decode_length",
+        "6",
+        f"--arxiv_cohan={cohan}",
+    ]
     assert evaluate_cli.call(argv) == 0
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
@@ -137,7 +161,9 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == 4 and metrics["n_examples"] == 5 and np.isfinite(metrics["log_perplexity"])
     for name in rouge.ROUGE_TYPES:
-        assert 0.0 <= metrics["rouge"][name]["f1_low"] <= metrics["rouge"][name]["f1"] <= metrics["rouge"][name]["f1_high"]
+        assert (
+            0.0 <= metrics["rouge"][name]["f1_low"] <= metrics["rouge"][name]["f1"] <= metrics["rouge"][name]["f1_high"]
+        )
     # The predictions are the model's greedy decode: a rerun with the same settings agrees.
     assert evaluate_cli.call(argv + ["--output_dir", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
@@ -168,7 +194,11 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
     with pytest.raises(InputError) as e:
         summarize.call(["--checkpoint", model_dir, str(empty), str(latin1), str(tmp_path / "missing.txt")])
     message = str(e.value)
-    assert "empty.txt is empty" in message and "latin1.txt is not UTF-8" in message and "missing.txt: cannot be read" in message
+    assert (
+        "empty.txt is empty" in message
+        and "latin1.txt is not UTF-8" in message
+        and "missing.txt: cannot be read" in message
+    )
     no_checkpoint = tmp_path / "run"
     no_checkpoint.mkdir()
     (no_checkpoint / "config.gin").write_text((open(os.path.join(model_dir, "config.gin")).read()))
@@ -181,8 +211,10 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
 
 def _copy_task_run(root) -> str:
     """A run directory whose config.gin trains the copy task (no checkpoint: nothing is read)."""
-    gin_utils.parse_gin(["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"], [
-        "TransformerConfig.vocab_size = 259", f"MODEL_DIR = {str(root)!r}", "BATCH_SIZE = 2", "TRAIN_STEPS = 1"])
+    gin_utils.parse_gin(
+        ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"],
+        ["TransformerConfig.vocab_size = 259", f"MODEL_DIR = {str(root)!r}", "BATCH_SIZE = 2", "TRAIN_STEPS = 1"],
+    )
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "config.gin"), "w") as f:
         f.write(gin.config_str())
@@ -199,8 +231,9 @@ def test_evaluate_and_summarize_refuse_a_run_that_is_not_a_summarization_run(tin
         evaluate_cli.call(["--checkpoint", run])
     model, _ = tiny_model
     with pytest.raises(ConfigError, match="synthetic task, not summarization"):
-        evaluator.evaluate(model=model, task="synthetic_copy", feature_lengths={"inputs": 8, "targets": 8},
-                           model_dir=run)
+        evaluator.evaluate(
+            model=model, task="synthetic_copy", feature_lengths={"inputs": 8, "targets": 8}, model_dir=run
+        )
     assert os.listdir(run) == ["config.gin"]  # refused before reading or writing anything
     # Forced, the refusal gives way and the run's real problem (no checkpoint) is what stops it.
     with pytest.raises(Exception, match="no committed checkpoint under"):

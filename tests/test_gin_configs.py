@@ -10,17 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 
 from terra import gin_utils
 from terra.models import ConfigError, TransformerConfig
-
-from conftest import REPO_ROOT
 
 # Instantiating every config compiles each model's loss: XLA's optimisations only cost time here.
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 GIN_FILES = sorted(
-    os.path.relpath(p, gin_utils.CONFIGS_DIR) for p in glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "**", "*.gin"), recursive=True)
+    os.path.relpath(p, gin_utils.CONFIGS_DIR)
+    for p in glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "**", "*.gin"), recursive=True)
 )
 MODEL_FILES = [f for f in GIN_FILES if f.startswith("models/")]
 # Smaller than sizes/tiny.gin, so that instantiating every config stays fast; the sparsity

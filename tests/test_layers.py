@@ -69,7 +69,9 @@ def test_positional_offsets_shift_the_table_in_training_only():
         starts.add(start)
     assert 0 in starts and len(starts) > 5 and max(starts) < 20
     again = layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
-    np.testing.assert_array_equal(again, layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)}))
+    np.testing.assert_array_equal(
+        again, layer.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    )
 
 
 def test_feed_forward_dropout_masks_are_shared_over_length():

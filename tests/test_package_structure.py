@@ -6,7 +6,6 @@ inside functions included: an import hidden in a function body is still a depend
 """
 
 import ast
-import importlib
 import os
 import pkgutil
 from typing import Dict, Set
@@ -130,11 +129,7 @@ def test_the_import_graph_has_no_loops():
     "lower, upper", [(LOWER, UPPER), (TRAINING, ABOVE_TRAINING)], ids=["layers-models-decoding", "training"]
 )
 def test_lower_layers_never_import_the_layers_built_on_them(lower, upper):
-    wrong = {
-        name: sorted(m for m in _reachable(name) if _in(m, upper))
-        for name in MODULES
-        if _in(name, lower)
-    }
+    wrong = {name: sorted(m for m in _reachable(name) if _in(m, upper)) for name in MODULES if _in(name, lower)}
     wrong = {k: v for k, v in wrong.items() if v}
     assert not wrong, f"modules of {lower} reach {upper}: {wrong}"
 
@@ -188,10 +183,15 @@ def test_package_init_files_only_import_and_declare():
         for node in _parse(name).body:
             if isinstance(node, allowed):
                 continue
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            if (
+                isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
                 continue  # the docstring
             if isinstance(node, ast.Assign) and all(
-                    isinstance(t, ast.Name) and t.id in ("__all__", "__version__") for t in node.targets):
+                isinstance(t, ast.Name) and t.id in ("__all__", "__version__") for t in node.targets
+            ):
                 continue
             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
                 continue  # PEP 562 lazy attributes: defining one runs nothing

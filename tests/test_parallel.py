@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tiny_config
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_config
 from terra.errors import ConfigError
 from terra.layers.axes import default_axis_rules
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer

@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 
+from conftest import REPO_ROOT, tiny_config
+
 from terra import gin_utils
 from terra.models.param_count import closed_form_param_count
-
-from conftest import REPO_ROOT, tiny_config
 
 
 def test_800m_parameter_count_from_abstract_shapes_matches_the_closed_form():
@@ -18,7 +18,12 @@ def test_800m_parameter_count_from_abstract_shapes_matches_the_closed_form():
     assert 700e6 < counts["total"] < 850e6  # the paper's "800M" class (T5-large shapes)
     cfg = model.config
     assert (cfg.n_encoder_layers, cfg.n_decoder_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size) == (
-        24, 24, 1024, 4096, 16, 32000,
+        24,
+        24,
+        1024,
+        4096,
+        16,
+        32000,
     )
 
 

@@ -7,22 +7,42 @@ import json
 import os
 
 import pytest
+from conftest import REPO_ROOT
 
 from terra.cli import quickstart
 
-from conftest import REPO_ROOT
-
-SMALL = ["--gin.TransformerConfig.d_model=32", "--gin.TransformerConfig.d_ff=64", "--gin.TransformerConfig.n_encoder_layers=1",
-         "--gin.TransformerConfig.n_decoder_layers=1", "--gin.BATCH_SIZE=8", "--gin.terra.training.LoggingSettings.progress=False",
-         "--gin.terra.training.EvaluationSettings.every=10", "--gin.terra.training.LoggingSettings.every=5", "--gin.terra.training.CheckpointSettings.every=10"]
+SMALL = [
+    "--gin.TransformerConfig.d_model=32",
+    "--gin.TransformerConfig.d_ff=64",
+    "--gin.TransformerConfig.n_encoder_layers=1",
+    "--gin.TransformerConfig.n_decoder_layers=1",
+    "--gin.BATCH_SIZE=8",
+    "--gin.terra.training.LoggingSettings.progress=False",
+    "--gin.terra.training.EvaluationSettings.every=10",
+    "--gin.terra.training.LoggingSettings.every=5",
+    "--gin.terra.training.CheckpointSettings.every=10",
+]
 
 
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory, fast_compile):
     """``(out folder, printed output)`` of one smoke-size quick start, shared by the module."""
     out = tmp_path_factory.mktemp("quick") / "runs" / "quickstart"
-    argv = ["--out", str(out), "--pretrain_steps", "30", "--finetune_steps", "10", "--examples", "2", "--eval_examples", "6",
-            "--max_decode_length", "8", *SMALL]
+    argv = [
+        "--out",
+        str(out),
+        "--pretrain_steps",
+        "30",
+        "--finetune_steps",
+        "10",
+        "--examples",
+        "2",
+        "--eval_examples",
+        "6",
+        "--max_decode_length",
+        "8",
+        *SMALL,
+    ]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert quickstart.call(argv) == 0

@@ -4,10 +4,10 @@ import json
 import os
 
 import pytest
-
 from conftest import ONE_DEVICE, is_png
-from terra.cli import reproduce as cli
+
 from terra import gin_utils
+from terra.cli import reproduce as cli
 from terra.data import pipeline, synthetic, tasks
 from terra.reproduce import length_generalization
 
@@ -18,7 +18,9 @@ def test_length_generalization_writes_table_4_analogue_for_both_models(tmp_path)
     # Copy only: the addition runs differ in their data bindings alone, which the next test
     # checks example by example without training.
     out = str(tmp_path / "length")
-    assert cli.call(["length_generalization", "--out", out, "--preset", "smoke", "--config.tasks=copy", ONE_DEVICE]) == 0
+    assert (
+        cli.call(["length_generalization", "--out", out, "--preset", "smoke", "--config.tasks=copy", ONE_DEVICE]) == 0
+    )
     payload = json.load(open(os.path.join(out, "length_generalization.json")))
     assert {(r["task"], r["model"]) for r in payload["runs"]} == {("copy", "transformer"), ("copy", "terraformer")}
     for record in payload["runs"]:
@@ -43,8 +45,11 @@ def test_addition_bindings_give_untruncated_sums_at_both_lengths(split):
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS" if split == "train" else "%EVAL_FEATURE_LENGTHS")
     task = tasks.get_task("synthetic_addition")
     vocabulary = task.output_features["targets"].vocabulary
-    batch = next(pipeline.BatchIterator(pipeline.get_dataset(
-        task, split=split, feature_lengths=lengths, batch_size=64, shuffle=False, num_epochs=1)))
+    batch = next(
+        pipeline.BatchIterator(
+            pipeline.get_dataset(task, split=split, feature_lengths=lengths, batch_size=64, shuffle=False, num_epochs=1)
+        )
+    )
     first_operands, second_operands = [], []
     for inputs, targets in zip(batch["encoder_input_tokens"], batch["decoder_target_tokens"]):
         x, y = vocabulary.decode([int(t) for t in inputs if t > 1]).split("+")

@@ -4,10 +4,10 @@ import json
 import os
 
 import pytest
-
-from terra.errors import ConfigError, DataNotFoundError, UsageError
 from conftest import ONE_DEVICE, is_png
+
 from terra.cli import reproduce as cli
+from terra.errors import ConfigError, DataNotFoundError, UsageError
 from terra.reproduce import runs, sparsity
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -15,13 +15,25 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 def test_sparsity_study_trains_every_variant_and_seed_and_writes_json_markdown_png(tmp_path):
     out = str(tmp_path / "sparsity")
-    args = ["sparsity", "--out", out, "--preset", "smoke", "--config.variants=dense,sparse_ff_16", "--config.seeds=0,1",
-                "--config.steps=2", "--config.eval_every=2", ONE_DEVICE]
+    args = [
+        "sparsity",
+        "--out",
+        out,
+        "--preset",
+        "smoke",
+        "--config.variants=dense,sparse_ff_16",
+        "--config.seeds=0,1",
+        "--config.steps=2",
+        "--config.eval_every=2",
+        ONE_DEVICE,
+    ]
     assert cli.call(args) == 0
 
     payload = json.load(open(os.path.join(out, "sparsity.json")))
     assert [r["variant"] for r in payload["rows"]] == ["dense", "sparse_ff_16"]
-    assert {(r["variant"], r["seed"]) for r in payload["runs"]} == {(v, s) for v in ("dense", "sparse_ff_16") for s in (0, 1)}
+    assert {(r["variant"], r["seed"]) for r in payload["runs"]} == {
+        (v, s) for v in ("dense", "sparse_ff_16") for s in (0, 1)
+    }
     final = {(r["variant"], r["seed"]): r["curves"]["eval/loss"][-1] for r in payload["runs"]}
     assert all(step == 2 for step, _ in final.values())
     dense, sparse = payload["rows"]
@@ -29,7 +41,9 @@ def test_sparsity_study_trains_every_variant_and_seed_and_writes_json_markdown_p
     gaps = [final[("sparse_ff_16", s)][1] - final[("dense", s)][1] for s in (0, 1)]
     assert sparse["gap_to_dense"]["n"] == 2
     assert sparse["gap_to_dense"]["mean"] == pytest.approx(sum(gaps) / 2)
-    assert sparse["gap_to_dense"]["min"] == pytest.approx(min(gaps)) and sparse["gap_to_dense"]["max"] == pytest.approx(max(gaps))
+    assert sparse["gap_to_dense"]["min"] == pytest.approx(min(gaps)) and sparse["gap_to_dense"]["max"] == pytest.approx(
+        max(gaps)
+    )
     assert dense["gap_to_dense"]["mean"] == 0.0 and dense["decode_speedup_vs_dense"] == 1.0
     assert sparse["params"] != dense["params"] and sparse["decode_seconds_per_token"] > 0
     # Different seeds are different runs.

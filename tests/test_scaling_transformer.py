@@ -113,8 +113,10 @@ def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape():
 
 
 def test_each_sparse_layer_lowers_the_weights_read_per_token():
-    totals = {f: _reads(f"models/{f}.gin")[1]["total"] for f in (
-        "dense_800m", "sparse_ff_800m", "sparse_ff_qkv_800m", "sparse_ff_qkv_loss4_800m", "fully_sparse_800m")}
+    totals = {
+        f: _reads(f"models/{f}.gin")[1]["total"]
+        for f in ("dense_800m", "sparse_ff_800m", "sparse_ff_qkv_800m", "sparse_ff_qkv_loss4_800m", "fully_sparse_800m")
+    }
     order = list(totals.values())
     assert order == sorted(order, reverse=True), totals
     assert totals["dense_800m"] / totals["fully_sparse_800m"] > 10

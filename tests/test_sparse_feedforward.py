@@ -166,6 +166,8 @@ def test_moe_baseline_decode_equals_eval_and_reads_one_block():
     variables = layer.init(jax.random.key(1), x)
     np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
     params = nn.unbox(variables)["params"]
-    assert MixtureOfExpertsFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL
+    assert (
+        MixtureOfExpertsFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL
+    )
     with pytest.raises(ConfigError, match="n_experts"):
         MixtureOfExpertsFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=5).init(jax.random.key(0), x)

@@ -12,9 +12,18 @@ from terra.data import embedded, feature_converters, fixtures, pipeline, sources
 from terra.evaluation import summaries
 
 LENGTHS = {"inputs": 64, "targets": 16}
-ENCODER_DECODER_FEATURES = {"encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights"}
+ENCODER_DECODER_FEATURES = {
+    "encoder_input_tokens",
+    "decoder_input_tokens",
+    "decoder_target_tokens",
+    "decoder_loss_weights",
+}
 LENGTH_CONCAT_FEATURES = ENCODER_DECODER_FEATURES | {
-    "concat_input_tokens", "concat_target_tokens", "concat_loss_weights", "encoder_lengths"}
+    "concat_input_tokens",
+    "concat_target_tokens",
+    "concat_loss_weights",
+    "encoder_lengths",
+}
 TFDS_ID = re.compile(r"^scientific_papers-(train|validation|test)\.tfrecord-\d{5}-of-\d{5}__\d+$")
 
 
@@ -25,8 +34,11 @@ def _paper(i):
     return record
 
 
-PAPERS = {"train": [_paper(i) for i in range(6)], "validation": [_paper(i) for i in range(10, 14)],
-          "test": [_paper(20)]}
+PAPERS = {
+    "train": [_paper(i) for i in range(6)],
+    "validation": [_paper(i) for i in range(10, 14)],
+    "test": [_paper(20)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +62,9 @@ def test_cohan_examples_carry_their_article_id(arxiv_dirs):
     for e in examples:
         assert e.target_text == _abstract(by_id[e.id])
         assert e.input_text == "\n".join(by_id[e.id]["article_text"])
-    assert [e.id for e in summaries.read_examples("arxiv_summarization", "validation", LENGTHS, 2)] == \
-        [r["article_id"] for r in PAPERS["validation"][:2]]
+    assert [e.id for e in summaries.read_examples("arxiv_summarization", "validation", LENGTHS, 2)] == [
+        r["article_id"] for r in PAPERS["validation"][:2]
+    ]
 
 
 def test_tfds_examples_carry_the_tfds_record_id(arxiv_dirs):
@@ -64,8 +77,10 @@ def test_tfds_examples_carry_the_tfds_record_id(arxiv_dirs):
     # The id names the record: the same id has the same paper in a second, shuffled read of the source.
     abstracts = {e.id: e.target_text for e in examples}
     source = sources.arxiv_tfds_source(data_dir=arxiv_dirs["tfds"])
-    reread = {ex["id"].decode(): "\n".join(line.strip() for line in ex["abstract"].decode().split("\n"))
-              for ex in source.get_dataset("validation", shuffle=True, seed=7).as_numpy_iterator()}
+    reread = {
+        ex["id"].decode(): "\n".join(line.strip() for line in ex["abstract"].decode().split("\n"))
+        for ex in source.get_dataset("validation", shuffle=True, seed=7).as_numpy_iterator()
+    }
     assert reread == abstracts
     assert sorted(abstracts.values()) == sorted(_abstract(r) for r in PAPERS["validation"])
 
@@ -95,8 +110,10 @@ def test_training_batches_have_exactly_the_model_features(data, arxiv_dirs):
     gin_utils.parse_gin([], bindings)
     task = "embedded_summarization" if data == "embedded" else "arxiv_summarization"
     assert "id" in tasks.get_task(task).get_dataset(LENGTHS, split="train", shuffle=False).element_spec
-    for converter, expected in ((None, ENCODER_DECODER_FEATURES),
-                                (feature_converters.length_concat_converter(), LENGTH_CONCAT_FEATURES)):
+    for converter, expected in (
+        (None, ENCODER_DECODER_FEATURES),
+        (feature_converters.length_concat_converter(), LENGTH_CONCAT_FEATURES),
+    ):
         ds = pipeline.get_dataset(task, feature_lengths=LENGTHS, batch_size=2, feature_converter=converter)
         assert set(ds.element_spec) == expected
         batch = next(pipeline.BatchIterator(ds))
@@ -108,8 +125,12 @@ def test_the_tfds_ids_survive_per_host_sharding(arxiv_dirs):
     task = tasks.get_task("arxiv_summarization")
     everything = {e.id for e in summaries.read_examples(task, "train", LENGTHS)}
     parts = [
-        {ex["id"].decode() for ex in task.get_dataset(
-            LENGTHS, split="train", shuffle=False, shard_info=seqio.ShardInfo(i, 2)).as_numpy_iterator()}
+        {
+            ex["id"].decode()
+            for ex in task.get_dataset(
+                LENGTHS, split="train", shuffle=False, shard_info=seqio.ShardInfo(i, 2)
+            ).as_numpy_iterator()
+        }
         for i in range(2)
     ]
     assert parts[0] | parts[1] == everything and not parts[0] & parts[1] and all(parts)

@@ -6,16 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from terra.benchmarks import reversible_memory
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.errors import ConfigError
-from terra.layers import LSHSelfAttention, SparseLossLogits, SparseFeedForward, SparseQKVAttention
+from terra.layers import LSHSelfAttention, SparseFeedForward, SparseLossLogits, SparseQKVAttention
 from terra.layers.length_concat import concat_with_padding, strip_to_decoder
 from terra.models import Terraformer, TerraformerModel
 from terra.models.terraformer import shared_qk_from_dense_attention
-
-from conftest import tiny_config
 
 VOCAB = 64
 
@@ -94,7 +93,9 @@ def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
     mask = batch["encoder_input_tokens"] != 0
     logits = model.logits(params, dict(batch, encoder_mask=mask))
     garbage = jnp.where(mask, batch["encoder_input_tokens"], 7)  # padded positions hold real ids
-    np.testing.assert_allclose(model.logits(params, dict(batch, encoder_input_tokens=garbage, encoder_mask=mask)), logits, atol=1e-5)
+    np.testing.assert_allclose(
+        model.logits(params, dict(batch, encoder_input_tokens=garbage, encoder_mask=mask)), logits, atol=1e-5
+    )
     changed = dict(batch, decoder_input_tokens=model.decoder_input_tokens(batch).at[:, 4].set(9), encoder_mask=mask)
     after = model.logits(params, changed)
     np.testing.assert_allclose(after[:, :4], logits[:, :4], atol=1e-5)

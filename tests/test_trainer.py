@@ -1,8 +1,8 @@
 """The trainer end to end on tiny models: sharded equivalence, resume after SIGKILL, SIGTERM,
 fine-tuning, divergence, early failures, the written artifacts and multi-host."""
 
-import json
 import glob
+import json
 import os
 import re
 import signal
@@ -14,12 +14,11 @@ import gin
 import jax
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 
 from terra import gin_utils
 from terra.errors import ConfigError
 from terra.training import checkpointing, trainer
-
-from conftest import REPO_ROOT
 
 # A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
 TINY = [
@@ -63,7 +62,9 @@ def _losses(model_dir):
 
 
 def _cli(model_dir, steps, *extra):
-    args = [f"--gin_file={f}" for f in FILES] + [f"--gin.{b.replace(' = ', '=', 1)}" for b in _bindings(model_dir, steps, *extra)]
+    args = [f"--gin_file={f}" for f in FILES] + [
+        f"--gin.{b.replace(' = ', '=', 1)}" for b in _bindings(model_dir, steps, *extra)
+    ]
     return [sys.executable, "-m", "terra.cli.train", *args]
 
 
@@ -72,7 +73,9 @@ def _assert_same_params(a, b, **tol):
 
 
 def _leaf(params, name):
-    return [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if name in jax.tree_util.keystr(path)][0]
+    return [
+        leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if name in jax.tree_util.keystr(path)
+    ][0]
 
 
 EXPERIMENTS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "experiments", "*.gin")))
@@ -102,8 +105,13 @@ def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
 
 
 def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path, capsys):
-    _parse(tmp_path / "a", 6, "terra.training.CheckpointSettings.every = 3", "terra.training.EvaluationSettings.every = 6",
-           "terra.training.EvaluationSettings.steps = 1")
+    _parse(
+        tmp_path / "a",
+        6,
+        "terra.training.CheckpointSettings.every = 3",
+        "terra.training.EvaluationSettings.every = 6",
+        "terra.training.EvaluationSettings.steps = 1",
+    )
     first = trainer.Trainer().run()
     run = tmp_path / "a"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -115,7 +123,10 @@ def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp
     assert any(name.startswith("events.out.tfevents") for _, _, names in os.walk(run / "tensorboard") for name in names)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
     # The written operative config alone reproduces the run.
-    gin_utils.parse_gin([str(run / "config.gin")], [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.training.Trainer.model_dir = {str(tmp_path / 'b')!r}"])
+    gin_utils.parse_gin(
+        [str(run / "config.gin")],
+        [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.training.Trainer.model_dir = {str(tmp_path / 'b')!r}"],
+    )
     second = trainer.Trainer().run()
     assert _losses(tmp_path / "b") == _losses(run)
     _assert_same_params(first.params, second.params, rtol=0, atol=0)
@@ -125,16 +136,26 @@ def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimize
     _parse(tmp_path / "pre", 3)
     pretrained = trainer.Trainer().run()
     # Learning rate 0: after one step the parameters are still exactly the pretrained ones.
-    _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(tmp_path / 'pre')!r}",
-           "terra.training.Trainer.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 0.0")
+    _parse(
+        tmp_path / "fine",
+        1,
+        f"INIT_FROM = {str(tmp_path / 'pre')!r}",
+        "terra.training.Trainer.optimizer = @terra.training.sgd()",
+        "terra.training.sgd.learning_rate = 0.0",
+    )
     fine = trainer.Trainer().run()
     _assert_same_params(fine.params, pretrained.params, rtol=0, atol=0)
     assert fine.step == 1 and checkpointing.Checkpointer(str(tmp_path / "fine")).latest_step() == 1
 
 
 def test_a_non_finite_loss_stops_training_and_leaves_the_last_checkpoint(tmp_path):
-    _parse(tmp_path / "nan", 20, "terra.training.Trainer.optimizer = @terra.training.sgd()", "terra.training.sgd.learning_rate = 1e30",
-           "terra.training.CheckpointSettings.every = 1")
+    _parse(
+        tmp_path / "nan",
+        20,
+        "terra.training.Trainer.optimizer = @terra.training.sgd()",
+        "terra.training.sgd.learning_rate = 1e30",
+        "terra.training.CheckpointSettings.every = 1",
+    )
     with pytest.raises(trainer.TrainingDiverged, match="not finite") as error:
         trainer.Trainer().run()
     assert "intact" in str(error.value)
@@ -167,8 +188,14 @@ def test_settings_groups_validate_their_values_before_anything_is_written(tmp_pa
 
 
 def test_a_misspelled_binding_fails_before_model_dir_is_written(tmp_path):
-    result = subprocess.run(_cli(tmp_path / "typo", 2, "terra.training.CheckpointSettings.evrey = 3"),
-                            cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        _cli(tmp_path / "typo", 2, "terra.training.CheckpointSettings.evrey = 3"),
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "'every'" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "typo").exists()
 
@@ -191,11 +218,15 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     steps, run = 60, tmp_path / "run"
     extra = ("terra.training.CheckpointSettings.every = 5", "terra.training.LoggingSettings.every = 5")
     command = _cli(run, steps, *extra)
-    first = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed_after = _wait_for_checkpoint(run, 10, first)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    second = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     _wait_for_checkpoint(run, killed_after + 5, second)
     second.send_signal(signal.SIGTERM)
     out, _ = second.communicate(timeout=120)
@@ -217,9 +248,18 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     extra = ("terra.training.Trainer.shuffle = False",)
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4", TERRA_LOG_DIR=str(tmp_path / "logs"))
     result = subprocess.run(
-        ["bash", os.path.join(REPO_ROOT, "scripts", "launch_local_multihost.sh"), "2",
-         *_cli(tmp_path / "multi", 5, *extra)[3:]],
-        cwd=REPO_ROOT, env=dict(env, PYTHON=sys.executable), capture_output=True, text=True, timeout=400)
+        [
+            "bash",
+            os.path.join(REPO_ROOT, "scripts", "launch_local_multihost.sh"),
+            "2",
+            *_cli(tmp_path / "multi", 5, *extra)[3:],
+        ],
+        cwd=REPO_ROOT,
+        env=dict(env, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "over 8 cpu devices, 2 processes" in result.stdout
     _parse(tmp_path / "single", 5, *extra)
@@ -230,8 +270,24 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
 def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, capsys):
     from terra.cli import bench
 
-    argv = ["train", "--out", str(tmp_path), "--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8",
-            "--rows", "dense", "--rows", "terraformer"]
+    argv = [
+        "train",
+        "--out",
+        str(tmp_path),
+        "--small",
+        "--steps",
+        "1",
+        "--batch_size",
+        "2",
+        "--inputs",
+        "16",
+        "--targets",
+        "8",
+        "--rows",
+        "dense",
+        "--rows",
+        "terraformer",
+    ]
     assert bench.call(argv) == 0
     rows = json.loads((tmp_path / "train_speed.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["tokens_per_second"] > 0 and np.isfinite(r["final_loss"]) for r in rows)

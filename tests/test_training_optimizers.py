@@ -71,8 +71,11 @@ def test_adafactor_minimizes_a_quadratic():
     state = spec.transform.init(params)
 
     # The 2-D parameter keeps factored (row and column) second moments, the vector a full one.
-    factored = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.FactoredState))
-                if isinstance(s, optax.FactoredState)]
+    factored = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.FactoredState))
+        if isinstance(s, optax.FactoredState)
+    ]
     assert len(factored) == 1
     fs = factored[0]
     assert sorted([fs.v_row["w"].shape, fs.v_col["w"].shape]) == [(3,), (4,)]
@@ -90,8 +93,9 @@ def test_adafactor_minimizes_a_quadratic():
     assert float(loss(params)) < 1e-3 * start
 
 
-def _trax_adafactor_step(w, g, slots, step, lr, *, decay_rate=0.8, clip=1.0, eps1=1e-16, eps2=1e-3,
-                         wd_rate=0.0, wd_steps=0):
+def _trax_adafactor_step(
+    w, g, slots, step, lr, *, decay_rate=0.8, clip=1.0, eps1=1e-16, eps2=1e-3, wd_rate=0.0, wd_steps=0
+):
     """Trax's ``Adafactor.update`` (beta1=0, factored, param-scale) for one array, in numpy."""
     decay = 1.0 - (step + 1.0) ** (-decay_rate)
     wd = wd_rate if wd_steps < 1 else wd_rate * max(wd_steps - step, 0.0) / wd_steps
@@ -103,29 +107,39 @@ def _trax_adafactor_step(w, g, slots, step, lr, *, decay_rate=0.8, clip=1.0, eps
         v_col = decay * v_col + (1 - decay) * g2.mean(-2)
         slots = (v_row, v_col)
         row_factor = (v_row / v_row.mean(-1, keepdims=True)) ** -0.5
-        y = g * row_factor[..., :, None] * (v_col ** -0.5)[..., None, :]
+        y = g * row_factor[..., :, None] * (v_col**-0.5)[..., None, :]
     else:
         (v,) = slots
         v = decay * v + (1 - decay) * g2
         slots = (v,)
-        y = g * v ** -0.5
+        y = g * v**-0.5
     y = y / max(1.0, np.sqrt(np.mean(y * y)) / clip)
     return (1 - wd) * w - scale * y, slots
 
 
 def test_adafactor_matches_optax_reference_update():
     rng = np.random.default_rng(0)
-    params = {"tall": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
-              "wide": jnp.asarray(rng.normal(size=(3, 6)), jnp.float32),
-              "bias": jnp.asarray(rng.normal(size=(4,)) * 1e-4, jnp.float32)}  # RMS below epsilon2
+    params = {
+        "tall": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
+        "wide": jnp.asarray(rng.normal(size=(3, 6)), jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=(4,)) * 1e-4, jnp.float32),
+    }  # RMS below epsilon2
     grads_seq = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(3)]
     schedule = opt.rsqrt_schedule(warmup_steps=2)
 
     # Our chain equals optax.adafactor with the mapped arguments (constant weight decay)...
     ours = opt.adafactor(learning_rate=schedule, weight_decay_rate=1e-2, decay_rate=0.8)
-    reference = optax.adafactor(learning_rate=schedule, min_dim_size_to_factor=1, decay_rate=0.8,
-                                multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
-                                weight_decay_rate=1e-2, eps=1e-16, factored=True)
+    reference = optax.adafactor(
+        learning_rate=schedule,
+        min_dim_size_to_factor=1,
+        decay_rate=0.8,
+        multiply_by_parameter_scale=True,
+        clipping_threshold=1.0,
+        momentum=None,
+        weight_decay_rate=1e-2,
+        eps=1e-16,
+        factored=True,
+    )
     got, _ = _apply(ours.transform, params, grads_seq)
     want, _ = _apply(reference, params, grads_seq)
     for a, b in zip(got, want):
@@ -135,13 +149,22 @@ def test_adafactor_matches_optax_reference_update():
     ours = opt.adafactor(learning_rate=schedule, decay_rate=0.9, weight_decay_rate=1e-2, weight_decay_steps=2)
     got, _ = _apply(ours.transform, params, grads_seq)
     np_params = {k: np.asarray(v, np.float64) for k, v in params.items()}
-    slots = {k: ((np.zeros(v.shape[:-1]), np.zeros(v.shape[-1:])) if v.ndim >= 2 else (np.zeros(v.shape),))
-             for k, v in np_params.items()}
+    slots = {
+        k: ((np.zeros(v.shape[:-1]), np.zeros(v.shape[-1:])) if v.ndim >= 2 else (np.zeros(v.shape),))
+        for k, v in np_params.items()
+    }
     for step, grads in enumerate(grads_seq):
         for k in np_params:
             np_params[k], slots[k] = _trax_adafactor_step(
-                np_params[k], np.asarray(grads[k], np.float64), slots[k], step, float(schedule(step)),
-                decay_rate=0.9, wd_rate=1e-2, wd_steps=2)
+                np_params[k],
+                np.asarray(grads[k], np.float64),
+                slots[k],
+                step,
+                float(schedule(step)),
+                decay_rate=0.9,
+                wd_rate=1e-2,
+                wd_steps=2,
+            )
         for k in np_params:
             np.testing.assert_allclose(got[step][k], np_params[k], rtol=2e-5, atol=1e-7)
 
@@ -160,7 +183,7 @@ def test_weight_decay_decays_linearly_to_zero():
         previous = float(p["w"][0, 0])
     # Without weight_decay_steps the rate stays constant.
     history, _ = _apply(opt.adafactor(learning_rate=0.0, weight_decay_rate=0.1).transform, params, grads[:3])
-    np.testing.assert_allclose(float(history[-1]["w"][0, 0]), 2.0 * 0.9 ** 3, rtol=1e-6)
+    np.testing.assert_allclose(float(history[-1]["w"][0, 0]), 2.0 * 0.9**3, rtol=1e-6)
 
 
 # --- build_optimizer ------------------------------------------------------------------------------
@@ -181,15 +204,22 @@ def test_gradient_clipping_bounds_the_update():
     assert spec.schedule(7) == opt.sgd(learning_rate=1.0).schedule(7)
 
 
-@pytest.mark.parametrize("make", [lambda: opt.sgd(learning_rate=0.1, momentum=0.9),
-                                  lambda: opt.adamw(learning_rate=opt.rsqrt_schedule(warmup_steps=1)),
-                                  lambda: opt.adafactor(learning_rate=0.01)],
-                         ids=["sgd", "adam", "adafactor"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: opt.sgd(learning_rate=0.1, momentum=0.9),
+        lambda: opt.adamw(learning_rate=opt.rsqrt_schedule(warmup_steps=1)),
+        lambda: opt.adafactor(learning_rate=0.01),
+    ],
+    ids=["sgd", "adam", "adafactor"],
+)
 def test_gradient_accumulation_equals_one_big_batch(make):
     rng = np.random.default_rng(1)
     params = {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.zeros(4)}
-    halves = [[jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(2)]
-              for _ in range(2)]  # two optimizer steps, each from two half-batch gradients
+    halves = [
+        [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(2)]
+        for _ in range(2)
+    ]  # two optimizer steps, each from two half-batch gradients
     means = [jax.tree.map(lambda a, b: (a + b) / 2, h[0], h[1]) for h in halves]
 
     accumulated = opt.build_optimizer(make(), clip_grad_norm=1.0, gradient_accumulation_steps=2)
@@ -237,10 +267,12 @@ def test_bad_optimizer_settings_raise_config_errors():
     with pytest.raises(ConfigError, match="decay_rate"):
         opt.adafactor()
     gin.clear_config()
-    gin.parse_config("terra.training.build_optimizer.spec = @terra.training.adafactor()\n"
-                     "terra.training.adafactor.decay_rate = 0.9\n"
-                     "terra.training.rsqrt_schedule.warmup_steps = 100\n"
-                     "terra.training.build_optimizer.gradient_accumulation_steps = 2")
+    gin.parse_config(
+        "terra.training.build_optimizer.spec = @terra.training.adafactor()\n"
+        "terra.training.adafactor.decay_rate = 0.9\n"
+        "terra.training.rsqrt_schedule.warmup_steps = 100\n"
+        "terra.training.build_optimizer.gradient_accumulation_steps = 2"
+    )
     spec = opt.build_optimizer()
     np.testing.assert_allclose(opt.learning_rate_at(spec, 1), 0.1, rtol=1e-6)
     assert isinstance(spec.transform.init({"w": jnp.zeros((2, 2))}), optax.MultiStepsState)
@@ -281,7 +313,11 @@ def test_metrics_writer_appends_jsonl_and_tensorboard_events(tmp_path):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 tags.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value))
+                    (
+                        event.step,
+                        float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value,
+                    )
+                )
     loss = sorted(tags["train/loss"])  # one events file per writer
     assert loss[:2] == [(10, 2.5), (20, 1.5)] and loss[2][0] == 30 and np.isnan(loss[2][1])
     assert tags["eval/accuracy"] == [(10, 0.25)]
@@ -318,6 +354,7 @@ def test_compiled_memory_is_reported_for_a_jitted_function():
     assert stats.argument_size_in_bytes == x.nbytes
     nbytes = metrics_lib.compiled_memory_bytes(compiled)
     assert isinstance(nbytes, int) and nbytes >= x.nbytes
+
     # Backends without an analysis give None, not an error.
     class NoAnalysis:
         def memory_analysis(self):
@@ -325,7 +362,10 @@ def test_compiled_memory_is_reported_for_a_jitted_function():
 
     assert metrics_lib.compiled_memory_bytes(NoAnalysis()) is None
 
-    line = metrics_lib.summarize_start(mesh_description="data=1 x model=1 over 1 cpu device",
-                                       param_count=12_345_678, compiled_memory_bytes=45_600_000)
+    line = metrics_lib.summarize_start(
+        mesh_description="data=1 x model=1 over 1 cpu device", param_count=12_345_678, compiled_memory_bytes=45_600_000
+    )
     assert line == "mesh data=1 x model=1 over 1 cpu device · 12.3M parameters · compiled train step 45.6 MB"
-    assert "memory unknown" in metrics_lib.summarize_start(mesh_description="m", param_count=10, compiled_memory_bytes=None)
+    assert "memory unknown" in metrics_lib.summarize_start(
+        mesh_description="m", param_count=10, compiled_memory_bytes=None
+    )

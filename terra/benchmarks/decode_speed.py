@@ -31,7 +31,6 @@ import ml_collections
 import numpy as np
 
 from terra import gin_utils
-from terra.benchmarks import presets as preset_lib
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
@@ -174,7 +173,13 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
     inputs = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=(1, config.input_length))
     decoder = IncrementalDecoder(model.module, max(2 * config.input_length, config.tokens))
     timing = measure_decode(
-        decoder, params, inputs, n_tokens=config.tokens, n_skip=config.skip, n_warmup=config.warmup, repeats=config.repeats
+        decoder,
+        params,
+        inputs,
+        n_tokens=config.tokens,
+        n_skip=config.skip,
+        n_warmup=config.warmup,
+        repeats=config.repeats,
     )
     itemsize = jnp.dtype(config.weights_dtype).itemsize
     reads = decode_cost_per_token(model, decoder, config.input_length, itemsize)
@@ -190,7 +195,9 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         bindings.append(f"TransformerConfig.dtype = '{config.weights_dtype}'")
     if config.block_mode == "difference":
         t1, r1, _, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 1"], config)
-        timing, reads, n_params, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config)
+        timing, reads, n_params, _ = _time_model(
+            row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config
+        )
         per_block = timing.median_token_s - t1.median_token_s
         per_block_loop = timing.median_loop_token_s - t1.median_loop_token_s
         block_bytes = reads["total"] - r1["total"]

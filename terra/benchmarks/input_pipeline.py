@@ -16,7 +16,6 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-
 from terra import gin_utils
 from terra.benchmarks import report
 
@@ -39,7 +38,11 @@ def _write_local_datasets(root: str, copies: int) -> Dict[str, str]:
     splits = {"train": papers, "validation": papers[:8], "test": papers[:8]}
     fixtures.write_cohan(os.path.join(root, "raw"), splits)
     fixtures.write_arxiv_tfds(os.path.join(root, "tfds"), splits)
-    return {"c4_json": os.path.join(root, "c4json"), "arxiv_cohan": os.path.join(root, "raw"), "tfds_data_dir": os.path.join(root, "tfds")}
+    return {
+        "c4_json": os.path.join(root, "c4json"),
+        "arxiv_cohan": os.path.join(root, "raw"),
+        "tfds_data_dir": os.path.join(root, "tfds"),
+    }
 
 
 ROWS = (
@@ -51,10 +54,14 @@ ROWS = (
 )
 
 
-def measure(task: str, feature_lengths: Dict[str, int], *, batch_size: int, seconds: float, warmup_batches: int = 3) -> dict:
+def measure(
+    task: str, feature_lengths: Dict[str, int], *, batch_size: int, seconds: float, warmup_batches: int = 3
+) -> dict:
     from terra.data import pipeline
 
-    it = pipeline.BatchIterator(pipeline.get_dataset(task, feature_lengths=feature_lengths, batch_size=batch_size, seed=0))
+    it = pipeline.BatchIterator(
+        pipeline.get_dataset(task, feature_lengths=feature_lengths, batch_size=batch_size, seed=0)
+    )
     for _ in range(warmup_batches):
         next(it)
     tokens = examples = 0
@@ -68,17 +75,31 @@ def measure(task: str, feature_lengths: Dict[str, int], *, batch_size: int, seco
 
 
 def markdown(rows: Sequence[dict], note: str) -> str:
-    lines = ["### input pipeline throughput", "", note, "",
-             "| pipeline | feature lengths | tokens/s | examples/s |", "|---|---|---|---|"]
+    lines = [
+        "### input pipeline throughput",
+        "",
+        note,
+        "",
+        "| pipeline | feature lengths | tokens/s | examples/s |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         lengths = f"{r['feature_lengths']['inputs']}/{r['feature_lengths']['targets']}"
         lines.append(f"| {r['name']} | {lengths} | {r['tokens_per_second']:,.0f} | {r['examples_per_second']:,.1f} |")
     return "\n".join(lines) + "\n"
 
 
-def run(out_dir: str, *, data: Mapping[str, Optional[str]], bindings_for: Callable[[Mapping[str, Optional[str]]], List[str]],
-        batch_size: int = 8, seconds: float = 10.0, copies: int = 3, gin_files: Sequence[str] = (),
-        gin_bindings: Sequence[str] = ()) -> List[dict]:
+def run(
+    out_dir: str,
+    *,
+    data: Mapping[str, Optional[str]],
+    bindings_for: Callable[[Mapping[str, Optional[str]]], List[str]],
+    batch_size: int = 8,
+    seconds: float = 10.0,
+    copies: int = 3,
+    gin_files: Sequence[str] = (),
+    gin_bindings: Sequence[str] = (),
+) -> List[dict]:
     """Times every row; writes ``input_pipeline.{json,md}`` to ``out_dir``. ``data`` holds the
     data locations given (``c4_json``, ``arxiv_cohan``, ``tfds_data_dir``, ``vocabulary``; None
     when absent) and ``bindings_for`` turns such a mapping into gin bindings."""
@@ -86,23 +107,41 @@ def run(out_dir: str, *, data: Mapping[str, Optional[str]], bindings_for: Callab
     with tempfile.TemporaryDirectory() as tmp:
         if not all(given.values()):
             written = _write_local_datasets(tmp, copies)
-            note = ("Data written from the embedded corpus to a temporary directory (" + ", ".join(
-                f"{k}: {'given' if v else 'written'}" for k, v in given.items()) + ").")
+            note = (
+                "Data written from the embedded corpus to a temporary directory ("
+                + ", ".join(f"{k}: {'given' if v else 'written'}" for k, v in given.items())
+                + ")."
+            )
             given = {k: v or written[k] for k, v in given.items()}
         else:
             note = "Data given on the command line."
         vocab = f"; vocabulary {data.get('vocabulary')}" if data.get("vocabulary") else "; embedded-corpus vocabulary"
-        note += f" Batch {batch_size}, {seconds:.0f} s per row after 3 warm-up batches{vocab}; tokens = non-padding inputs + targets."
+        note += (
+            f" Batch {batch_size}, {seconds:.0f} s per row after 3 warm-up batches{vocab}; "
+            "tokens = non-padding inputs + targets."
+        )
         results: List[dict] = []
         for name, task, key, lengths in ROWS:
             # The row's source: the JSON-lines files when the row names them, else the TFDS directory.
-            row_data = {"tfds_data_dir": given["tfds_data_dir"], "vocabulary": data.get("vocabulary"),
-                        "c4_json": given["c4_json"] if key == "c4_json" else None,
-                        "arxiv_cohan": given["arxiv_cohan"] if key == "arxiv_cohan" else None}
+            row_data = {
+                "tfds_data_dir": given["tfds_data_dir"],
+                "vocabulary": data.get("vocabulary"),
+                "c4_json": given["c4_json"] if key == "c4_json" else None,
+                "arxiv_cohan": given["arxiv_cohan"] if key == "arxiv_cohan" else None,
+            }
             gin_utils.parse_gin(list(gin_files), bindings_for(row_data) + list(gin_bindings))
-            row = {"name": name, "task": task, "feature_lengths": lengths, "batch_size": batch_size,
-                   **measure(task, lengths, batch_size=batch_size, seconds=seconds)}
-            print(f"{name:42s} {row['tokens_per_second']:>12,.0f} tokens/s {row['examples_per_second']:>8,.1f} examples/s", flush=True)
+            row = {
+                "name": name,
+                "task": task,
+                "feature_lengths": lengths,
+                "batch_size": batch_size,
+                **measure(task, lengths, batch_size=batch_size, seconds=seconds),
+            }
+            print(
+                f"{name:42s} {row['tokens_per_second']:>12,.0f} tokens/s "
+                f"{row['examples_per_second']:>8,.1f} examples/s",
+                flush=True,
+            )
             results.append(row)
     report.write_rows(out_dir, "input_pipeline", results, note, markdown(results, note))
     return results

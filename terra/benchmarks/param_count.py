@@ -17,8 +17,11 @@ def model_counts(gin_files: Sequence[str], bindings: Sequence[str] = (), search_
     "closed_form": the dense closed form of the same sizes}`` of the model the files build."""
     gin_utils.parse_gin(list(gin_files), list(bindings), search_paths=search_paths)
     model = gin_utils.build_model()
-    return {"params": model.param_count(), "read_per_token": model.params_read_per_token(),
-            "closed_form": closed_form_param_count(model.config)}
+    return {
+        "params": model.param_count(),
+        "read_per_token": model.params_read_per_token(),
+        "closed_form": closed_form_param_count(model.config),
+    }
 
 
 def all_model_counts(bindings: Sequence[str] = ()) -> List[Dict]:
@@ -26,6 +29,7 @@ def all_model_counts(bindings: Sequence[str] = ()) -> List[Dict]:
     rows = []
     for name in gin_utils.shipped_configs("models"):
         counts = model_counts([name], bindings)
-        rows.append({"config": name, "params": counts["params"]["total"],
-                     "read_per_token": counts["read_per_token"]["total"]})
+        rows.append(
+            {"config": name, "params": counts["params"]["total"], "read_per_token": counts["read_per_token"]["total"]}
+        )
     return rows

@@ -117,11 +117,19 @@ def sparsity_sweep() -> ml_collections.ConfigDict:
     rows = [make_row("dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0)]
     for n in (16, 32, 64, 128):
         rows.append(
-            make_row(f"Sparse FF {n}", "models/sparse_ff_800m.gin", bindings=(f"SparseFeedForward.ff_sparsity = {n}",), series="ff_sparsity", sparsity=n)
+            make_row(
+                f"Sparse FF {n}",
+                "models/sparse_ff_800m.gin",
+                bindings=(f"SparseFeedForward.ff_sparsity = {n}",),
+                series="ff_sparsity",
+                sparsity=n,
+            )
         )
     rows.append(make_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
     for s in (2, 4, 8):
-        rows.append(make_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s))
+        rows.append(
+            make_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s)
+        )
     return timing_config(rows)
 
 
@@ -183,7 +191,15 @@ TRAIN_SPEED_SMOKE_SIZE = [
 TRAIN_SPEED_ROWS = {  # key: (name, model config, bindings)
     "dense": ("dense", "models/dense_800m.gin", ["TransformerConfig.d_ff = 2048"]),
     "sparse_ff": ("Sparse FF", "models/sparse_ff_800m.gin", ["TransformerConfig.d_ff = 2048"]),
-    "scaling": ("Sparse FF+QKV+loss (Scaling Transformer)", "models/sparse_ff_qkv_loss4_800m.gin", ["TransformerConfig.d_ff = 3072"]),
+    "scaling": (
+        "Sparse FF+QKV+loss (Scaling Transformer)",
+        "models/sparse_ff_qkv_loss4_800m.gin",
+        ["TransformerConfig.d_ff = 3072"],
+    ),
     # Reversible, two decoder attentions over [encoder | decoder], SRU; Sparse FF+QKV+loss 4.
-    "terraformer": ("Terraformer", "models/terraformer_800m.gin", ["TransformerConfig.d_ff = 3072", "TransformerConfig.max_len = 512"]),
+    "terraformer": (
+        "Terraformer",
+        "models/terraformer_800m.gin",
+        ["TransformerConfig.d_ff = 3072", "TransformerConfig.max_len = 512"],
+    ),
 }

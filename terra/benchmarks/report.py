@@ -83,10 +83,14 @@ def plot(rows: Sequence[dict], path: str, title: str) -> None:
         floors = [r["floor_seconds"] * 1e3 for r in rows]
         y = list(range(len(rows)))
         ax.barh(y, [r[step_key] * 1e3 for r in rows], color="tab:blue", label="measured (a step call per token)")
-        ax.scatter([r[loop_key] * 1e3 for r in rows], y, color="black", marker="o", s=18, label="in one while_loop", zorder=3)
+        ax.scatter(
+            [r[loop_key] * 1e3 for r in rows], y, color="black", marker="o", s=18, label="in one while_loop", zorder=3
+        )
         ax.scatter(floors, y, color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
         with_arithmetic = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, rows)]
-        ax.scatter(with_arithmetic, y, color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3)
+        ax.scatter(
+            with_arithmetic, y, color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3
+        )
         ax.set_yticks(y, names, fontsize=8)
         ax.invert_yaxis()
         unit = "ms per decoder block" if per_block else "ms per token"

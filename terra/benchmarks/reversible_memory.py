@@ -79,19 +79,26 @@ def markdown(rows: Sequence[Dict]) -> str:
     if len(depths) > 1:
         lo, hi = depths[0], depths[-1]
         per_layer = lambda rev: (by[(hi, rev)] - by[(lo, rev)]) / (hi - lo) / 2**20  # noqa: E731
-        lines.append(
-            f"| growth per extra layer pair | {per_layer(True):,.2f} | {per_layer(False):,.2f} |"
-        )
+        lines.append(f"| growth per extra layer pair | {per_layer(True):,.2f} | {per_layer(False):,.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def run(out_dir: Optional[str] = None, *, depths: Sequence[int] = (1, 2, 4, 8), d_model: int = 256, batch: int = 4,
-        inputs: int = 256, targets: int = 64) -> List[Dict]:
+def run(
+    out_dir: Optional[str] = None,
+    *,
+    depths: Sequence[int] = (1, 2, 4, 8),
+    d_model: int = 256,
+    batch: int = 4,
+    inputs: int = 256,
+    targets: int = 64,
+) -> List[Dict]:
     """Prints the table of :func:`measure` (``d_ff = 4 d_model``) and writes
     ``reversible_memory.json`` to ``out_dir`` when given."""
     rows = measure(list(depths), d_model=d_model, d_ff=4 * d_model, batch=batch, inputs=inputs, targets=targets)
-    print(f"Terraformer training step (grad of the loss), d_model {d_model}, batch {batch} x "
-          f"({inputs} + {targets}) tokens: XLA compiled temporary memory\n")
+    print(
+        f"Terraformer training step (grad of the loss), d_model {d_model}, batch {batch} x "
+        f"({inputs} + {targets}) tokens: XLA compiled temporary memory\n"
+    )
     print(markdown(rows))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

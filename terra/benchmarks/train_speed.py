@@ -11,7 +11,7 @@ decoding), so training is not expected to be faster. Writes ``train_speed.{json,
 """
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,17 @@ from terra.training import optimizers
 from terra.training.train_state import TrainState
 from terra.training.train_step import train_step
 
-def measure(gin_files: Sequence[str], bindings: Sequence[str], *, size: Sequence[str], batch_size: int, inputs: int,
-            targets: int, steps: int) -> dict:
+
+def measure(
+    gin_files: Sequence[str],
+    bindings: Sequence[str],
+    *,
+    size: Sequence[str],
+    batch_size: int,
+    inputs: int,
+    targets: int,
+    steps: int,
+) -> dict:
     gin_utils.parse_gin(list(gin_files), list(size) + list(bindings))
     model = gin_utils.build_model()
     tx = optimizers.adafactor().transform
@@ -40,7 +49,9 @@ def measure(gin_files: Sequence[str], bindings: Sequence[str], *, size: Sequence
     batch = {
         "encoder_input_tokens": jnp.asarray(rng.integers(2, vocab, (batch_size, inputs)).astype(np.int32)),
         "decoder_target_tokens": jnp.asarray(targets_tokens),
-        "decoder_input_tokens": jnp.asarray(np.concatenate([np.zeros((batch_size, 1), np.int32), targets_tokens[:, :-1]], 1)),
+        "decoder_input_tokens": jnp.asarray(
+            np.concatenate([np.zeros((batch_size, 1), np.int32), targets_tokens[:, :-1]], 1)
+        ),
         "decoder_loss_weights": jnp.ones((batch_size, targets), jnp.int32),
     }
     step = jax.jit(lambda s, b, r: train_step(model, tx, s, b, r), donate_argnums=(0,))
@@ -68,30 +79,64 @@ def measure(gin_files: Sequence[str], bindings: Sequence[str], *, size: Sequence
 
 
 def markdown(rows: List[dict], note: str) -> str:
-    lines = ["### training throughput", "", note, "",
-             "| model | params | step time | tokens/s | compiled memory |", "|---|---|---|---|---|"]
+    lines = [
+        "### training throughput",
+        "",
+        note,
+        "",
+        "| model | params | step time | tokens/s | compiled memory |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         memory = f"{r['compiled_memory_bytes'] / 1e6:,.1f} MB" if r["compiled_memory_bytes"] else "n/a"
-        lines.append(f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['seconds_per_step'] * 1e3:,.0f} ms | "
-                     f"{r['tokens_per_second']:,.0f} | {memory} |")
+        lines.append(
+            f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['seconds_per_step'] * 1e3:,.0f} ms | "
+            f"{r['tokens_per_second']:,.0f} | {memory} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def run(out_dir: str, *, rows: Sequence[str] = (), batch_size: int = 8, inputs: int = 256, targets: int = 64,
-        steps: int = 5, small: bool = False, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = ()) -> List[dict]:
+def run(
+    out_dir: str,
+    *,
+    rows: Sequence[str] = (),
+    batch_size: int = 8,
+    inputs: int = 256,
+    targets: int = 64,
+    steps: int = 5,
+    small: bool = False,
+    gin_files: Sequence[str] = (),
+    gin_bindings: Sequence[str] = (),
+) -> List[dict]:
     """Times each of ``rows`` (keys of :data:`ROWS`; default all); ``gin_files`` and
     ``gin_bindings`` are applied to every row after its own. Writes ``train_speed.{json,md}``."""
     size = list(SMALL_SIZE) + (list(SMOKE_SIZE) if small else [])
     results = []
     for name, gin_file, bindings in (ROWS[k] for k in (rows or list(ROWS))):
         bindings = bindings + (["TransformerConfig.d_ff = 256"] if small else [])
-        row = {"name": name, "gin_file": gin_file,
-               **measure([gin_file, *gin_files], [*bindings, *gin_bindings], size=size, batch_size=batch_size,
-                         inputs=inputs, targets=targets, steps=steps)}
-        print(f"{name:45s} {row['seconds_per_step'] * 1e3:8.1f} ms/step {row['tokens_per_second']:>10,.0f} tokens/s", flush=True)
+        row = {
+            "name": name,
+            "gin_file": gin_file,
+            **measure(
+                [gin_file, *gin_files],
+                [*bindings, *gin_bindings],
+                size=size,
+                batch_size=batch_size,
+                inputs=inputs,
+                targets=targets,
+                steps=steps,
+            ),
+        }
+        print(
+            f"{name:45s} {row['seconds_per_step'] * 1e3:8.1f} ms/step {row['tokens_per_second']:>10,.0f} tokens/s",
+            flush=True,
+        )
         results.append(row)
-    note = (f"Batch {batch_size} x (inputs {inputs} + targets {targets}) tokens; Adafactor; median of "
-            f"{steps} steps after one warm-up; {jax.device_count()} {jax.default_backend()} device(s); sizes: "
-            + ", ".join(b.split('.')[-1] for b in size[:7]) + ". Sparse-QKV rows use d_ff 1.5x to match parameters.")
+    note = (
+        f"Batch {batch_size} x (inputs {inputs} + targets {targets}) tokens; Adafactor; median of "
+        f"{steps} steps after one warm-up; {jax.device_count()} {jax.default_backend()} device(s); sizes: "
+        + ", ".join(b.split(".")[-1] for b in size[:7])
+        + ". Sparse-QKV rows use d_ff 1.5x to match parameters."
+    )
     report.write_rows(out_dir, "train_speed", results, note, markdown(results, note))
     return results

@@ -65,7 +65,11 @@ class Command:
         return paragraph.split(". ")[0].rstrip(".") + "."
 
     def usage(self) -> str:
-        tail = " SUBCOMMAND [flags]" if self.subcommands else " [flags]" + (f" {self.positional}" if self.positional else "")
+        tail = (
+            " SUBCOMMAND [flags]"
+            if self.subcommands
+            else " [flags]" + (f" {self.positional}" if self.positional else "")
+        )
         return f"usage: {self.name}{tail}\n   or: {self.python_m}{tail}"
 
     def call(self, argv: Sequence[str]) -> int:
@@ -146,8 +150,10 @@ class Command:
         if self.subcommands:
             width = max(len(n) for n in self.subcommands)
             parts += ["", "subcommands (each has its own --help):"]
-            parts += [textwrap.fill(f"  {n:<{width}}  {c.summary}", 100, subsequent_indent=" " * (width + 4))
-                      for n, c in self.subcommands.items()]
+            parts += [
+                textwrap.fill(f"  {n:<{width}}  {c.summary}", 100, subsequent_indent=" " * (width + 4))
+                for n, c in self.subcommands.items()
+            ]
         if flag_values is not None:
             parts += ["", "flags:", *describe_flags(flag_values)]
             for name in flag_values:
@@ -181,7 +187,8 @@ def rewrite_gin_args(argv: Sequence[str]) -> List[str]:
             name, sep, value = arg[len("--gin.") :].partition("=")
             if not sep or not name:
                 raise errors.UsageError(
-                    f"malformed flag {arg!r}; write --gin.NAME=VALUE, e.g. --gin.TransformerConfig.d_model=512.")
+                    f"malformed flag {arg!r}; write --gin.NAME=VALUE, e.g. --gin.TransformerConfig.d_model=512."
+                )
             arg = f"--gin_bindings={name} = {value}"
         out.append(arg)
     return out

@@ -27,9 +27,12 @@ def define_decode_flags(flag_values: flags.FlagValues, argv) -> None:
     from terra.benchmarks import presets
 
     flag_groups.define_preset_flags(flag_values, argv, presets.PRESETS, "paper_800m", "decode-speed")
-    flag_groups.define_gin_flags(flag_values, files_help="time this one model config instead of a preset's rows "
-                                 "(the files are parsed together)")
-    flags.DEFINE_string("out", None, "directory for decode_speed.{json,md,png} and machine.json", flag_values=flag_values)
+    flag_groups.define_gin_flags(
+        flag_values, files_help="time this one model config instead of a preset's rows (the files are parsed together)"
+    )
+    flags.DEFINE_string(
+        "out", None, "directory for decode_speed.{json,md,png} and machine.json", flag_values=flag_values
+    )
 
 
 def run_decode(flag_values: flags.FlagValues, _) -> int:
@@ -77,9 +80,17 @@ def run_train(flag_values: flags.FlagValues, _) -> int:
     from terra.benchmarks import train_speed
 
     gin = flag_groups.gin_arguments(flag_values)
-    train_speed.run(flag_values.out, rows=flag_values.rows, batch_size=flag_values.batch_size,
-                    inputs=flag_values.inputs, targets=flag_values.targets, steps=flag_values.steps,
-                    small=flag_values.small, gin_files=gin["gin_files"], gin_bindings=gin["gin_bindings"])
+    train_speed.run(
+        flag_values.out,
+        rows=flag_values.rows,
+        batch_size=flag_values.batch_size,
+        inputs=flag_values.inputs,
+        targets=flag_values.targets,
+        steps=flag_values.steps,
+        small=flag_values.small,
+        gin_files=gin["gin_files"],
+        gin_bindings=gin["gin_bindings"],
+    )
     return 0
 
 
@@ -96,7 +107,9 @@ def define_input_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_string("out", "out/input_pipeline", "output directory", flag_values=flag_values)
     flags.DEFINE_integer("batch_size", 8, "examples per batch", flag_values=flag_values)
     flags.DEFINE_float("seconds", 10.0, "timed seconds per row", flag_values=flag_values)
-    flags.DEFINE_integer("copies", 3, "passes over the embedded corpus in the written datasets", flag_values=flag_values)
+    flags.DEFINE_integer(
+        "copies", 3, "passes over the embedded corpus in the written datasets", flag_values=flag_values
+    )
     flag_groups.define_data_flags(flag_values)
     flag_groups.define_gin_flags(flag_values)
 
@@ -106,9 +119,16 @@ def run_input(flag_values: flags.FlagValues, _) -> int:
 
     gin = flag_groups.gin_arguments(flag_values)
     data = {name: flag_values[name].value for name in flag_groups.DATA_FLAGS}
-    input_pipeline.run(flag_values.out, data=data, bindings_for=flag_groups.data_bindings,
-                       batch_size=flag_values.batch_size, seconds=flag_values.seconds, copies=flag_values.copies,
-                       gin_files=gin["gin_files"], gin_bindings=gin["gin_bindings"])
+    input_pipeline.run(
+        flag_values.out,
+        data=data,
+        bindings_for=flag_groups.data_bindings,
+        batch_size=flag_values.batch_size,
+        seconds=flag_values.seconds,
+        copies=flag_values.copies,
+        gin_files=gin["gin_files"],
+        gin_bindings=gin["gin_bindings"],
+    )
     return 0
 
 
@@ -136,8 +156,14 @@ def run_memory(flag_values: flags.FlagValues, _) -> int:
         depths = [int(d) for d in flag_values.depths]
     except ValueError:
         raise errors.UsageError(f"--depths={','.join(flag_values.depths)}: give integers, e.g. 1,2,4,8.") from None
-    reversible_memory.run(flag_values.out, depths=depths, d_model=flag_values.d_model, batch=flag_values.batch,
-                          inputs=flag_values.inputs, targets=flag_values.targets)
+    reversible_memory.run(
+        flag_values.out,
+        depths=depths,
+        d_model=flag_values.d_model,
+        batch=flag_values.batch,
+        inputs=flag_values.inputs,
+        targets=flag_values.targets,
+    )
     return 0
 
 
@@ -145,12 +171,17 @@ def _sub(name, doc, define, run, **kwargs):
     return app.command(f"terra-bench {name}", "terra.cli.bench", doc, define_flags=define, run=run, **kwargs)
 
 
-COMMAND = app.group("terra-bench", "terra.cli.bench", __doc__, {
-    "decode": _sub("decode", DECODE_DOC, define_decode_flags, run_decode),
-    "train": _sub("train", TRAIN_DOC, define_train_flags, run_train),
-    "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
-    "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),
-})
+COMMAND = app.group(
+    "terra-bench",
+    "terra.cli.bench",
+    __doc__,
+    {
+        "decode": _sub("decode", DECODE_DOC, define_decode_flags, run_decode),
+        "train": _sub("train", TRAIN_DOC, define_train_flags, run_train),
+        "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
+        "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),
+    },
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

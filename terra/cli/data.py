@@ -13,8 +13,13 @@ to check data locations, vocabulary and lengths before a run.
 
 
 def define_show_flags(flag_values: flags.FlagValues, argv) -> None:
-    flags.DEFINE_string("task", None, "a terra task (terra.data.tasks.task_names(): c4_span_corruption, "
-                        "arxiv_summarization, embedded_summarization, ...); required", flag_values=flag_values)
+    flags.DEFINE_string(
+        "task",
+        None,
+        "a terra task (terra.data.tasks.task_names(): c4_span_corruption, "
+        "arxiv_summarization, embedded_summarization, ...); required",
+        flag_values=flag_values,
+    )
     flags.mark_flag_as_required("task", flag_values=flag_values)
     flags.DEFINE_string("split", "validation", "split to read", flag_values=flag_values)
     flags.DEFINE_integer("n", 3, "examples to show", lower_bound=1, flag_values=flag_values)
@@ -30,12 +35,19 @@ def run_show(flag_values: flags.FlagValues, _) -> int:
     from terra.data import pipeline, tasks
 
     gin = flag_groups.gin_arguments(flag_values)
-    gin_utils.parse_gin(gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"],
-                        search_paths=gin["search_paths"])
+    gin_utils.parse_gin(
+        gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
+    )
     provider = tasks.get_task(flag_values.task)
     ds = pipeline.get_dataset(
-        provider, split=flag_values.split, batch_size=1, seed=flag_values.seed, shuffle=False, num_epochs=1,
-        feature_lengths={"inputs": flag_values.inputs_length, "targets": flag_values.targets_length})
+        provider,
+        split=flag_values.split,
+        batch_size=1,
+        seed=flag_values.seed,
+        shuffle=False,
+        num_epochs=1,
+        feature_lengths={"inputs": flag_values.inputs_length, "targets": flag_values.targets_length},
+    )
     features = provider.output_features
     for i, batch in enumerate(pipeline.BatchIterator(ds)):
         if i >= flag_values.n:
@@ -57,11 +69,16 @@ dataset's directory; pass --tfds_data_dir=<data_dir> to training afterwards.
 
 
 def define_prepare_flags(flag_values: flags.FlagValues, argv) -> None:
-    flags.DEFINE_string("data_dir", None, "TFDS data directory to prepare the dataset in; required",
-                        flag_values=flag_values)
+    flags.DEFINE_string(
+        "data_dir", None, "TFDS data directory to prepare the dataset in; required", flag_values=flag_values
+    )
     flags.mark_flag_as_required("data_dir", flag_values=flag_values)
-    flags.DEFINE_string("manual_dir", None, "folder holding arxiv-dataset.zip (default <data_dir>/downloads/manual)",
-                        flag_values=flag_values)
+    flags.DEFINE_string(
+        "manual_dir",
+        None,
+        "folder holding arxiv-dataset.zip (default <data_dir>/downloads/manual)",
+        flag_values=flag_values,
+    )
 
 
 def run_prepare(flag_values: flags.FlagValues, _) -> int:
@@ -71,11 +88,23 @@ def run_prepare(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.group("terra-data", "terra.cli.data", __doc__, {
-    "show": app.command("terra-data show", "terra.cli.data", SHOW_DOC, define_flags=define_show_flags, run=run_show),
-    "prepare-arxiv": app.command("terra-data prepare-arxiv", "terra.cli.data", PREPARE_DOC,
-                                 define_flags=define_prepare_flags, run=run_prepare),
-})
+COMMAND = app.group(
+    "terra-data",
+    "terra.cli.data",
+    __doc__,
+    {
+        "show": app.command(
+            "terra-data show", "terra.cli.data", SHOW_DOC, define_flags=define_show_flags, run=run_show
+        ),
+        "prepare-arxiv": app.command(
+            "terra-data prepare-arxiv",
+            "terra.cli.data",
+            PREPARE_DOC,
+            define_flags=define_prepare_flags,
+            run=run_prepare,
+        ),
+    },
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

@@ -23,18 +23,30 @@ OVERRIDES = ("step", "split", "num_examples", "batch_size", "max_decode_length",
 def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flag_groups.define_gin_flags(flag_values)
     flag_groups.define_data_flags(flag_values)
-    flags.DEFINE_string("checkpoint", None, "a terra MODEL_DIR: its config.gin configures the evaluation and its "
-                        "checkpoints are read", flag_values=flag_values)
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "a terra MODEL_DIR: its config.gin configures the evaluation and its checkpoints are read",
+        flag_values=flag_values,
+    )
     flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=flag_values)
     flags.DEFINE_string("split", None, "task split (default: validation)", flag_values=flag_values)
     flags.DEFINE_integer("num_examples", None, "only the first N examples", flag_values=flag_values)
     flags.DEFINE_integer("batch_size", None, "examples decoded together", flag_values=flag_values)
-    flags.DEFINE_integer("max_decode_length", None, "most tokens decoded per example (default: the task's "
-                         "target length)", flag_values=flag_values)
-    flags.DEFINE_float("temperature", None, "0 = greedy (the default); the paper sampled at 0.5", flag_values=flag_values)
+    flags.DEFINE_integer(
+        "max_decode_length",
+        None,
+        "most tokens decoded per example (default: the task's target length)",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "temperature", None, "0 = greedy (the default); the paper sampled at 0.5", flag_values=flag_values
+    )
     flags.DEFINE_integer("seed", None, "sampling seed", flag_values=flag_values)
     flags.DEFINE_string("output_dir", None, "where predictions.jsonl and metrics.json go", flag_values=flag_values)
-    flags.DEFINE_bool("force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values
+    )
 
 
 def run(flag_values: flags.FlagValues, _) -> int:

@@ -18,32 +18,56 @@ from terra import errors
 
 def define_gin_flags(flag_values: flags.FlagValues, *, files_help: str = "") -> None:
     flags.DEFINE_multi_string(
-        "gin_file", [], files_help or "gin file to parse (later files override earlier ones); a relative "
+        "gin_file",
+        [],
+        files_help
+        or "gin file to parse (later files override earlier ones); a relative "
         "name is looked up in the working directory, then --gin_search_paths, then terra's shipped configs "
-        "(e.g. experiments/quickstart.gin)", flag_values=flag_values)
+        "(e.g. experiments/quickstart.gin)",
+        flag_values=flag_values,
+    )
     flags.DEFINE_multi_string(
-        "gin_bindings", [], "a gin binding 'NAME = VALUE'; --gin.NAME=VALUE is the short form, "
-        "applied after the files; strings need quotes: --gin.MODEL_DIR=\"'runs/x'\"", flag_values=flag_values)
+        "gin_bindings",
+        [],
+        "a gin binding 'NAME = VALUE'; --gin.NAME=VALUE is the short form, "
+        "applied after the files; strings need quotes: --gin.MODEL_DIR=\"'runs/x'\"",
+        flag_values=flag_values,
+    )
     flags.DEFINE_multi_string(
-        "gin_search_paths", [], "folder where --gin_file names and gin includes are also looked up",
-        flag_values=flag_values)
+        "gin_search_paths",
+        [],
+        "folder where --gin_file names and gin includes are also looked up",
+        flag_values=flag_values,
+    )
 
 
 def gin_arguments(flag_values: flags.FlagValues) -> Dict[str, List[str]]:
     """``{"gin_files", "gin_bindings", "search_paths"}`` as given on the command line."""
-    return {"gin_files": list(flag_values.gin_file), "gin_bindings": list(flag_values.gin_bindings),
-            "search_paths": list(flag_values.gin_search_paths)}
+    return {
+        "gin_files": list(flag_values.gin_file),
+        "gin_bindings": list(flag_values.gin_bindings),
+        "search_paths": list(flag_values.gin_search_paths),
+    }
 
 
 # flag -> (help, the gin parameters it binds)
 DATA_FLAGS: Dict[str, tuple] = {
-    "tfds_data_dir": ("directory of prepared TFDS datasets (c4/en/3.1.0, scientific_papers/arxiv/1.1.1)",
-                      ("terra.data.c4_source.tfds_data_dir", "terra.data.arxiv_source.tfds_data_dir")),
-    "c4_json": ("directory (or glob with {split}) of allenai/c4 c4-{train,validation}.*.json.gz shards",
-                ("terra.data.c4_source.json_path",)),
-    "arxiv_cohan": ("directory of the extracted arxiv-dataset/{train,val,test}.txt", ("terra.data.arxiv_source.cohan_path",)),
-    "vocabulary": ("SentencePiece model for the text tasks (default: one trained on the embedded corpus)",
-                   ("terra.data.text_vocabulary.spm_path",)),
+    "tfds_data_dir": (
+        "directory of prepared TFDS datasets (c4/en/3.1.0, scientific_papers/arxiv/1.1.1)",
+        ("terra.data.c4_source.tfds_data_dir", "terra.data.arxiv_source.tfds_data_dir"),
+    ),
+    "c4_json": (
+        "directory (or glob with {split}) of allenai/c4 c4-{train,validation}.*.json.gz shards",
+        ("terra.data.c4_source.json_path",),
+    ),
+    "arxiv_cohan": (
+        "directory of the extracted arxiv-dataset/{train,val,test}.txt",
+        ("terra.data.arxiv_source.cohan_path",),
+    ),
+    "vocabulary": (
+        "SentencePiece model for the text tasks (default: one trained on the embedded corpus)",
+        ("terra.data.text_vocabulary.spm_path",),
+    ),
 }
 
 
@@ -82,8 +106,9 @@ def peek_flag(argv: Sequence[str], name: str, default: Optional[str]) -> Optiona
     return probe[name].value
 
 
-def define_preset_flags(flag_values: flags.FlagValues, argv: Sequence[str], presets: Mapping[str, Callable],
-                        default: str, what: str) -> None:
+def define_preset_flags(
+    flag_values: flags.FlagValues, argv: Sequence[str], presets: Mapping[str, Callable], default: str, what: str
+) -> None:
     """``--preset NAME`` (one of ``presets``) and ``--config.FIELD=VALUE`` over that preset's
     ``ConfigDict``."""
     name = peek_flag(argv, "preset", default)

@@ -24,8 +24,10 @@ def run(flag_values: flags.FlagValues, _) -> int:
     if flag_values.all:
         print(f"{'config':<36} {'params':>14} {'read / token':>14} {'float32 MB / token':>19}")
         for row in param_count.all_model_counts(gin["gin_bindings"]):
-            print(f"{row['config']:<36} {row['params']:>14,d} {row['read_per_token']:>14,d} "
-                  f"{row['read_per_token'] * 4 / 1e6:>19.1f}")
+            print(
+                f"{row['config']:<36} {row['params']:>14,d} {row['read_per_token']:>14,d} "
+                f"{row['read_per_token'] * 4 / 1e6:>19.1f}"
+            )
         return 0
     files = gin["gin_files"] or ["models/dense_800m.gin"]
     counts = param_count.model_counts(files, gin["gin_bindings"], gin["search_paths"])

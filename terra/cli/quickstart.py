@@ -30,11 +30,19 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_integer("pretrain_steps", 300, "pretraining steps", flag_values=flag_values)
     flags.DEFINE_integer("finetune_steps", 200, "fine-tuning steps", flag_values=flag_values)
     flags.DEFINE_integer("examples", 3, "validation summaries to print", flag_values=flag_values)
-    flags.DEFINE_integer("eval_examples", None, "validation examples to score with ROUGE (default: the whole split)",
-                         flag_values=flag_values)
+    flags.DEFINE_integer(
+        "eval_examples",
+        None,
+        "validation examples to score with ROUGE (default: the whole split)",
+        flag_values=flag_values,
+    )
     flags.DEFINE_integer("max_decode_length", 32, "most tokens per summary", flag_values=flag_values)
-    flags.DEFINE_multi_string("gin_bindings", [], "a gin binding applied to both runs ("
-                              "--gin.NAME=VALUE is the short form)", flag_values=flag_values)
+    flags.DEFINE_multi_string(
+        "gin_bindings",
+        [],
+        "a gin binding applied to both runs (--gin.NAME=VALUE is the short form)",
+        flag_values=flag_values,
+    )
 
 
 def _losses(model_dir: str, key: str) -> List[float]:
@@ -67,8 +75,12 @@ def run(flag_values: flags.FlagValues, _) -> int:
     print(f"   train loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
     print(f"== 2/3 fine-tuning on embedded summarization -> {finetune_dir}")
-    result = _train("experiments/quickstart_finetune.gin", finetune_dir, flag_values.finetune_steps,
-                    [f"INIT_FROM = {pretrain_dir!r}", *extra])
+    result = _train(
+        "experiments/quickstart_finetune.gin",
+        finetune_dir,
+        flag_values.finetune_steps,
+        [f"INIT_FROM = {pretrain_dir!r}", *extra],
+    )
     evals = _losses(finetune_dir, "eval/loss")
     if evals:
         print(f"   eval log-perplexity {evals[0]:.3f} -> {evals[-1]:.3f} (nats per target token)")
@@ -76,22 +88,33 @@ def run(flag_values: flags.FlagValues, _) -> int:
     print("== 3/3 evaluating on the validation split: greedy summaries, ROUGE (rouge-score), log-perplexity")
     model = gin_utils.build_model()
     lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
-    evaluation = evaluator.evaluate(model=model, task="embedded_summarization", feature_lengths=lengths,
-                                    model_dir=finetune_dir, batch_size=16,
-                                    max_decode_length=flag_values.max_decode_length,
-                                    num_examples=flag_values.eval_examples,
-                                    log=lambda s: print(textwrap.indent(s, "   ")))
+    evaluation = evaluator.evaluate(
+        model=model,
+        task="embedded_summarization",
+        feature_lengths=lengths,
+        model_dir=finetune_dir,
+        batch_size=16,
+        max_decode_length=flag_values.max_decode_length,
+        num_examples=flag_values.eval_examples,
+        log=lambda s: print(textwrap.indent(s, "   ")),
+    )
     for row in evaluation.predictions[: flag_values.examples]:
         print(f"\n  document : {row['input'][:160].replace(chr(10), ' ')}{'...' if len(row['input']) > 160 else ''}")
         print(f"  reference: {row['target']}")
         print(f"  summary  : {row['prediction']}")
     first_input = summaries.pad_batch([evaluation.examples[0].inputs], 1, lengths["inputs"])
-    timing = measure_decode(model.decoder(flag_values.max_decode_length), jax.device_get(result.params), first_input,
-                            n_tokens=min(12, flag_values.max_decode_length))
+    timing = measure_decode(
+        model.decoder(flag_values.max_decode_length),
+        jax.device_get(result.params),
+        first_input,
+        n_tokens=min(12, flag_values.max_decode_length),
+    )
     summary = timing.summary()
-    print(f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token as one step call each (median of "
-          f"{summary['timed_tokens']}), {summary['loop_token_median_s'] * 1e3:.3f} ms per token in the generation "
-          f"loop, prefill of {lengths['inputs']} tokens {summary['prefill_median_s'] * 1e3:.1f} ms")
+    print(
+        f"\nbatch-1 decode: {summary['token_median_s'] * 1e3:.3f} ms per token as one step call each (median of "
+        f"{summary['timed_tokens']}), {summary['loop_token_median_s'] * 1e3:.3f} ms per token in the generation "
+        f"loop, prefill of {lengths['inputs']} tokens {summary['prefill_median_s'] * 1e3:.1f} ms"
+    )
     print(f"\nruns, metrics.jsonl, TensorBoard events and config.gin are under {out}")
     return 0
 

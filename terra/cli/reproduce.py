@@ -37,10 +37,16 @@ whole-sequence accuracy at 2x the training length, next to the paper's figures.
 def _define(study_presets, what):
     def define_flags(flag_values: flags.FlagValues, argv) -> None:
         flag_groups.define_preset_flags(flag_values, argv, study_presets, "small", what)
-        flags.DEFINE_string("out", None, "directory for the study's JSON, Markdown, PNG and runs/", flag_values=flag_values)
+        flags.DEFINE_string(
+            "out", None, "directory for the study's JSON, Markdown, PNG and runs/", flag_values=flag_values
+        )
         flags.mark_flag_as_required("out", flag_values=flag_values)
-        flags.DEFINE_multi_string("gin_bindings", [], "a gin binding added to every run (--gin.NAME=VALUE "
-                                  "is the short form)", flag_values=flag_values)
+        flags.DEFINE_multi_string(
+            "gin_bindings",
+            [],
+            "a gin binding added to every run (--gin.NAME=VALUE is the short form)",
+            flag_values=flag_values,
+        )
         flag_groups.define_data_flags(flag_values)
 
     return define_flags
@@ -49,8 +55,12 @@ def _define(study_presets, what):
 def run_sparsity(flag_values: flags.FlagValues, _) -> int:
     from terra.reproduce import sparsity
 
-    sparsity.run(flag_values.config, flag_values.out, data_bindings=flag_groups.data_bindings(flag_values),
-                 extra_bindings=flag_values.gin_bindings)
+    sparsity.run(
+        flag_values.config,
+        flag_values.out,
+        data_bindings=flag_groups.data_bindings(flag_values),
+        extra_bindings=flag_values.gin_bindings,
+    )
     return 0
 
 
@@ -58,21 +68,29 @@ def run_length(flag_values: flags.FlagValues, _) -> int:
     from terra.reproduce import length_generalization
 
     if flag_groups.given_data_flags(flag_values):
-        raise errors.UsageError(f"length_generalization generates its data; "
-                                f"{', '.join(flag_groups.given_data_flags(flag_values))} does not apply.")
+        raise errors.UsageError(
+            f"length_generalization generates its data; "
+            f"{', '.join(flag_groups.given_data_flags(flag_values))} does not apply."
+        )
     length_generalization.run(flag_values.config, flag_values.out, extra_bindings=flag_values.gin_bindings)
     return 0
 
 
 def _study(name, doc, study_presets, run):
-    return app.command(f"terra-reproduce {name}", "terra.cli.reproduce", doc,
-                       define_flags=_define(study_presets, name), run=run)
+    return app.command(
+        f"terra-reproduce {name}", "terra.cli.reproduce", doc, define_flags=_define(study_presets, name), run=run
+    )
 
 
-COMMAND = app.group("terra-reproduce", "terra.cli.reproduce", __doc__, {
-    "sparsity": _study("sparsity", SPARSITY_DOC, presets.SPARSITY_PRESETS, run_sparsity),
-    "length_generalization": _study("length_generalization", LENGTH_DOC, presets.LENGTH_PRESETS, run_length),
-})
+COMMAND = app.group(
+    "terra-reproduce",
+    "terra.cli.reproduce",
+    __doc__,
+    {
+        "sparsity": _study("sparsity", SPARSITY_DOC, presets.SPARSITY_PRESETS, run_sparsity),
+        "length_generalization": _study("length_generalization", LENGTH_DOC, presets.LENGTH_PRESETS, run_length),
+    },
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

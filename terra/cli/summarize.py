@@ -19,20 +19,28 @@ from terra.cli import app, flag_groups
 
 
 def define_flags(flag_values: flags.FlagValues, argv) -> None:
-    flags.DEFINE_string("checkpoint", None, "a terra MODEL_DIR (its config.gin and checkpoints); required",
-                        flag_values=flag_values)
+    flags.DEFINE_string(
+        "checkpoint", None, "a terra MODEL_DIR (its config.gin and checkpoints); required", flag_values=flag_values
+    )
     flags.mark_flag_as_required("checkpoint", flag_values=flag_values)
     flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=flag_values)
-    flags.DEFINE_integer("max_decode_length", None, "most tokens per summary (default: the run's target length)",
-                         flag_values=flag_values)
-    flags.DEFINE_float("temperature", 0.0, "0 is greedy; the paper sampled at 0.5", lower_bound=0.0,
-                       flag_values=flag_values)
+    flags.DEFINE_integer(
+        "max_decode_length", None, "most tokens per summary (default: the run's target length)", flag_values=flag_values
+    )
+    flags.DEFINE_float(
+        "temperature", 0.0, "0 is greedy; the paper sampled at 0.5", lower_bound=0.0, flag_values=flag_values
+    )
     flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=flag_values)
     flags.DEFINE_integer("batch_size", 8, "documents decoded together", lower_bound=1, flag_values=flag_values)
-    flags.DEFINE_bool("force", False, "summarize with a run whose task is not a summarization task anyway",
-                      flag_values=flag_values)
-    flags.DEFINE_multi_string("gin_bindings", [], "an extra gin binding 'NAME = VALUE'; "
-                              "--gin.NAME=VALUE is the short form", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "force", False, "summarize with a run whose task is not a summarization task anyway", flag_values=flag_values
+    )
+    flags.DEFINE_multi_string(
+        "gin_bindings",
+        [],
+        "an extra gin binding 'NAME = VALUE'; --gin.NAME=VALUE is the short form",
+        flag_values=flag_values,
+    )
     flag_groups.define_data_flags(flag_values)
 
 
@@ -45,9 +53,12 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
     from terra import api
     from terra.text_encoding import encode_text
 
-    run = api.load(flag_values.checkpoint, flag_values.step,
-                   [*flag_groups.data_bindings(flag_values), *flag_values.gin_bindings],
-                   require_summarization=not flag_values.force)
+    run = api.load(
+        flag_values.checkpoint,
+        flag_values.step,
+        [*flag_groups.data_bindings(flag_values), *flag_values.gin_bindings],
+        require_summarization=not flag_values.force,
+    )
     lengths = run.feature_lengths
     encoded = []
     for label, text in docs:
@@ -55,19 +66,31 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         if note:
             print(f"note: {label}: {note}.", file=err)
         encoded.append(ids)
-    tokens = run.generate(encoded, max_new_tokens=flag_values.max_decode_length or lengths["targets"],
-                          temperature=flag_values.temperature, seed=flag_values.seed,
-                          batch_size=min(flag_values.batch_size, len(encoded)))
+    tokens = run.generate(
+        encoded,
+        max_new_tokens=flag_values.max_decode_length or lengths["targets"],
+        temperature=flag_values.temperature,
+        seed=flag_values.seed,
+        batch_size=min(flag_values.batch_size, len(encoded)),
+    )
     for (label, _), summary in zip(docs, tokens):
         print(f"== {label} (step {run.step})", file=out)
-        print(run.vocabulary.decode([int(t) for t in summary if t not in (run.config.eos_id, run.config.pad_id)]),
-              file=out)
+        print(
+            run.vocabulary.decode([int(t) for t in summary if t not in (run.config.eos_id, run.config.pad_id)]),
+            file=out,
+        )
         print(file=out)
     return 0
 
 
-COMMAND = app.command("terra-summarize", "terra.cli.summarize", __doc__, define_flags=define_flags,
-                      run=lambda flag_values, paths: summarize(flag_values, paths), positional="FILE...")
+COMMAND = app.command(
+    "terra-summarize",
+    "terra.cli.summarize",
+    __doc__,
+    define_flags=define_flags,
+    run=lambda flag_values, paths: summarize(flag_values, paths),
+    positional="FILE...",
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

@@ -32,24 +32,32 @@ def run(flag_values: flags.FlagValues, _) -> int:
     from terra.parallel import mesh
 
     # Before anything creates the JAX backend.
-    mesh.initialize_distributed(coordinator_address=flag_values.coordinator,
-                                num_processes=flag_values.num_processes, process_id=flag_values.process_id)
+    mesh.initialize_distributed(
+        coordinator_address=flag_values.coordinator,
+        num_processes=flag_values.num_processes,
+        process_id=flag_values.process_id,
+    )
     from terra import gin_utils
     from terra.training import trainer
 
     gin = flag_groups.gin_arguments(flag_values)
     if not gin["gin_files"]:
-        raise gin_utils.GinConfigError("name the run's configs: --gin_file=experiments/NAME.gin (or model, task and "
-                                       "run files); see terra-train --help.")
-    gin_utils.parse_gin(gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"],
-                        search_paths=gin["search_paths"])
+        raise gin_utils.GinConfigError(
+            "name the run's configs: --gin_file=experiments/NAME.gin (or model, task and "
+            "run files); see terra-train --help."
+        )
+    gin_utils.parse_gin(
+        gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
+    )
     try:
         result = trainer.Trainer().run()
     except RuntimeError as e:
         if "Required bindings" in str(e):  # a %gin.REQUIRED macro or Trainer argument left unset
             raise gin_utils.explain_gin_error(e, "running terra-train") from None
         raise
-    print(f"terra-train: finished at step {result.step}" + (" (preempted; rerun to resume)" if result.preempted else ""))
+    print(
+        f"terra-train: finished at step {result.step}" + (" (preempted; rerun to resume)" if result.preempted else "")
+    )
     return 0
 
 

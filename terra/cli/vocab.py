@@ -19,25 +19,41 @@ from terra.cli import app, flag_groups
 
 def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_multi_string("input", [], "UTF-8 text file; see --documents", flag_values=flag_values)
-    flags.DEFINE_bool("embedded", False, "train on the embedded corpus's train split (no download)",
-                      flag_values=flag_values)
-    flags.DEFINE_string("task", None, "train on the raw text (text, article, abstract) of a terra task's split, "
-                        "e.g. c4_span_corruption", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "embedded", False, "train on the embedded corpus's train split (no download)", flag_values=flag_values
+    )
+    flags.DEFINE_string(
+        "task",
+        None,
+        "train on the raw text (text, article, abstract) of a terra task's split, e.g. c4_span_corruption",
+        flag_values=flag_values,
+    )
     flags.DEFINE_string("split", "train", "--task split to read", flag_values=flag_values)
     flags.DEFINE_integer("max_documents", 1_000_000, "--task documents to read at most", flag_values=flag_values)
-    flags.DEFINE_enum("documents", "blocks", ["blocks", "lines"], "--input documents are blank-line-separated blocks "
-                      "(newlines inside are kept) or single lines", flag_values=flag_values)
+    flags.DEFINE_enum(
+        "documents",
+        "blocks",
+        ["blocks", "lines"],
+        "--input documents are blank-line-separated blocks (newlines inside are kept) or single lines",
+        flag_values=flag_values,
+    )
     flags.DEFINE_string("out", None, "where to write the model (PATH.model, and PATH.vocab)", flag_values=flag_values)
     flags.mark_flag_as_required("out", flag_values=flag_values)
     flags.DEFINE_integer("vocab_size", 4000, "pieces (the ids add 100 sentinels)", flag_values=flag_values)
-    flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe", "char", "word"], "SentencePiece model type",
-                      flag_values=flag_values)
+    flags.DEFINE_enum(
+        "model_type", "unigram", ["unigram", "bpe", "char", "word"], "SentencePiece model type", flag_values=flag_values
+    )
     flags.DEFINE_integer("input_sentence_size", 2_000_000, "most documents sampled", flag_values=flag_values)
     flags.DEFINE_integer("num_threads", 2, "training threads", flag_values=flag_values)
-    flags.DEFINE_bool("hard_vocab_limit", True, "fail when the text cannot fill --vocab_size (--nohard_vocab_limit: "
-                      "take fewer pieces)", flag_values=flag_values)
-    flags.DEFINE_string("cache_dir", None, "embedded corpus cache root (default $TERRA_CACHE_DIR)",
-                        flag_values=flag_values)
+    flags.DEFINE_bool(
+        "hard_vocab_limit",
+        True,
+        "fail when the text cannot fill --vocab_size (--nohard_vocab_limit: take fewer pieces)",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_string(
+        "cache_dir", None, "embedded corpus cache root (default $TERRA_CACHE_DIR)", flag_values=flag_values
+    )
     flag_groups.define_data_flags(flag_values)
 
 
@@ -58,8 +74,9 @@ def texts(flag_values: flags.FlagValues):
         from terra import gin_utils
 
         gin_utils.parse_gin([], flag_groups.data_bindings(flag_values))
-        return vocabulary_training.task_texts(flag_values.task, split=flag_values.split,
-                                              max_documents=flag_values.max_documents)
+        return vocabulary_training.task_texts(
+            flag_values.task, split=flag_values.split, max_documents=flag_values.max_documents
+        )
     documents = []
     for path in flag_values.input:
         if not os.path.isfile(path):
@@ -76,9 +93,14 @@ def run(flag_values: flags.FlagValues, _) -> int:
 
     try:
         path = vocabularies.train_sentencepiece(
-            texts(flag_values), flag_values.out, vocab_size=flag_values.vocab_size,
-            model_type=flag_values.model_type, input_sentence_size=flag_values.input_sentence_size,
-            num_threads=flag_values.num_threads, hard_vocab_limit=flag_values.hard_vocab_limit)
+            texts(flag_values),
+            flag_values.out,
+            vocab_size=flag_values.vocab_size,
+            model_type=flag_values.model_type,
+            input_sentence_size=flag_values.input_sentence_size,
+            num_threads=flag_values.num_threads,
+            hard_vocab_limit=flag_values.hard_vocab_limit,
+        )
     except RuntimeError as e:  # SentencePiece's own complaints (e.g. too little text for the size)
         raise errors.InputError(f"SentencePiece could not train on this text: {e}") from None
     extra_ids = vocabularies.DEFAULT_EXTRA_IDS

@@ -200,8 +200,9 @@ def _extract() -> Tuple[List[str], List[str], List[_Pair], Dict[str, int]]:
             if summary is not None and len(summary[1].split()) >= _MIN_BODY_WORDS:
                 # Split by the whole docstring so a validation pair's source is also validation text.
                 pair_id = f"docstring:{path}:{name}" if name else f"docstring:{path}"
-                pairs.append(_Pair(article=summary[1], abstract=summary[0], kind="docstring", split=split_of(doc),
-                                   id=pair_id))
+                pairs.append(
+                    _Pair(article=summary[1], abstract=summary[0], kind="docstring", split=split_of(doc), id=pair_id)
+                )
     for path, named_docs in modules:
         docs = [doc for _, doc in named_docs]
         if not docs or not docs[0]:
@@ -211,8 +212,9 @@ def _extract() -> Tuple[List[str], List[str], List[_Pair], Dict[str, int]]:
             continue
         article = "\n\n".join(d for d in [summary[1], *docs[1:]] if d)
         if len(article.split()) >= _MIN_MODULE_ARTICLE_WORDS:
-            pairs.append(_Pair(article=article, abstract=summary[0], kind="module", split=split_of(article),
-                               id=f"module:{path}"))
+            pairs.append(
+                _Pair(article=article, abstract=summary[0], kind="module", split=split_of(article), id=f"module:{path}")
+            )
     stats = {
         "pydoc_topics": len(topics),
         "stdlib_modules": len(modules),

@@ -75,7 +75,9 @@ class LengthConcatFeatureConverter(seqio.EncDecFeatureConverter):
     def get_model_feature_lengths(self, task_feature_lengths: Mapping[str, int]) -> Mapping[str, int]:
         lengths = dict(super().get_model_feature_lengths(task_feature_lengths))
         total = task_feature_lengths["inputs"] + task_feature_lengths["targets"]
-        lengths.update(concat_input_tokens=total, concat_target_tokens=total, concat_loss_weights=total, encoder_lengths=1)
+        lengths.update(
+            concat_input_tokens=total, concat_target_tokens=total, concat_loss_weights=total, encoder_lengths=1
+        )
         return lengths
 
 

@@ -29,8 +29,14 @@ def write_c4_tfds(data_dir: str, docs: Mapping[str, Sequence[str]], *, version: 
             yield i, {**record, "content-type": "text/plain", "content-length": str(len(text))}
 
     tfds.dataset_builders.store_as_tfds_dataset(
-        name="c4", config="en", version=version, data_dir=data_dir, features=features,
-        split_datasets={split: examples(texts) for split, texts in docs.items()}, disable_shuffling=False)
+        name="c4",
+        config="en",
+        version=version,
+        data_dir=data_dir,
+        features=features,
+        split_datasets={split: examples(texts) for split, texts in docs.items()},
+        disable_shuffling=False,
+    )
     return os.path.join(data_dir, "c4", "en", version)
 
 
@@ -84,13 +90,22 @@ def write_arxiv_tfds(data_dir: str, papers: Mapping[str, Sequence[dict]]) -> str
     def examples(records):
         for record in records:
             abstract = "\n".join(record["abstract_text"]).replace("<S>", "").replace("</S>", "")
-            yield record["article_id"], {
-                "article": "\n".join(record["article_text"]),
-                "abstract": abstract,
-                "section_names": "\n".join(record["section_names"]),
-            }
+            yield (
+                record["article_id"],
+                {
+                    "article": "\n".join(record["article_text"]),
+                    "abstract": abstract,
+                    "section_names": "\n".join(record["section_names"]),
+                },
+            )
 
     tfds.dataset_builders.store_as_tfds_dataset(
-        name=name, config=config, version=version, data_dir=data_dir, features=features,
-        split_datasets={split: examples(records) for split, records in papers.items()}, disable_shuffling=False)
+        name=name,
+        config=config,
+        version=version,
+        data_dir=data_dir,
+        features=features,
+        split_datasets={split: examples(records) for split, records in papers.items()},
+        disable_shuffling=False,
+    )
     return os.path.join(data_dir, name, config, version)

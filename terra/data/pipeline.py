@@ -59,7 +59,9 @@ def get_dataset(
     tasks.check_task_data(provider, split)
     missing = [k for k in ("inputs", "targets") if k not in feature_lengths]
     if missing:
-        raise ConfigError(f"feature_lengths {dict(feature_lengths)} lacks {missing}; give e.g. {{'inputs': 512, 'targets': 114}}.")
+        raise ConfigError(
+            f"feature_lengths {dict(feature_lengths)} lacks {missing}; give e.g. {{'inputs': 512, 'targets': 114}}."
+        )
     converter = feature_converter or feature_converters.encoder_decoder_converter()
     ds = provider.get_dataset(
         sequence_length=dict(feature_lengths),

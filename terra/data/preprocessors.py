@@ -543,9 +543,7 @@ def summarization(
         return out
 
     def not_empty(features):
-        return tf.logical_and(
-            tf.strings.length(features["inputs"]) > 0, tf.strings.length(features["targets"]) > 0
-        )
+        return tf.logical_and(tf.strings.length(features["inputs"]) > 0, tf.strings.length(features["targets"]) > 0)
 
     return dataset.map(clean, num_parallel_calls=tf.data.AUTOTUNE).filter(not_empty)
 

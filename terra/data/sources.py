@@ -23,7 +23,7 @@ arXiv retries Google Drive for minutes before failing.
 
 import json
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import seqio
 import tensorflow as tf
@@ -74,8 +74,9 @@ class ReadOnlyTfdsSource(seqio.TfdsDataSource):
     datasets like ``scientific_papers`` that store no id of their own.
     """
 
-    def __init__(self, name: str, *, data_dir: Optional[str] = None, how_to_get: str = "", splits=None,
-                 add_ids: bool = False):
+    def __init__(
+        self, name: str, *, data_dir: Optional[str] = None, how_to_get: str = "", splits=None, add_ids: bool = False
+    ):
         self.name_with_version = name
         self.data_dir = os.path.expanduser(data_dir) if data_dir else default_tfds_data_dir()
         self.how_to_get = how_to_get
@@ -124,12 +125,16 @@ class ReadOnlyTfdsSource(seqio.TfdsDataSource):
             shuffle_seed=seed,
             skip_prefetch=True,
             input_context=(
-                tf.distribute.InputContext(num_input_pipelines=shard_info.num_shards, input_pipeline_id=shard_info.index)
-                if shard_info else None
+                tf.distribute.InputContext(
+                    num_input_pipelines=shard_info.num_shards, input_pipeline_id=shard_info.index
+                )
+                if shard_info
+                else None
             ),
         )
         ds = self.tfds_dataset.builder.as_dataset(
-            split=self.split_map.get(split, split), shuffle_files=shuffle, read_config=read_config)
+            split=self.split_map.get(split, split), shuffle_files=shuffle, read_config=read_config
+        )
 
         def rename(features):
             features = dict(features)
@@ -156,7 +161,8 @@ class LocalFileSource(seqio.FileDataSource):
             # seqio's list_shards returns a pattern without wildcards unchecked.
             if not tf.io.gfile.glob(self._split_to_filepattern[s]):
                 raise DataNotFoundError(
-                    f"{self.description}: no file matches {self._split_to_filepattern[s]} (split '{s}'). {self.how_to_get}"
+                    f"{self.description}: no file matches {self._split_to_filepattern[s]} (split '{s}'). "
+                    f"{self.how_to_get}"
                 )
 
     def get_dataset(self, split="train", shuffle=True, seed=None, shard_info=None, **kwargs):
@@ -174,7 +180,9 @@ def check_available(source: seqio.DataSource, split: Optional[str] = None) -> No
 # --- C4 ---------------------------------------------------------------------------------------
 
 
-def c4_tfds_source(*, data_dir: Optional[str] = None, version: str = C4_TFDS_VERSION, config: str = "en") -> ReadOnlyTfdsSource:
+def c4_tfds_source(
+    *, data_dir: Optional[str] = None, version: str = C4_TFDS_VERSION, config: str = "en"
+) -> ReadOnlyTfdsSource:
     """C4 from a prepared TFDS directory (``<data_dir>/c4/<config>/<version>``); field ``text``."""
     return ReadOnlyTfdsSource(f"c4/{config}:{version}", data_dir=data_dir, how_to_get=C4_HOW_TO_GET)
 
@@ -196,14 +204,20 @@ def _parse_c4_line(line: tf.Tensor) -> dict:
         return doc.get("text", ""), doc.get("url", ""), doc.get("timestamp", "")
 
     text, url, timestamp = tf.py_function(parse, [line], [tf.string, tf.string, tf.string])
-    return {"text": tf.ensure_shape(text, []), "url": tf.ensure_shape(url, []), "timestamp": tf.ensure_shape(timestamp, [])}
+    return {
+        "text": tf.ensure_shape(text, []),
+        "url": tf.ensure_shape(url, []),
+        "timestamp": tf.ensure_shape(timestamp, []),
+    }
 
 
 def c4_json_source(*, path: str) -> LocalFileSource:
     """allenai/c4 JSON-lines shards (gzip; fields ``text``, ``timestamp``, ``url``), given the
     directory holding them or a glob with ``{split}``, e.g. ``/data/c4/en/c4-{split}.000*-of-*.json.gz``."""
     return LocalFileSource(
-        lambda f: tf.data.TextLineDataset(f, compression_type="GZIP").map(_parse_c4_line, num_parallel_calls=tf.data.AUTOTUNE),
+        lambda f: tf.data.TextLineDataset(f, compression_type="GZIP").map(
+            _parse_c4_line, num_parallel_calls=tf.data.AUTOTUNE
+        ),
         _c4_patterns(path),
         description=f"C4 JSON shards under {path}",
         how_to_get=C4_HOW_TO_GET,

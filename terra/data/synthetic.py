@@ -97,9 +97,7 @@ def _build(split: str, num_eval_examples: int, example_fn) -> tf.data.Dataset:
     size = _TRAIN_STREAM_SIZE if split == "train" else num_eval_examples
     # deterministic=True: parallel map must not reorder, or the stream would depend on
     # thread timing and a restored iterator could not reproduce it.
-    return tf.data.Dataset.range(size).map(
-        example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-    )
+    return tf.data.Dataset.range(size).map(example_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 # --------------------------------------------------------------------------- addition
@@ -109,9 +107,7 @@ def _check_addition_lengths(name: str, min_length, max_length) -> None:
     _check_int(f"{name}_min_length", min_length, minimum=3)  # The reference requires >= 3 too.
     _check_int(f"{name}_max_length", max_length)
     if min_length > max_length:
-        raise ConfigError(
-            f"{name}_min_length ({min_length}) must not exceed {name}_max_length ({max_length})."
-        )
+        raise ConfigError(f"{name}_min_length ({min_length}) must not exceed {name}_max_length ({max_length}).")
 
 
 def _random_number(key_body: tf.Tensor, key_top: tf.Tensor, length: tf.Tensor) -> tf.Tensor:

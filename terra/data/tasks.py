@@ -11,7 +11,7 @@ the command line reaches the source. Nothing touches the disk until a dataset is
 | ``c4_span_corruption`` | C4 (TFDS dir, or JSON shards if ``c4_source.json_path``) | T5 span corruption (paper §4.4) |
 | ``c4_single_word_masking`` | same | span corruption with mean span 1 ("we mask single words", §4.4) |
 | ``c4_lm`` | same | prefix LM |
-| ``arxiv_summarization`` | arXiv (TFDS dir, or Cohan files if ``arxiv_source.cohan_path``) | article -> abstract (§4.4, Table 5) |
+| ``arxiv_summarization`` | arXiv (TFDS dir, or Cohan files: ``arxiv_source.cohan_path``) | article -> abstract |
 | ``synthetic_copy`` / ``synthetic_addition`` | generated (paper Table 4) | copy / little-endian addition |
 | ``embedded_span_corruption`` / ``embedded_lm`` | the embedded stdlib corpus | span corruption / prefix LM |
 | ``embedded_summarization`` | the embedded stdlib corpus | docstring (or module) -> summary line |
@@ -40,7 +40,9 @@ EXTRA_IDS = 100  # T5's sentinel count (<extra_id_0> is the top id)
 
 
 @gin.configurable(module="terra.data")
-def c4_source(*, tfds_data_dir: Optional[str] = None, json_path: Optional[str] = None, version: str = sources.C4_TFDS_VERSION):
+def c4_source(
+    *, tfds_data_dir: Optional[str] = None, json_path: Optional[str] = None, version: str = sources.C4_TFDS_VERSION
+):
     """C4 from the JSON shards when ``json_path`` is given, else from the TFDS directory."""
     if json_path:
         return sources.c4_json_source(path=json_path)
@@ -56,7 +58,9 @@ def arxiv_source(*, tfds_data_dir: Optional[str] = None, cohan_path: Optional[st
 
 
 @gin.configurable(module="terra.data")
-def text_vocabulary(*, spm_path: Optional[str] = None, extra_ids: int = EXTRA_IDS, embedded_vocab_size: Optional[int] = None):
+def text_vocabulary(
+    *, spm_path: Optional[str] = None, extra_ids: int = EXTRA_IDS, embedded_vocab_size: Optional[int] = None
+):
     """The SentencePiece model of the natural-text tasks: ``spm_path`` if given (the paper used
     T5's 32k model; train a substitute with ``terra-vocab``), else the vocabulary
     trained on the embedded corpus on first use."""
@@ -80,16 +84,29 @@ def _features(vocabulary) -> Dict[str, seqio.Feature]:
 
 
 @gin.configurable(module="terra.data")
-def pretraining_preprocessors(*, objective: str = "span_corruption", noise_density: float = 0.15,
-                              mean_noise_span_length: float = 3.0, concatenate_documents: bool = False) -> list:
+def pretraining_preprocessors(
+    *,
+    objective: str = "span_corruption",
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+    concatenate_documents: bool = False,
+) -> list:
     """``text`` -> ``inputs``/``targets`` tokens. ``concatenate_documents`` packs documents into
     one stream before cutting chunks (T5 does; the paper's code does not)."""
-    steps = [functools.partial(seqio.preprocessors.rekey, key_map={"inputs": None, "targets": "text"}), seqio.preprocessors.tokenize]
+    steps = [
+        functools.partial(seqio.preprocessors.rekey, key_map={"inputs": None, "targets": "text"}),
+        seqio.preprocessors.tokenize,
+    ]
     if concatenate_documents:
         steps.append(preprocessors.concatenate_and_split)
     if objective == "span_corruption":
-        steps.append(functools.partial(
-            preprocessors.span_corruption, noise_density=noise_density, mean_noise_span_length=mean_noise_span_length))
+        steps.append(
+            functools.partial(
+                preprocessors.span_corruption,
+                noise_density=noise_density,
+                mean_noise_span_length=mean_noise_span_length,
+            )
+        )
     elif objective == "prefix_lm":
         steps.append(preprocessors.prefix_lm)
     else:
@@ -109,16 +126,23 @@ def synthetic_preprocessors() -> list:
 
 
 def _pretraining(source_fn, objective: str, **kw) -> dict:
-    return dict(source=source_fn(), output_features=_features(text_vocabulary()),
-                preprocessors=pretraining_preprocessors(objective=objective, **kw))
+    return dict(
+        source=source_fn(),
+        output_features=_features(text_vocabulary()),
+        preprocessors=pretraining_preprocessors(objective=objective, **kw),
+    )
 
 
 def _summarization(source_fn) -> dict:
-    return dict(source=source_fn(), output_features=_features(text_vocabulary()), preprocessors=summarization_preprocessors())
+    return dict(
+        source=source_fn(), output_features=_features(text_vocabulary()), preprocessors=summarization_preprocessors()
+    )
 
 
 def _synthetic(source_fn) -> dict:
-    return dict(source=source_fn(), output_features=_features(synthetic_vocabulary()), preprocessors=synthetic_preprocessors())
+    return dict(
+        source=source_fn(), output_features=_features(synthetic_vocabulary()), preprocessors=synthetic_preprocessors()
+    )
 
 
 # Each builder returns seqio.TaskRegistry.add's keyword arguments, evaluated under the gin config
@@ -208,12 +232,16 @@ def task_objective(name_or_task) -> str:
         if name in TASK_OBJECTIVES:
             return TASK_OBJECTIVES[name]
         if name in TASK_BUILDERS:
-            raise ConfigError(f"task '{name}' has no objective; add it to terra.data.tasks.TASK_OBJECTIVES "
-                              f"(one of {', '.join(OBJECTIVES)}).")
+            raise ConfigError(
+                f"task '{name}' has no objective; add it to terra.data.tasks.TASK_OBJECTIVES "
+                f"(one of {', '.join(OBJECTIVES)})."
+            )
         if isinstance(name_or_task, str):
             raise _unknown_task(name)
-        raise ConfigError(f"task '{name}' is not one of terra's tasks, so its objective is unknown; "
-                          f"terra's tasks are {', '.join(task_names())}.")
+        raise ConfigError(
+            f"task '{name}' is not one of terra's tasks, so its objective is unknown; "
+            f"terra's tasks are {', '.join(task_names())}."
+        )
     objectives = {task_objective(member) for member in members}
     return objectives.pop() if len(objectives) == 1 else MIXTURE_OBJECTIVE
 
@@ -223,7 +251,9 @@ def is_summarization(name_or_task) -> bool:
     return task_objective(name_or_task) == SUMMARIZATION
 
 
-def check_vocabulary_and_lengths(provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int) -> None:
+def check_vocabulary_and_lengths(
+    provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int
+) -> None:
     """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
     ``max_len`` positions cannot take ``provider``'s data (a task or mixture, or its name): a
     task vocabulary with more ids than the model has, or a feature length beyond ``max_len``.

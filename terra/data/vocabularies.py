@@ -18,8 +18,8 @@ import uuid
 from typing import Iterable, Iterator, Optional
 
 import gin
-import seqio
 import sentencepiece as spm
+import seqio
 
 from terra.data import embedded
 

@@ -77,7 +77,9 @@ def cache_batch_axes(decoder: IncrementalDecoder, params, encoder_input_tokens, 
 
     def abstract_cache(rows):
         tokens = jax.ShapeDtypeStruct((rows,) + encoder_input_tokens.shape[1:], jnp.int32)
-        mask = None if encoder_mask is None else jax.ShapeDtypeStruct((rows,) + encoder_mask.shape[1:], encoder_mask.dtype)
+        mask = (
+            None if encoder_mask is None else jax.ShapeDtypeStruct((rows,) + encoder_mask.shape[1:], encoder_mask.dtype)
+        )
         return jax.eval_shape(decoder.prefill, params, tokens, mask)
 
     batch = encoder_input_tokens.shape[0]
@@ -211,7 +213,9 @@ def _search(
         # just keeps the float rounding of later, irrelevant steps out).
         frozen = done[:, None]
         fin_scores = jnp.where(frozen, fin_scores, new_fin_scores)
-        fin_tokens = jnp.where(frozen[:, :, None], fin_tokens, jnp.take_along_axis(pool_tokens, best[:, :, None], axis=1))
+        fin_tokens = jnp.where(
+            frozen[:, :, None], fin_tokens, jnp.take_along_axis(pool_tokens, best[:, :, None], axis=1)
+        )
         fin_lengths = jnp.where(frozen, fin_lengths, jnp.take_along_axis(pool_lengths, best, axis=1))
 
         # Alive: the k best extensions that do not end in EOS; the cache follows their parents.

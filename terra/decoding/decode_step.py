@@ -109,7 +109,9 @@ class IncrementalDecoder:
             jnp.float32(top_p),
         )
 
-    def _generate_tokens(self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k, top_p):
+    def _generate_tokens(
+        self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k, top_p
+    ):
         batch = token.shape[0]
         tokens = jnp.full((batch, self.max_decode_length), pad_id, jnp.int32)
 

@@ -113,9 +113,11 @@ def evaluate(
         raise ConfigError(
             f"task '{provider.name}' is a {tasks.task_objective(provider)} task, not summarization: its decoded "
             "outputs have no reference summaries to score with ROUGE. Evaluate a run fine-tuned on a summarization "
-            "task (e.g. experiments/finetune_arxiv_terraformer.gin), or pass --force to score it anyway.")
+            "task (e.g. experiments/finetune_arxiv_terraformer.gin), or pass --force to score it anyway."
+        )
     tasks.check_vocabulary_and_lengths(
-        provider, feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
+        provider, feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
+    )
     max_decode_length = max_decode_length or feature_lengths["targets"]
     params, step = checkpointing.load_params(model, model_dir, step)  # fails before anything is written
     examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
@@ -124,14 +126,27 @@ def evaluate(
     output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}")
     vocabulary = provider.output_features["targets"].vocabulary
 
-    log(f"evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
-        f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}")
+    log(
+        f"evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
+        f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}"
+    )
     start = time.perf_counter()
     rouge, predictions = decode_and_score(
-        model, params, examples, vocabulary, feature_lengths=feature_lengths, batch_size=batch_size,
-        max_decode_length=max_decode_length, temperature=temperature, seed=seed, bootstrap_samples=bootstrap_samples)
+        model,
+        params,
+        examples,
+        vocabulary,
+        feature_lengths=feature_lengths,
+        batch_size=batch_size,
+        max_decode_length=max_decode_length,
+        temperature=temperature,
+        seed=seed,
+        bootstrap_samples=bootstrap_samples,
+    )
     decode_seconds = time.perf_counter() - start
-    log_ppl = summaries.target_log_perplexity(model, params, examples, batch_size=batch_size, feature_lengths=feature_lengths)
+    log_ppl = summaries.target_log_perplexity(
+        model, params, examples, batch_size=batch_size, feature_lengths=feature_lengths
+    )
 
     rows = [
         {

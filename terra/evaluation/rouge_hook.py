@@ -29,8 +29,13 @@ class RougeEvaluation:
     metric_names = tuple(rouge_lib.ROUGE_TYPES)
     higher_is_better = True
 
-    def __init__(self, every: int = 1000, examples: int = 16, max_decode_length: Optional[int] = None,
-                 bootstrap_samples: int = 100):
+    def __init__(
+        self,
+        every: int = 1000,
+        examples: int = 16,
+        max_decode_length: Optional[int] = None,
+        bootstrap_samples: int = 100,
+    ):
         if every < 0 or examples <= 0:
             raise ConfigError(f"RougeEvaluation: every={every} must be >= 0 and examples={examples} positive.")
         self.every = every
@@ -42,11 +47,15 @@ class RougeEvaluation:
     def prepare(self, *, model, task, split: str, feature_lengths: Mapping[str, int], batch_size: int) -> None:
         """Checks the run can be scored by ROUGE and reads the fixed examples."""
         if jax.process_count() > 1:
-            raise ConfigError("RougeEvaluation decodes on one process; remove it from EvaluationSettings.hooks in a "
-                              "multi-host run and score checkpoints with terra-evaluate.")
+            raise ConfigError(
+                "RougeEvaluation decodes on one process; remove it from EvaluationSettings.hooks in a "
+                "multi-host run and score checkpoints with terra-evaluate."
+            )
         if not tasks.is_summarization(task):
-            raise ConfigError(f"RougeEvaluation scores summaries, but task '{task.name}' is a "
-                              f"{tasks.task_objective(task)} task; remove the hook or train a summarization task.")
+            raise ConfigError(
+                f"RougeEvaluation scores summaries, but task '{task.name}' is a "
+                f"{tasks.task_objective(task)} task; remove the hook or train a summarization task."
+            )
         self._model = model
         self._lengths = dict(feature_lengths)
         self._batch_size = batch_size
@@ -59,7 +68,13 @@ class RougeEvaluation:
         if self._set is None:
             raise ConfigError("RougeEvaluation.prepare() must run before the hook is called.")
         scores, _ = decode_and_score(
-            self._model, params, self._set, self._vocabulary, feature_lengths=self._lengths,
+            self._model,
+            params,
+            self._set,
+            self._vocabulary,
+            feature_lengths=self._lengths,
             batch_size=min(len(self._set), self._batch_size),
-            max_decode_length=self.max_decode_length or self._lengths["targets"], bootstrap_samples=self.bootstrap_samples)
+            max_decode_length=self.max_decode_length or self._lengths["targets"],
+            bootstrap_samples=self.bootstrap_samples,
+        )
         return {name: r["f1"] for name, r in scores.items()}

@@ -35,7 +35,9 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def read_examples(task, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None) -> List[Example]:
+def read_examples(
+    task, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None
+) -> List[Example]:
     """The first ``num_examples`` (default: all) examples of ``split``, in order, unshuffled,
     each with the ``id`` feature the task keeps from its source (its index, as a string, where
     the source gives none or an empty one)."""
@@ -116,7 +118,9 @@ def target_log_perplexity(
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = {
-            "encoder_input_tokens": jnp.asarray(pad_batch([e.inputs for e in chunk], batch_size, feature_lengths["inputs"])),
+            "encoder_input_tokens": jnp.asarray(
+                pad_batch([e.inputs for e in chunk], batch_size, feature_lengths["inputs"])
+            ),
             "decoder_target_tokens": jnp.asarray(
                 pad_batch([e.targets for e in chunk], batch_size, feature_lengths["targets"])
             ),

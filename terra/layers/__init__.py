@@ -5,8 +5,8 @@ gin files can inject them at the model's swap points.
 """
 
 from terra.layers import axes
-from terra.layers.axes import default_axis_rules
 from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAttention
+from terra.layers.axes import default_axis_rules
 from terra.layers.dense import Dense
 from terra.layers.embedding import TokenEmbedding
 from terra.layers.feedforward import FeedForward
@@ -17,10 +17,10 @@ from terra.layers.mixture_of_experts import MixtureOfExpertsFeedForward
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.normalization import LayerNorm
 from terra.layers.positional import TrainablePositionalEmbedding
+from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.layers.sparse_feedforward import SparseFeedForward
 from terra.layers.sparse_loss import SparseLossLogits
 from terra.layers.sparse_qkv import ModuleConvolution, SparseQKVAttention, SparseQueryCrossAttention
-from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.layers.sru import LowRankSRU
 
 __all__ = [

@@ -179,7 +179,9 @@ class AttentionBase(nn.Module):
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic).astype(v.dtype)
         past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value.value)
         y = past_values + probs[..., max_len:] * v
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0))
+        cached_key.value = lax.dynamic_update_slice(
+            cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0)
+        )
         cached_value.value = lax.dynamic_update_slice(
             cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
         )

@@ -41,9 +41,7 @@ AxisRules = Tuple[Tuple[str, object], ...]
 
 
 @gin.configurable(module="terra.layers")
-def default_axis_rules(
-    *, shard_embed: bool = False, additional_rules: Sequence[Tuple[str, object]] = ()
-) -> AxisRules:
+def default_axis_rules(*, shard_embed: bool = False, additional_rules: Sequence[Tuple[str, object]] = ()) -> AxisRules:
     """Logical-to-mesh rules in priority order (the T5X/Flax ``logical_axis_rules`` form).
 
     Batch goes on 'data'; the wide parameter axes (d_ff, heads, vocab) go on 'model';

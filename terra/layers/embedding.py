@@ -24,9 +24,7 @@ class TokenEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        init = nn.initializers.variance_scaling(
-            1.0, "fan_out", "truncated_normal", in_axis=-2, out_axis=-1
-        )
+        init = nn.initializers.variance_scaling(1.0, "fan_out", "truncated_normal", in_axis=-2, out_axis=-1)
         table = self.param(
             "embedding",
             nn.with_logical_partitioning(init, (axes.VOCAB, axes.EMBED)),

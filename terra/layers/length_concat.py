@@ -57,7 +57,9 @@ class LengthConcat:
         """``[b, L1, d]`` encoder vectors, ``[b, L2, d]`` decoder vectors -> ``[b, L1 + L2, d]``:
         the real encoder vectors, the decoder vectors, then zeros."""
         batch, _, d = encoded.shape
-        table = jnp.concatenate([encoded, decoded.astype(encoded.dtype), jnp.zeros((batch, 1, d), encoded.dtype)], axis=1)
+        table = jnp.concatenate(
+            [encoded, decoded.astype(encoded.dtype), jnp.zeros((batch, 1, d), encoded.dtype)], axis=1
+        )
         return jnp.take_along_axis(table, self.source[..., None], axis=1)
 
     def strip(self, concatenated: jax.Array) -> jax.Array:

@@ -77,8 +77,8 @@ from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.attention import MASK_VALUE, output_projection, write_after_read
 from terra.layers.dense import Dense
-from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.initializers import stacked_glorot_uniform
+from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.sparse_qkv import ConvolutionCacheMixin, ModuleConvolution, attention_sparsity_modules
 
 # Additive logit for a query's own key (the reference's exclude_self: dots - 1e5).
@@ -508,7 +508,9 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         probs = nn.Dropout(self._dropout)(probs, deterministic=deterministic).astype(v.dtype)
         past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values)
         y = past_values + probs[..., -1:] * v
-        cached_key.value = lax.dynamic_update_slice(cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0))
+        cached_key.value = lax.dynamic_update_slice(
+            cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0)
+        )
         cached_value.value = lax.dynamic_update_slice(
             cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
         )

@@ -14,9 +14,9 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT
-from terra.errors import ConfigError
 
 
 class MultiplicativeDense(nn.Module):
@@ -58,7 +58,9 @@ class MultiplicativeDense(nn.Module):
         limit = (6.0 / (d_in + size)) ** 0.5
         kernel = self.param(
             "kernel",
-            nn.with_logical_partitioning(lambda k, s, d=jnp.float32: jax.random.uniform(k, s, d, -limit, limit), self.kernel_axes),
+            nn.with_logical_partitioning(
+                lambda k, s, d=jnp.float32: jax.random.uniform(k, s, d, -limit, limit), self.kernel_axes
+            ),
             (d_in, size),
         )
         x = x.astype(self.dtype)

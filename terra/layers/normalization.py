@@ -26,13 +26,9 @@ class LayerNorm(nn.Module):
             x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(var + self.epsilon)
-        scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)), (d,)
-        )
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)), (d,))
         y = y * scale
         if self.center:
-            bias = self.param(
-                "bias", nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)), (d,)
-            )
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)), (d,))
             y = y + bias
         return y.astype(self.dtype)

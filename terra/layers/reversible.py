@@ -133,10 +133,10 @@ def _depends_on(x: jax.Array, tree) -> jax.Array:
     scheduler computes ``tree`` before anything that reads the result. ``0 * s`` is not folded
     for floating point (it is NaN for a non-finite ``s``, which the trainer's non-finite
     guard catches anyway)."""
-    leaves = [l for l in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(l), jnp.inexact)]
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
     if not leaves:
         return x
-    total = sum(jnp.sum(l[(0,) * l.ndim]) if l.ndim else l for l in leaves)
+    total = sum(jnp.sum(leaf[(0,) * leaf.ndim]) if leaf.ndim else leaf for leaf in leaves)
     return x + (total * 0).astype(x.dtype)
 
 
@@ -210,9 +210,9 @@ def reversible_apply(fns: Sequence[LayerFn], params, keys, context, x1, x2):
         g_context = jax.tree.map(_zero_cotangent, context)
         for i in reversed(range(len(fns))):
             # Layer i mapped (x1, x2) -> (y1, y2) = (x2, x1 + f(x2)): its input stream is y1.
-            def f(p, x, c, k, i=i):
+            def f(p, x, c, k, i=i, dtype=y2.dtype):
                 y, _ = fns[i](p, x, c, decisions[i], k)  # stored decisions, same keys
-                return y.astype(y2.dtype)
+                return y.astype(dtype)
 
             # Nothing of layer i is computed before its input exists and layer i + 1's
             # backward step is done. The barrier keeps parameter-only work (and the dropout
@@ -223,7 +223,7 @@ def reversible_apply(fns: Sequence[LayerFn], params, keys, context, x1, x2):
             # layer's activations alive: depth-linear memory again).
             p, k, y1 = jax.lax.optimization_barrier((params[i], keys[i], y1))
             k = _keys_after(k, y1)
-            fx, vjp = jax.vjp(lambda p, x, c: f(p, x, c, k), p, y1, context)
+            fx, vjp = jax.vjp(lambda p, x, c, k=k: f(p, x, c, k), p, y1, context)
             x1 = y2 - fx  # reconstruct the stream the layer added to
             gp, gx, gc = vjp(g2)
             g_params[i] = gp

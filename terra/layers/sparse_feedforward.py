@@ -81,11 +81,15 @@ class SparseFeedForward(nn.Module):
         # (d_lowrank) XLA:CPU reads it ~20% faster than output-major (measured).
         self.controller_up = self.param(
             "controller_up",
-            nn.with_logical_partitioning(glorot_uniform(d_lowrank, self.d_ff), (axes.LOWRANK, axes.MLP, axes.SPARSE_ELEMENTS)),
+            nn.with_logical_partitioning(
+                glorot_uniform(d_lowrank, self.d_ff), (axes.LOWRANK, axes.MLP, axes.SPARSE_ELEMENTS)
+            ),
             (d_lowrank, n_blocks, self.ff_sparsity),
         )
         self.controller_bias = self.param(
-            "controller_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.MLP, axes.SPARSE_ELEMENTS)), (n_blocks, self.ff_sparsity)
+            "controller_bias",
+            nn.with_logical_partitioning(BIAS_INIT, (axes.MLP, axes.SPARSE_ELEMENTS)),
+            (n_blocks, self.ff_sparsity),
         )
         self.wi = self.param("wi", nn.with_logical_partitioning(glorot_uniform(self.d_model, self.d_ff), names), shape)
         self.wo = self.param("wo", nn.with_logical_partitioning(glorot_uniform(self.d_ff, self.d_model), names), shape)
@@ -162,7 +166,8 @@ class SparseFeedForward(nn.Module):
         block, the output bias (and the selected first-layer biases)."""
         n_blocks, _, d_model = params["wi"].shape
         controller = sum(
-            x.size for x in jax.tree.leaves([params["controller_down"], params["controller_up"], params["controller_bias"]])
+            x.size
+            for x in jax.tree.leaves([params["controller_down"], params["controller_up"], params["controller_bias"]])
         )
         read = controller + 2 * n_blocks * d_model + params["wo_bias"].size
         return read + (n_blocks if "wi_bias" in params else 0)

@@ -22,11 +22,11 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.attention import AttentionBase
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
-from terra.errors import ConfigError
 
 VARIANTS = ("multconv", "mult", "conv")
 
@@ -51,17 +51,23 @@ class ModuleConvolution(nn.Module):
     def __call__(self, u: jax.Array, *, causal_pad: bool = True) -> jax.Array:
         f, k = self.length_kernel_size, self.module_kernel_size
         if k % 2 == 0 or k <= 0 or f <= 0:
-            raise ConfigError(f"ModuleConvolution: module kernel {k} must be odd and positive, length kernel {f} positive.")
+            raise ConfigError(
+                f"ModuleConvolution: module kernel {k} must be odd and positive, length kernel {f} positive."
+            )
         m_in = u.shape[-1]
         std = (2.0 / (m_in + self.features)) ** 0.5
         kernel = self.param(
             "kernel",
-            nn.with_logical_partitioning(nn.initializers.normal(std), (axes.CONV_LENGTH, axes.CONV_MODULES, axes.KV_IN, axes.KV)),
+            nn.with_logical_partitioning(
+                nn.initializers.normal(std), (axes.CONV_LENGTH, axes.CONV_MODULES, axes.KV_IN, axes.KV)
+            ),
             (f, k, m_in, self.features),
         )
         bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (axes.KV,)), (self.features,))
         kernel = jnp.asarray(kernel, self.dtype)
-        u = jnp.pad(u.astype(self.dtype), ((0, 0), (f - 1 if causal_pad else 0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+        u = jnp.pad(
+            u.astype(self.dtype), ((0, 0), (f - 1 if causal_pad else 0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0))
+        )
         if causal_pad:
             y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         else:

@@ -65,7 +65,9 @@ class TransformerConfig:
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"TransformerConfig.{name}={value!r} must be a non-negative integer.")
         if self.n_decoder_layers == 0:
-            raise ConfigError("TransformerConfig.n_decoder_layers=0: an encoder-decoder needs at least one decoder layer.")
+            raise ConfigError(
+                "TransformerConfig.n_decoder_layers=0: an encoder-decoder needs at least one decoder layer."
+            )
         if self.d_model % self.n_heads:
             divisors = [h for h in range(1, min(self.d_model, 128) + 1) if self.d_model % h == 0]
             raise ConfigError(
@@ -104,7 +106,9 @@ class TransformerConfig:
     def attention_kwargs(self) -> dict:
         """What every injected attention layer is constructed with (``d_model``, ``n_heads``,
         ``dropout_rate`` = the attention-probability dropout, ``dtype``)."""
-        return dict(d_model=self.d_model, n_heads=self.n_heads, dropout_rate=self.attention_dropout, dtype=self.jnp_dtype)
+        return dict(
+            d_model=self.d_model, n_heads=self.n_heads, dropout_rate=self.attention_dropout, dtype=self.jnp_dtype
+        )
 
     def feed_forward_kwargs(self) -> dict:
         """What every injected feed-forward layer is constructed with (``d_model``, ``d_ff``,

@@ -23,7 +23,7 @@ untied logits layer. The decoder input is the targets shifted right with 0 as th
 """
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import gin
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from terra.layers import axes
 from terra.layers.attention import CausalSelfAttention, CrossAttention, SelfAttention
 from terra.layers.embedding import TokenEmbedding
-from terra.layers.logits import DenseLogits
 from terra.layers.feedforward import FeedForward
+from terra.layers.logits import DenseLogits
 from terra.layers.normalization import LayerNorm
 from terra.models.config import TransformerConfig
 
@@ -57,7 +57,9 @@ class EncoderLayer(nn.Module):
         y = self.attention(**cfg.attention_kwargs(), name="attention")(y, mask, deterministic=deterministic)
         x = x + nn.Dropout(cfg.dropout, broadcast_dims=(-2,))(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
-        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(y, deterministic=deterministic, decode=False)
+        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(
+            y, deterministic=deterministic, decode=False
+        )
         return nn.with_logical_constraint(x, _ACTIVATION)
 
 
@@ -70,7 +72,9 @@ class DecoderLayer(nn.Module):
     feed_forward: LayerFactory
 
     @nn.compact
-    def __call__(self, x, encoded, encoder_mask, *, deterministic: bool, decode: bool, max_decode_length: Optional[int]):
+    def __call__(
+        self, x, encoded, encoder_mask, *, deterministic: bool, decode: bool, max_decode_length: Optional[int]
+    ):
         cfg = self.config
         dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_self_attention_norm")(x)
@@ -84,7 +88,9 @@ class DecoderLayer(nn.Module):
         )
         x = x + dropout(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
-        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(y, deterministic=deterministic, decode=decode)
+        x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(
+            y, deterministic=deterministic, decode=decode
+        )
         return nn.with_logical_constraint(x, _ACTIVATION)
 
 

@@ -38,7 +38,9 @@ def weighted_cross_entropy(
     return jnp.sum(nll * weights), jnp.sum(weights)
 
 
-def evaluation_sums(logits: jax.Array, targets: jax.Array, weights: Optional[jax.Array] = None, *, pad_id: int = 0) -> Metrics:
+def evaluation_sums(
+    logits: jax.Array, targets: jax.Array, weights: Optional[jax.Array] = None, *, pad_id: int = 0
+) -> Metrics:
     """Summable metrics of one batch: NLL and token counts, correct tokens, and sequences whose
     every weighted target token is right (the synthetic tasks' sequence accuracy).
 

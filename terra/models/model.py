@@ -52,7 +52,14 @@ def layer_reads(layer_factory, params) -> int:
     return int(reads(params)) if reads else tree_size(params)
 
 
-READ_PARTS = ("decoder self-attention", "encoder-decoder attention", "feed-forward", "norms", "embedding rows", "logits")
+READ_PARTS = (
+    "decoder self-attention",
+    "encoder-decoder attention",
+    "feed-forward",
+    "norms",
+    "embedding rows",
+    "logits",
+)
 
 
 class Seq2SeqModel(abc.ABC):
@@ -69,7 +76,8 @@ class Seq2SeqModel(abc.ABC):
         if not isinstance(module, self.module_type):
             raise ConfigError(
                 f"{type(self).__name__} wraps a {self.module_type.__name__}, got {type(module).__name__}; "
-                f"bind MODEL = @terra.models.{_family_for(module)}() for that network.")
+                f"bind MODEL = @terra.models.{_family_for(module)}() for that network."
+            )
         self.module = module
         self.config: TransformerConfig = module.config
         # Build the whole variable tree abstractly now (nothing is allocated), so that
@@ -169,7 +177,8 @@ class Seq2SeqModel(abc.ABC):
         correct sequences (``terra.models.losses.evaluation_sums``, with this model's pad id)."""
         logits = self.logits(params, batch)
         return losses.evaluation_sums(
-            logits, batch["decoder_target_tokens"], batch.get("decoder_loss_weights"), pad_id=self.config.pad_id)
+            logits, batch["decoder_target_tokens"], batch.get("decoder_loss_weights"), pad_id=self.config.pad_id
+        )
 
     def score(self, params: Params, batch: Batch) -> jax.Array:
         """``[batch]`` log-likelihood (nats) of each row's weighted target tokens, no dropout."""
@@ -192,7 +201,7 @@ class Seq2SeqModel(abc.ABC):
         return metrics["loss_sum"] / max(metrics["weight_sum"], 1.0)
 
     # ----- decoding ---------------------------------------------------------------------
-    @functools.lru_cache(maxsize=8)
+    @functools.lru_cache(maxsize=8)  # noqa: B019  (models live as long as their compiled decoders should)
     def decoder(self, max_decode_length: int) -> IncrementalDecoder:
         """The jitted prefill/step pair for a cache of ``max_decode_length`` tokens (cached,
         so each length compiles once)."""
@@ -225,10 +234,19 @@ class Seq2SeqModel(abc.ABC):
         decoder = self.decoder(max_decode_length)
         if num_beams > 1:
             if temperature or top_k is not None or top_p is not None:
-                raise ValueError("beam search is deterministic: leave temperature, top_k and top_p unset with num_beams > 1.")
+                raise ValueError(
+                    "beam search is deterministic: leave temperature, top_k and top_p unset with num_beams > 1."
+                )
             result = beam_search(
-                decoder, params, encoder_input_tokens, encoder_mask=encoder_mask, num_beams=num_beams,
-                eos_id=self.config.eos_id, pad_id=self.config.pad_id, length_penalty=length_penalty)
+                decoder,
+                params,
+                encoder_input_tokens,
+                encoder_mask=encoder_mask,
+                num_beams=num_beams,
+                eos_id=self.config.eos_id,
+                pad_id=self.config.pad_id,
+                length_penalty=length_penalty,
+            )
             return Generation(tokens=result.tokens, lengths=result.lengths)
         return generate(
             decoder,

@@ -35,7 +35,7 @@ forward pass over ``[real encoder, decoder, zeros]`` at every position, for any 
 """
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import flax.linen as nn
 import gin
@@ -47,10 +47,10 @@ from terra.layers import axes
 from terra.layers.attention import CausalSelfAttention, SelfAttention
 from terra.layers.dense import Dense
 from terra.layers.embedding import TokenEmbedding
-from terra.layers.logits import DenseLogits
 from terra.layers.feedforward import FeedForward
 from terra.layers.feedforward_with_sru import FeedForwardWithSRU
 from terra.layers.length_concat import LengthConcat
+from terra.layers.logits import DenseLogits
 from terra.layers.normalization import LayerNorm
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.models.config import TransformerConfig
@@ -108,7 +108,10 @@ class Terraformer(nn.Module):
         self.decoder_positions = cfg.positional_embedding()
         encoder_halves = []
         for _ in range(cfg.n_encoder_layers):
-            encoder_halves += [self._attention_half(self.encoder_attention, encoder=True), self._feed_forward_half(False)]
+            encoder_halves += [
+                self._attention_half(self.encoder_attention, encoder=True),
+                self._feed_forward_half(False),
+            ]
         self.encoder_stack = ReversibleStack(encoder_halves, reversible=self.reversible)
         if not self.reversible_encoder:
             # d_model -> d_model; the input side takes the "mlp" name so the two axes shard apart.

@@ -71,14 +71,20 @@ def make_mesh(*, data: int = -1, model: int = 1, devices: Optional[Sequence[jax.
         raise ConfigError(f"make_mesh: at most one of data and model may be -1; with {n} devices try {_suggest(n, 1)}")
     for name, size in (("data", data), ("model", model)):
         if size == 0 or size < -1:
-            raise ConfigError(f"make_mesh: {name}={size} must be a positive axis size or -1; with {n} devices try {_suggest(n, max(model, 1))}")
+            raise ConfigError(
+                f"make_mesh: {name}={size} must be a positive axis size or -1; "
+                f"with {n} devices try {_suggest(n, max(model, 1))}"
+            )
     if data == -1:
         if n % model:
             raise ConfigError(f"make_mesh: model={model} does not divide the {n} devices; try {_suggest(n, model)}")
         data = n // model
     elif model == -1:
         if n % data:
-            raise ConfigError(f"make_mesh: data={data} does not divide the {n} devices; try data={n}, model=1 or another divisor of {n}")
+            raise ConfigError(
+                f"make_mesh: data={data} does not divide the {n} devices; "
+                f"try data={n}, model=1 or another divisor of {n}"
+            )
         model = n // data
     if data * model != n:
         raise ConfigError(

@@ -189,6 +189,7 @@ def _reduced_entries(
     axis whose removal gives ``state_shape``, keeping only the entries on which every such
     candidate agrees (replicating is always valid; guessing a wrong axis is not).
     """
+
     def drop(axis):
         return param_shape[:axis] + param_shape[axis + 1 :], param_entries[:axis] + param_entries[axis + 1 :]
 

@@ -34,30 +34,39 @@ from terra.reproduce import runs
 from terra.reproduce.presets import LENGTH_MODEL_SIZES, LENGTH_MODELS, LENGTH_TASKS, PAPER_TABLE_4
 from terra.reproduce.presets import length_generalization_config as config  # noqa: F401  (the settings, by preset)
 
+
 def _task_bindings(cfg, task: str) -> List[str]:
     if task == "copy":
         train = {"inputs": cfg.copy_train_length, "targets": cfg.copy_train_length}
         evaluation = {"inputs": cfg.copy_eval_max_length, "targets": cfg.copy_eval_max_length}
-        data = [f"terra.data.copy_dataset.train_length = {cfg.copy_train_length}",
-                f"terra.data.copy_dataset.eval_min_length = {cfg.copy_eval_min_length}",
-                f"terra.data.copy_dataset.eval_max_length = {cfg.copy_eval_max_length}"]
+        data = [
+            f"terra.data.copy_dataset.train_length = {cfg.copy_train_length}",
+            f"terra.data.copy_dataset.eval_min_length = {cfg.copy_eval_min_length}",
+            f"terra.data.copy_dataset.eval_max_length = {cfg.copy_eval_max_length}",
+        ]
     else:
         train = synthetic.addition_feature_lengths(cfg.addition_train_min_length, cfg.addition_train_max_length)
         evaluation = synthetic.addition_feature_lengths(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
-        data = [f"terra.data.addition_dataset.train_min_length = {cfg.addition_train_min_length}",
-                f"terra.data.addition_dataset.train_max_length = {cfg.addition_train_max_length}",
-                f"terra.data.addition_dataset.eval_min_length = {cfg.addition_eval_min_length}",
-                f"terra.data.addition_dataset.eval_max_length = {cfg.addition_eval_max_length}"]
+        data = [
+            f"terra.data.addition_dataset.train_min_length = {cfg.addition_train_min_length}",
+            f"terra.data.addition_dataset.train_max_length = {cfg.addition_train_max_length}",
+            f"terra.data.addition_dataset.eval_min_length = {cfg.addition_eval_min_length}",
+            f"terra.data.addition_dataset.eval_max_length = {cfg.addition_eval_max_length}",
+        ]
     return [*data, f"TASK_FEATURE_LENGTHS = {train!r}", f"EVAL_FEATURE_LENGTHS = {evaluation!r}"]
 
 
 def _model_bindings(cfg, model: str) -> List[str]:
-    bindings = [f"TransformerConfig.max_len = {cfg.max_len}",
-                f"TransformerConfig.position_max_offset = {cfg.position_max_offset}"]
+    bindings = [
+        f"TransformerConfig.max_len = {cfg.max_len}",
+        f"TransformerConfig.position_max_offset = {cfg.position_max_offset}",
+    ]
     if cfg.preset in LENGTH_MODEL_SIZES:
         bindings += [f"TransformerConfig.{k} = {v}" for k, v in LENGTH_MODEL_SIZES[cfg.preset][model].items()]
     if cfg.dropout is not None:
-        bindings += [f"TransformerConfig.{name} = {cfg.dropout}" for name in ("dropout", "ff_dropout", "attention_dropout")]
+        bindings += [
+            f"TransformerConfig.{name} = {cfg.dropout}" for name in ("dropout", "ff_dropout", "attention_dropout")
+        ]
     return bindings
 
 
@@ -75,17 +84,23 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
     model_names = _names(cfg.models, LENGTH_MODELS, "models")
     seeds = runs.parse_seeds(cfg.seeds)
     os.makedirs(out_dir, exist_ok=True)
-    log(f"length generalization: {task_names} x {model_names} x seeds {seeds}, {cfg.steps} steps of "
-        f"{cfg.batch_size} ({cfg.preset} preset) -> {out_dir}")
+    log(
+        f"length generalization: {task_names} x {model_names} x seeds {seeds}, {cfg.steps} steps of "
+        f"{cfg.batch_size} ({cfg.preset} preset) -> {out_dir}"
+    )
     records = []
     for task in task_names:
         for model_name in model_names:
             gin_file = f"experiments/synthetic_{task}_{model_name}.gin"
             bindings = [
-                *_model_bindings(cfg, model_name), *_task_bindings(cfg, task),
-                f"BATCH_SIZE = {cfg.batch_size}", f"TRAIN_STEPS = {cfg.steps}",
-                f"terra.training.EvaluationSettings.every = {cfg.eval_every}", f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}",
-                f"terra.training.LoggingSettings.every = {cfg.eval_every}", f"terra.training.CheckpointSettings.every = {cfg.eval_every}",
+                *_model_bindings(cfg, model_name),
+                *_task_bindings(cfg, task),
+                f"BATCH_SIZE = {cfg.batch_size}",
+                f"TRAIN_STEPS = {cfg.steps}",
+                f"terra.training.EvaluationSettings.every = {cfg.eval_every}",
+                f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}",
+                f"terra.training.LoggingSettings.every = {cfg.eval_every}",
+                f"terra.training.CheckpointSettings.every = {cfg.eval_every}",
                 "terra.training.CheckpointSettings.keep_last = 1",
                 "terra.training.adamw.learning_rate = @terra.training.rsqrt_schedule()",
                 f"terra.training.rsqrt_schedule.constant = {cfg.learning_rate_constant}",
@@ -95,23 +110,51 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
             ]
             for seed in seeds:
                 name = f"{task}_{model_name}"
-                result = runs.train_run(name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"), [gin_file],
-                                        bindings, log=log)
+                result = runs.train_run(
+                    name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"), [gin_file], bindings, log=log
+                )
                 # The run's gin config is still the parsed one: the same model, the train lengths.
                 model = gin_utils.build_model()
                 lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
-                in_dist = runs.evaluate_split(model, result.params, f"synthetic_{task}", "train", lengths,
-                                              cfg.batch_size, cfg.in_distribution_batches, seed=seed)
+                in_dist = runs.evaluate_split(
+                    model,
+                    result.params,
+                    f"synthetic_{task}",
+                    "train",
+                    lengths,
+                    cfg.batch_size,
+                    cfg.in_distribution_batches,
+                    seed=seed,
+                )
                 out_dist = {k.split("/", 1)[1]: v[-1][1] for k, v in result.curves.items() if k.startswith("eval/")}
-                log(f"    in distribution: token accuracy {100 * in_dist['token_accuracy']:.1f}%, sequence "
-                    f"{100 * in_dist['sequence_accuracy']:.1f}%; 2x longer: token {100 * out_dist['token_accuracy']:.1f}%, "
-                    f"sequence {100 * out_dist['sequence_accuracy']:.1f}%")
-                records.append({"task": task, "model": model_name, "seed": seed, "model_dir": result.model_dir,
-                                "params": result.params_count, "seconds": result.seconds,
-                                "in_distribution": in_dist, "out_of_distribution": out_dist, "curves": result.curves})
+                log(
+                    f"    in distribution: token accuracy {100 * in_dist['token_accuracy']:.1f}%, sequence "
+                    f"{100 * in_dist['sequence_accuracy']:.1f}%; "
+                    f"2x longer: token {100 * out_dist['token_accuracy']:.1f}%, "
+                    f"sequence {100 * out_dist['sequence_accuracy']:.1f}%"
+                )
+                records.append(
+                    {
+                        "task": task,
+                        "model": model_name,
+                        "seed": seed,
+                        "model_dir": result.model_dir,
+                        "params": result.params_count,
+                        "seconds": result.seconds,
+                        "in_distribution": in_dist,
+                        "out_of_distribution": out_dist,
+                        "curves": result.curves,
+                    }
+                )
     rows = _rows(records, task_names, model_names)
-    payload = {"study": "length_generalization", "config": cfg.to_dict(), "machine": describe_machine(),
-               "paper_table_4": PAPER_TABLE_4, "rows": rows, "runs": records}
+    payload = {
+        "study": "length_generalization",
+        "config": cfg.to_dict(),
+        "machine": describe_machine(),
+        "paper_table_4": PAPER_TABLE_4,
+        "rows": rows,
+        "runs": records,
+    }
     table = markdown(rows, cfg, task_names)
     runs.write_json(os.path.join(out_dir, "length_generalization.json"), payload)
     write_atomically(os.path.join(out_dir, "length_generalization.md"), table)
@@ -138,13 +181,22 @@ def _rows(records: Sequence[dict], task_names: Sequence[str], model_names: Seque
 def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
     def lengths(task):
         if task == "copy":
-            return (f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
-                    f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}")
-        (train_fewest, train_most), _ = synthetic.addition_operand_digits(cfg.addition_train_min_length, cfg.addition_train_max_length)
-        (eval_fewest, eval_most), _ = synthetic.addition_operand_digits(cfg.addition_eval_min_length, cfg.addition_eval_max_length)
-        return (f"addition: trained on inputs x+y of at most {cfg.addition_train_max_length} symbols (first operand "
-                f"of {train_fewest}–{train_most} digits), evaluated on inputs of at most {cfg.addition_eval_max_length} with a "
-                f"first operand of {eval_fewest}–{eval_most} digits")
+            return (
+                f"copy: trained on words of 1–{cfg.copy_train_length - 1} symbols, evaluated on "
+                f"{cfg.copy_eval_min_length}–{cfg.copy_eval_max_length - 1}"
+            )
+        (train_fewest, train_most), _ = synthetic.addition_operand_digits(
+            cfg.addition_train_min_length, cfg.addition_train_max_length
+        )
+        (eval_fewest, eval_most), _ = synthetic.addition_operand_digits(
+            cfg.addition_eval_min_length, cfg.addition_eval_max_length
+        )
+        return (
+            f"addition: trained on inputs x+y of at most {cfg.addition_train_max_length} symbols (first operand "
+            f"of {train_fewest}–{train_most} digits), "
+            f"evaluated on inputs of at most {cfg.addition_eval_max_length} with a "
+            f"first operand of {eval_fewest}–{eval_most} digits"
+        )
 
     header = [name for t in task_names for name in (t, f"{t} (seq)")]
     lines = [
@@ -159,11 +211,16 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
         "|---|" + "---|" * (len(header) + 1),
     ]
     for r in rows:
-        cells = [runs.format_mean(r[f"{t}_out_of_distribution_{metric}"], 1, 100)
-                 for t in task_names for metric in ("token_accuracy", "sequence_accuracy")]
+        cells = [
+            runs.format_mean(r[f"{t}_out_of_distribution_{metric}"], 1, 100)
+            for t in task_names
+            for metric in ("token_accuracy", "sequence_accuracy")
+        ]
         inside = ", ".join(
             f"{t} {100 * r[f'{t}_in_distribution_token_accuracy']['mean']:.1f} / "
-            f"{100 * r[f'{t}_in_distribution_sequence_accuracy']['mean']:.1f}" for t in task_names)
+            f"{100 * r[f'{t}_in_distribution_sequence_accuracy']['mean']:.1f}"
+            for t in task_names
+        )
         lines.append(f"| {r['label']} (terra) | " + " | ".join(cells) + f" | {inside} |")
     for r in rows:
         paper = PAPER_TABLE_4[r["model"]]
@@ -177,14 +234,23 @@ def plot(rows: Sequence[dict], task_names: Sequence[str], path: str) -> None:
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     width = 0.8 / max(len(rows), 1)
-    for ax, metric, title in zip(axes, ("token_accuracy", "sequence_accuracy"), ("token accuracy", "sequence accuracy")):
+    for ax, metric, title in zip(
+        axes, ("token_accuracy", "sequence_accuracy"), ("token accuracy", "sequence accuracy")
+    ):
         for i, r in enumerate(rows):
             xs = [j + i * width for j in range(len(task_names))]
             ood = [100 * r[f"{t}_out_of_distribution_{metric}"]["mean"] for t in task_names]
             inside = [100 * r[f"{t}_in_distribution_{metric}"]["mean"] for t in task_names]
             bars = ax.bar(xs, ood, width * 0.9, label=f"{r['label']}, 2x longer")
-            ax.bar(xs, inside, width * 0.9, fill=False, edgecolor=bars.patches[0].get_facecolor(), linestyle="--",
-                   label=f"{r['label']}, training lengths")
+            ax.bar(
+                xs,
+                inside,
+                width * 0.9,
+                fill=False,
+                edgecolor=bars.patches[0].get_facecolor(),
+                linestyle="--",
+                label=f"{r['label']}, training lengths",
+            )
         ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(task_names))])
         ax.set_xticklabels(task_names)
         ax.set_title(title)

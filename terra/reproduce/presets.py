@@ -54,25 +54,27 @@ def sparsity_config(preset: str = "small") -> ml_collections.ConfigDict:
     if preset not in ("small", "smoke"):
         raise ConfigError(f"unknown sparsity preset {preset!r}; use 'small' or 'smoke'.")
     smoke = preset == "smoke"
-    return ml_collections.ConfigDict({
-        "size": preset,
-        "variants": "dense,sparse_ff_qkv_loss" if smoke else ",".join(VARIANTS),
-        "seeds": "0,1" if smoke else "0",
-        "steps": 3 if smoke else 1000,
-        "batch_size": 4 if smoke else 16,
-        "eval_every": 3 if smoke else 100,
-        "eval_steps": 1 if smoke else 8,
-        "warmup_steps": 100 if smoke else 200,
-        "checkpoint_every": 1000,
-        "task_gin": "tasks/embedded_span_corruption.gin",
-        "c4_task_gin": "tasks/c4_span_corruption.gin",
-        "feature_lengths": {"inputs": 32, "targets": 8} if smoke else {"inputs": 128, "targets": 32},
-        "dropout": 0.0,
-        "decode_at": "trained",
-        "decode_tokens": 4 if smoke else 12,
-        "decode_repeats": 1 if smoke else 3,
-        "bandwidth_buffer_mb": 16 if smoke else 512,
-    })
+    return ml_collections.ConfigDict(
+        {
+            "size": preset,
+            "variants": "dense,sparse_ff_qkv_loss" if smoke else ",".join(VARIANTS),
+            "seeds": "0,1" if smoke else "0",
+            "steps": 3 if smoke else 1000,
+            "batch_size": 4 if smoke else 16,
+            "eval_every": 3 if smoke else 100,
+            "eval_steps": 1 if smoke else 8,
+            "warmup_steps": 100 if smoke else 200,
+            "checkpoint_every": 1000,
+            "task_gin": "tasks/embedded_span_corruption.gin",
+            "c4_task_gin": "tasks/c4_span_corruption.gin",
+            "feature_lengths": {"inputs": 32, "targets": 8} if smoke else {"inputs": 128, "targets": 32},
+            "dropout": 0.0,
+            "decode_at": "trained",
+            "decode_tokens": 4 if smoke else 12,
+            "decode_repeats": 1 if smoke else 3,
+            "bandwidth_buffer_mb": 16 if smoke else 512,
+        }
+    )
 
 
 # --- the length-generalization study (paper Table 4) ------------------------------------------------
@@ -109,39 +111,63 @@ def length_generalization_config(preset: str = "small") -> ml_collections.Config
         # copy: train words 1..copy_train_length-1; eval words in [eval_min, eval_max).
         # addition: the reference's min/max lengths (first operand >= (min-1)//2 digits,
         # whole input x+y <= max symbols).
-        "small": dict(copy_train_length=17, copy_eval_min_length=32, copy_eval_max_length=40,
-                      addition_train_min_length=3, addition_train_max_length=33,
-                      addition_eval_min_length=65, addition_eval_max_length=75),
-        "smoke": dict(copy_train_length=5, copy_eval_min_length=8, copy_eval_max_length=10,
-                      addition_train_min_length=3, addition_train_max_length=9,
-                      addition_eval_min_length=17, addition_eval_max_length=21),
-        "paper": dict(copy_train_length=64, copy_eval_min_length=128, copy_eval_max_length=160,
-                      addition_train_min_length=3, addition_train_max_length=129,
-                      addition_eval_min_length=257, addition_eval_max_length=301),
+        "small": dict(
+            copy_train_length=17,
+            copy_eval_min_length=32,
+            copy_eval_max_length=40,
+            addition_train_min_length=3,
+            addition_train_max_length=33,
+            addition_eval_min_length=65,
+            addition_eval_max_length=75,
+        ),
+        "smoke": dict(
+            copy_train_length=5,
+            copy_eval_min_length=8,
+            copy_eval_max_length=10,
+            addition_train_min_length=3,
+            addition_train_max_length=9,
+            addition_eval_min_length=17,
+            addition_eval_max_length=21,
+        ),
+        "paper": dict(
+            copy_train_length=64,
+            copy_eval_min_length=128,
+            copy_eval_max_length=160,
+            addition_train_min_length=3,
+            addition_train_max_length=129,
+            addition_eval_min_length=257,
+            addition_eval_max_length=301,
+        ),
     }[preset]
     smoke, paper = preset == "smoke", preset == "paper"
-    return ml_collections.ConfigDict({
-        "preset": preset,
-        "tasks": ",".join(LENGTH_TASKS),
-        "models": ",".join(LENGTH_MODELS),
-        "seeds": "0",
-        "steps": 2 if smoke else (300_000 if paper else 3000),
-        "batch_size": 4 if smoke else 128 if paper else 32,
-        "eval_every": 2 if smoke else (1000 if paper else 500),
-        "eval_steps": 1 if smoke else 8,
-        "in_distribution_batches": 1 if smoke else 8,
-        # The reference's schedule, 0.5 * linear warm-up over 16k steps then rsqrt, scaled to the
-        # run length: peak 0.5/sqrt(16000) = 0.004 there, 0.1/sqrt(500) = 0.0045 here.
-        "learning_rate_constant": 0.5 if paper else 0.1,
-        "warmup_steps": 16000 if paper else (100 if smoke else 500),
-        "dropout": ml_collections.config_dict.placeholder(float) if paper else 0.1,  # unset: the experiments' own (0.1 / 0.3)
-        "position_max_offset": 300 if paper else (8 if smoke else 64),
-        "max_len": 512 if paper else 256,
-        **lengths,
-    })
+    return ml_collections.ConfigDict(
+        {
+            "preset": preset,
+            "tasks": ",".join(LENGTH_TASKS),
+            "models": ",".join(LENGTH_MODELS),
+            "seeds": "0",
+            "steps": 2 if smoke else (300_000 if paper else 3000),
+            "batch_size": 4 if smoke else 128 if paper else 32,
+            "eval_every": 2 if smoke else (1000 if paper else 500),
+            "eval_steps": 1 if smoke else 8,
+            "in_distribution_batches": 1 if smoke else 8,
+            # The reference's schedule, 0.5 * linear warm-up over 16k steps then rsqrt, scaled to the
+            # run length: peak 0.5/sqrt(16000) = 0.004 there, 0.1/sqrt(500) = 0.0045 here.
+            "learning_rate_constant": 0.5 if paper else 0.1,
+            "warmup_steps": 16000 if paper else (100 if smoke else 500),
+            "dropout": ml_collections.config_dict.placeholder(float)
+            if paper
+            else 0.1,  # unset: the experiments' own (0.1 / 0.3)
+            "position_max_offset": 300 if paper else (8 if smoke else 64),
+            "max_len": 512 if paper else 256,
+            **lengths,
+        }
+    )
 
 
 SPARSITY_PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
-    name: (lambda name=name: sparsity_config(name)) for name in ("small", "smoke")}
+    name: (lambda name=name: sparsity_config(name)) for name in ("small", "smoke")
+}
 LENGTH_PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
-    name: (lambda name=name: length_generalization_config(name)) for name in ("small", "smoke", "paper")}
+    name: (lambda name=name: length_generalization_config(name)) for name in ("small", "smoke", "paper")
+}

@@ -66,11 +66,14 @@ def read_curves(model_dir: str) -> Dict[str, List[List[float]]]:
     return {k: [[s, v] for s, v in sorted(points.items())] for k, points in curves.items()}
 
 
-def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bindings: Sequence[str],
-              log=print) -> RunResult:
+def train_run(
+    name: str, seed: int, model_dir: str, gin_files: Sequence[str], bindings: Sequence[str], log=print
+) -> RunResult:
     """Parses the run's gin config (files, then bindings, then the seed and model_dir) and trains."""
-    gin_utils.parse_gin(list(gin_files), [*bindings, f"MODEL_DIR = {os.path.abspath(model_dir)!r}",
-                                          f"terra.training.Trainer.seed = {seed}"])
+    gin_utils.parse_gin(
+        list(gin_files),
+        [*bindings, f"MODEL_DIR = {os.path.abspath(model_dir)!r}", f"terra.training.Trainer.seed = {seed}"],
+    )
     start = time.perf_counter()
     result = trainer.Trainer(logging=LoggingSettings(progress=False)).run()
     # Training time summed over the invocations that trained this run (a resumed or finished
@@ -84,19 +87,37 @@ def train_run(name: str, seed: int, model_dir: str, gin_files: Sequence[str], bi
     params_count = int(sum(x.size for x in jax.tree.leaves(result.params)))
     curves = read_curves(model_dir)
     final = {k: v[-1][1] for k, v in curves.items() if k.startswith("eval/")}
-    log(f"  {name} seed {seed}: {params_count:,} parameters, {result.step} steps in {seconds:.0f} s; "
-        + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items())))
+    log(
+        f"  {name} seed {seed}: {params_count:,} parameters, {result.step} steps in {seconds:.0f} s; "
+        + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items()))
+    )
     return RunResult(name, seed, model_dir, result.params, params_count, curves, seconds)
 
 
-def evaluate_split(model, params, task: str, split: str, feature_lengths: Dict[str, int], batch_size: int,
-                   num_batches: int, feature_converter=None, seed: int = 0) -> Dict[str, float]:
+def evaluate_split(
+    model,
+    params,
+    task: str,
+    split: str,
+    feature_lengths: Dict[str, int],
+    batch_size: int,
+    num_batches: int,
+    feature_converter=None,
+    seed: int = 0,
+) -> Dict[str, float]:
     """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's evaluation)
     on the first ``num_batches`` batches of ``split``; the train split is read unshuffled from
     its start, so it is the same examples every time."""
-    ds = pipeline.get_dataset(tasks.get_task(task), split=split, feature_lengths=feature_lengths,
-                              batch_size=batch_size, feature_converter=feature_converter, seed=seed, shuffle=False,
-                              num_epochs=1 if split != "train" else None)
+    ds = pipeline.get_dataset(
+        tasks.get_task(task),
+        split=split,
+        feature_lengths=feature_lengths,
+        batch_size=batch_size,
+        feature_converter=feature_converter,
+        seed=seed,
+        shuffle=False,
+        num_epochs=1 if split != "train" else None,
+    )
     batches = itertools.islice(pipeline.BatchIterator(ds), num_batches)
     metrics = evaluate_batches(jax.jit(model.eval_metrics), params, batches)
     if not metrics:

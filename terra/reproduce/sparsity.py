@@ -1,4 +1,4 @@
-""""Sparse is enough" at a size a CPU can train: the dense baseline against every sparse layer.
+""" "Sparse is enough" at a size a CPU can train: the dense baseline against every sparse layer.
 
   terra-reproduce sparsity --out out/reproduce/sparsity
   terra-reproduce sparsity --out DIR --config.seeds=0,1,2           # mean ± spread
@@ -20,16 +20,14 @@ for each variant, at the trained size (``--config.decode_at=trained``, default) 
 timing shape of ``paper_800m`` (``--config.decode_at=800m``), or skipped (``none``).
 """
 
-import dataclasses
 import os
 from typing import Dict, List, Sequence
 
 import ml_collections
 
 from terra import gin_utils
-from terra.benchmarks import decode_speed
+from terra.benchmarks import decode_speed, report
 from terra.benchmarks import presets as preset_lib
-from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
 from terra.data import tasks
 from terra.errors import ConfigError
@@ -74,8 +72,13 @@ def _check_variants(names: Sequence[str]) -> None:
         raise ConfigError("the study needs the 'dense' variant: every gap is measured against it.")
 
 
-def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[str] = (),
-        extra_bindings: Sequence[str] = (), log=print) -> dict:
+def run(
+    cfg: ml_collections.ConfigDict,
+    out_dir: str,
+    data_bindings: Sequence[str] = (),
+    extra_bindings: Sequence[str] = (),
+    log=print,
+) -> dict:
     """Trains every (variant, seed), times decoding per variant, writes sparsity.{json,md,png}."""
     names = [n.strip() for n in str(cfg.variants).split(",") if n.strip()]
     seeds = runs.parse_seeds(cfg.seeds)
@@ -88,25 +91,39 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
     task_gin = cfg.c4_task_gin if reads_c4 else cfg.task_gin
     vocab_size = _checked_task_vocab_size(task_gin, data_bindings)
     os.makedirs(out_dir, exist_ok=True)
-    log(f"sparsity study: {len(names)} variants x seeds {seeds}, {cfg.steps} steps of {cfg.batch_size} on "
-        f"{task_gin} ({cfg.size} size) -> {out_dir}")
+    log(
+        f"sparsity study: {len(names)} variants x seeds {seeds}, {cfg.steps} steps of {cfg.batch_size} on "
+        f"{task_gin} ({cfg.size} size) -> {out_dir}"
+    )
 
     results: Dict[str, List[runs.RunResult]] = {}
     for name in names:
         variant = VARIANTS[name]
         bindings = [
-            *_size_bindings(cfg.size, variant, vocab_size, cfg.dropout), *variant.bindings, *data_bindings,
-            f"TASK_FEATURE_LENGTHS = {dict(cfg.feature_lengths)!r}", f"BATCH_SIZE = {cfg.batch_size}",
-            f"TRAIN_STEPS = {cfg.steps}", f"terra.training.EvaluationSettings.every = {cfg.eval_every}",
-            f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}", f"terra.training.LoggingSettings.every = {cfg.eval_every}",
-            f"terra.training.CheckpointSettings.every = {cfg.checkpoint_every}", "terra.training.CheckpointSettings.keep_last = 1",
+            *_size_bindings(cfg.size, variant, vocab_size, cfg.dropout),
+            *variant.bindings,
+            *data_bindings,
+            f"TASK_FEATURE_LENGTHS = {dict(cfg.feature_lengths)!r}",
+            f"BATCH_SIZE = {cfg.batch_size}",
+            f"TRAIN_STEPS = {cfg.steps}",
+            f"terra.training.EvaluationSettings.every = {cfg.eval_every}",
+            f"terra.training.EvaluationSettings.steps = {cfg.eval_steps}",
+            f"terra.training.LoggingSettings.every = {cfg.eval_every}",
+            f"terra.training.CheckpointSettings.every = {cfg.checkpoint_every}",
+            "terra.training.CheckpointSettings.keep_last = 1",
             "terra.training.adafactor.learning_rate = @terra.training.rsqrt_schedule()",
             f"terra.training.rsqrt_schedule.warmup_steps = {cfg.warmup_steps}",
             *extra_bindings,
         ]
         results[name] = [
-            runs.train_run(name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"),
-                           [variant.gin_file, task_gin, "runs/train.gin"], bindings, log=log)
+            runs.train_run(
+                name,
+                seed,
+                os.path.join(out_dir, "runs", name, f"seed{seed}"),
+                [variant.gin_file, task_gin, "runs/train.gin"],
+                bindings,
+                log=log,
+            )
             for seed in seeds
         ]
     timings = _decode_times(cfg, names, vocab_size, log) if cfg.decode_at != "none" else {}
@@ -118,8 +135,18 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, data_bindings: Sequence[st
         "data_bindings": list(data_bindings),
         "machine": describe_machine(),
         "rows": rows,
-        "runs": [{"variant": n, "seed": r.seed, "model_dir": r.model_dir, "params": r.params_count,
-                  "seconds": r.seconds, "curves": r.curves} for n in names for r in results[n]],
+        "runs": [
+            {
+                "variant": n,
+                "seed": r.seed,
+                "model_dir": r.model_dir,
+                "params": r.params_count,
+                "seconds": r.seconds,
+                "curves": r.curves,
+            }
+            for n in names
+            for r in results[n]
+        ],
     }
     table = markdown(rows, cfg, task_gin)
     runs.write_json(os.path.join(out_dir, "sparsity.json"), payload)
@@ -140,9 +167,15 @@ def _decode_times(cfg, names: Sequence[str], vocab_size: int, log) -> Dict[str, 
             bindings = [*_size_bindings(cfg.size, variant, vocab_size, 0.0), *bindings]
         rows.append(preset_lib.make_row(variant.label, variant.gin_file, bindings=bindings))
     common = [] if cfg.decode_at == "trained" else list(preset_lib.TIMING_SHAPE_800M)
-    timing = preset_lib.timing_config(rows, common_bindings=common, tokens=cfg.decode_tokens + 2,
-                                      repeats=cfg.decode_repeats, warmup=2, dense_row=list(names).index("dense"),
-                                      bandwidth_buffer_mb=cfg.bandwidth_buffer_mb)
+    timing = preset_lib.timing_config(
+        rows,
+        common_bindings=common,
+        tokens=cfg.decode_tokens + 2,
+        repeats=cfg.decode_repeats,
+        warmup=2,
+        dense_row=list(names).index("dense"),
+        bandwidth_buffer_mb=cfg.bandwidth_buffer_mb,
+    )
     measured = decode_speed.run_preset(timing, None, f"decode speed of the study's variants ({cfg.decode_at})", log=log)
     return dict(zip(names, measured))
 
@@ -160,26 +193,31 @@ def _rows(names: Sequence[str], results: Dict[str, List[runs.RunResult]], timing
         # runs of one seed share their data stream, so this is the paired difference.
         gaps = [final(r, "eval/loss") - dense_losses[r.seed] for r in results[name]]
         timing = timings.get(name)
-        rows.append({
-            "variant": name,
-            "label": VARIANTS[name].label,
-            "params": results[name][0].params_count,
-            "seeds": [r.seed for r in results[name]],
-            "eval_log_perplexity": runs.mean_and_spread(losses),
-            "gap_to_dense": runs.mean_and_spread(gaps),
-            "eval_token_accuracy": runs.mean_and_spread([final(r, "eval/token_accuracy") for r in results[name]]),
-            "train_seconds": runs.mean_and_spread([r.seconds for r in results[name]]),
-            "decode_seconds_per_token": timing["seconds_per_token_median"] if timing else None,
-            "decode_params": timing["params"] if timing else None,
-            "decode_speedup_vs_dense": timing["speedup_vs_dense"] if timing else None,
-        })
+        rows.append(
+            {
+                "variant": name,
+                "label": VARIANTS[name].label,
+                "params": results[name][0].params_count,
+                "seeds": [r.seed for r in results[name]],
+                "eval_log_perplexity": runs.mean_and_spread(losses),
+                "gap_to_dense": runs.mean_and_spread(gaps),
+                "eval_token_accuracy": runs.mean_and_spread([final(r, "eval/token_accuracy") for r in results[name]]),
+                "train_seconds": runs.mean_and_spread([r.seconds for r in results[name]]),
+                "decode_seconds_per_token": timing["seconds_per_token_median"] if timing else None,
+                "decode_params": timing["params"] if timing else None,
+                "decode_speedup_vs_dense": timing["speedup_vs_dense"] if timing else None,
+            }
+        )
     return rows
 
 
 def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
     seeds = runs.parse_seeds(cfg.seeds)
-    decode_note = {"trained": "at the trained size", "800m": "at the 800M timing shape (2 encoder + 24 decoder layers)",
-                   "none": "not measured"}[cfg.decode_at]
+    decode_note = {
+        "trained": "at the trained size",
+        "800m": "at the 800M timing shape (2 encoder + 24 decoder layers)",
+        "none": "not measured",
+    }[cfg.decode_at]
     lines = [
         "### Sparse vs dense: eval log-perplexity at equal steps",
         "",
@@ -187,7 +225,8 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
         f"log-perplexity (nats per target token) after the last step, mean ± standard deviation over seeds; "
         f"the gap is paired per seed (same data order). Decode time: batch-1 median per token {decode_note}.",
         "",
-        "| model | Params | eval log-ppl | gap to dense | token acc. | train time | decode ms/token | decode speed-up |",
+        "| model | Params | eval log-ppl | gap to dense | token acc. | train time | decode ms/token "
+        "| decode speed-up |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -196,7 +235,9 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
         gap = "—" if r["variant"] == "dense" else runs.format_mean(r["gap_to_dense"])
         lines.append(
             f"| {r['label']} | {r['params'] / 1e6:.2f}M | {runs.format_mean(r['eval_log_perplexity'])} | {gap} | "
-            f"{runs.format_mean(r['eval_token_accuracy'], 1, 100)}% | {r['train_seconds']['mean']:.0f} s | {decode} | {speedup} |")
+            f"{runs.format_mean(r['eval_token_accuracy'], 1, 100)}% | {r['train_seconds']['mean']:.0f} s | "
+            f"{decode} | {speedup} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -211,10 +252,19 @@ def plot(results: Dict[str, List[runs.RunResult]], names: Sequence[str], path: s
             continue
         values = [[c[s] for c in curves] for s in steps]
         mean = [sum(v) / len(v) for v in values]
-        line, = ax.plot(steps, mean, marker="o", markersize=3, label=VARIANTS[name].label,
-                        linewidth=2.5 if name == "dense" else 1.5, color="black" if name == "dense" else None)
+        (line,) = ax.plot(
+            steps,
+            mean,
+            marker="o",
+            markersize=3,
+            label=VARIANTS[name].label,
+            linewidth=2.5 if name == "dense" else 1.5,
+            color="black" if name == "dense" else None,
+        )
         if len(curves) > 1:
-            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color())
+            ax.fill_between(
+                steps, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color()
+            )
     ax.set_xlabel("training step")
     ax.set_ylabel("eval log-perplexity (nats per target token)")
     ax.set_title(f"Sparse vs dense ({title})")

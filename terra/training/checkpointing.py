@@ -60,8 +60,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import math
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -373,7 +373,9 @@ class Checkpointer:
             except OSError as e:
                 logger.warning(
                     "Could not move %s aside (%s); later saves at or below step %d may be skipped.",
-                    source, e, step,
+                    source,
+                    e,
+                    step,
                 )
         ocp.multihost.sync_global_processes(f"terra_checkpoint_set_aside_{step}")
 
@@ -484,13 +486,17 @@ class Checkpointer:
                     self._manager.reload()
                     logger.warning(
                         "Resumed from checkpoint step %d after skipping unreadable step(s) %s.",
-                        candidate, [s for s, _ in failures],
+                        candidate,
+                        [s for s, _ in failures],
                     )
                 return restored, candidate
             failures.append((candidate, error))
             logger.warning(
                 "Checkpoint step %d in %s is corrupt or incomplete (%s: %s)%s",
-                candidate, self.directory, type(error).__name__, error,
+                candidate,
+                self.directory,
+                type(error).__name__,
+                error,
                 "; trying the previous checkpoint." if step is None else ".",
             )
         details = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in failures)
@@ -513,11 +519,11 @@ class Checkpointer:
             else:
                 logger.warning(
                     "Checkpoint step %d has no input-pipeline state (it was saved without a data "
-                    "iterator); the data iterator starts from its beginning.", step,
+                    "iterator); the data iterator starts from its beginning.",
+                    step,
                 )
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored[STATE_ITEM]
-
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -549,9 +555,7 @@ def _resolve_step_dir(checkpoint_dir: str, step: Optional[int]) -> epath.Path:
         raise CheckpointError(f"checkpoint directory {path} does not exist.")
     if (path / STATE_ITEM).is_dir() and (path / STEP_METADATA_FILE).exists():
         if step is not None and path.name != str(step):
-            raise CheckpointError(
-                f"{path} is the directory of step {path.name}, but step={step} was requested."
-            )
+            raise CheckpointError(f"{path} is the directory of step {path.name}, but step={step} was requested.")
         return path
     root = path / CHECKPOINTS_SUBDIR if (path / CHECKPOINTS_SUBDIR).is_dir() else path
     steps = _committed_steps(root)
@@ -647,9 +651,7 @@ def _place_like(host_tree: Any, abstract: Any) -> Any:
     leaves = []
     for path, target in flat:
         value = np.asarray(by_path[_path_str(path)], dtype=target.dtype)
-        leaves.append(
-            jax.make_array_from_callback(target.shape, target.sharding, lambda index, v=value: v[index])
-        )
+        leaves.append(jax.make_array_from_callback(target.shape, target.sharding, lambda index, v=value: v[index]))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

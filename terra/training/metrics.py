@@ -121,8 +121,16 @@ class ProgressBar:
         if self.enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=int(total_steps), initial=int(initial_step), desc="train", unit="step",
-                             file=sys.stderr, dynamic_ncols=True, mininterval=0.0, smoothing=0.1)
+            self._bar = tqdm(
+                total=int(total_steps),
+                initial=int(initial_step),
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=0.0,
+                smoothing=0.1,
+            )
             self._step = int(initial_step)
 
     def update(self, step: int, loss: float, steps_per_second: Optional[float] = None) -> None:

@@ -68,19 +68,27 @@ def _is_number(x) -> bool:
 
 
 def _check_non_negative(name: str, value, where: str) -> None:
-    _check(_is_number(value) and value >= 0,
-           f"{where}: {name}={value!r} must be a number >= 0; set e.g. {where}.{name} = {_example(name)}.")
+    _check(
+        _is_number(value) and value >= 0,
+        f"{where}: {name}={value!r} must be a number >= 0; set e.g. {where}.{name} = {_example(name)}.",
+    )
 
 
 def _check_int(name: str, value, where: str, minimum: int) -> None:
-    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum,
-           f"{where}: {name}={value!r} must be an integer >= {minimum}; "
-           f"set e.g. {where}.{name} = {_example(name)}.")
+    _check(
+        isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum,
+        f"{where}: {name}={value!r} must be an integer >= {minimum}; set e.g. {where}.{name} = {_example(name)}.",
+    )
 
 
 def _example(name: str) -> str:
-    return {"warmup_steps": "10000", "decay_steps": "100000", "weight_decay_steps": "100000",
-            "gradient_accumulation_steps": "2", "min_dim_size_to_factor": "1"}.get(name, "0.01")
+    return {
+        "warmup_steps": "10000",
+        "decay_steps": "100000",
+        "weight_decay_steps": "100000",
+        "gradient_accumulation_steps": "2",
+        "min_dim_size_to_factor": "1",
+    }.get(name, "0.01")
 
 
 def _as_schedule(learning_rate: LearningRate, where: str) -> Schedule:
@@ -88,14 +96,17 @@ def _as_schedule(learning_rate: LearningRate, where: str) -> Schedule:
     if callable(learning_rate):
         return learning_rate
     if _is_number(learning_rate):
-        _check(learning_rate >= 0,
-               f"{where}: learning_rate={learning_rate!r} is negative; the optimizer already descends "
-               f"(updates carry the minus sign), so give a positive value, e.g. "
-               f"{where}.learning_rate = 0.01, or a schedule such as @terra.training.rsqrt_schedule().")
+        _check(
+            learning_rate >= 0,
+            f"{where}: learning_rate={learning_rate!r} is negative; the optimizer already descends "
+            f"(updates carry the minus sign), so give a positive value, e.g. "
+            f"{where}.learning_rate = 0.01, or a schedule such as @terra.training.rsqrt_schedule().",
+        )
         return constant_schedule(float(learning_rate))
     raise ConfigError(
         f"{where}: learning_rate={learning_rate!r} is neither a number nor a schedule; use a float "
-        f"or a schedule such as @terra.training.rsqrt_schedule().")
+        f"or a schedule such as @terra.training.rsqrt_schedule()."
+    )
 
 
 # --- schedules -------------------------------------------------------------------------------
@@ -136,8 +147,12 @@ def constant_schedule(value: float = gin.REQUIRED) -> Schedule:
 
 
 @gin.configurable(module="terra.training")
-def warmup_cosine_schedule(peak: float = gin.REQUIRED, warmup_steps: int = gin.REQUIRED,
-                           decay_steps: int = gin.REQUIRED, end_value: float = 0.0) -> Schedule:
+def warmup_cosine_schedule(
+    peak: float = gin.REQUIRED,
+    warmup_steps: int = gin.REQUIRED,
+    decay_steps: int = gin.REQUIRED,
+    end_value: float = 0.0,
+) -> Schedule:
     """Linear warm-up from 0 to ``peak`` over ``warmup_steps``, then cosine decay to ``end_value``
     at ``decay_steps`` (which counts the warm-up too; ``optax.warmup_cosine_decay_schedule``)."""
     where = "terra.training.warmup_cosine_schedule"
@@ -145,12 +160,18 @@ def warmup_cosine_schedule(peak: float = gin.REQUIRED, warmup_steps: int = gin.R
     _check_non_negative("end_value", end_value, where)
     _check_int("warmup_steps", warmup_steps, where, 0)
     _check_int("decay_steps", decay_steps, where, 1)
-    _check(decay_steps > warmup_steps,
-           f"{where}: decay_steps={decay_steps} must exceed warmup_steps={warmup_steps} (it is the total "
-           f"length of the schedule, warm-up included).")
+    _check(
+        decay_steps > warmup_steps,
+        f"{where}: decay_steps={decay_steps} must exceed warmup_steps={warmup_steps} (it is the total "
+        f"length of the schedule, warm-up included).",
+    )
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=float(peak), warmup_steps=warmup_steps, decay_steps=decay_steps,
-        end_value=float(end_value))
+        init_value=0.0,
+        peak_value=float(peak),
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        end_value=float(end_value),
+    )
 
 
 # --- optimizers ------------------------------------------------------------------------------
@@ -195,24 +216,33 @@ def adafactor(
     """
     where = "terra.training.adafactor"
     schedule = rsqrt_schedule() if learning_rate is None else _as_schedule(learning_rate, where)
-    _check(_is_number(decay_rate) and 0 < decay_rate <= 1,
-           f"{where}: decay_rate={decay_rate!r} must be in (0, 1]; it is the exponent of the second-moment "
-           f"decay 1 - (t+1)^-decay_rate (reference: 0.8 for C4 pretraining, 0.9 for arXiv fine-tuning), "
-           f"not a per-step beta2.")
-    _check(clipping_threshold is None or (_is_number(clipping_threshold) and clipping_threshold > 0),
-           f"{where}: clipping_threshold={clipping_threshold!r} must be > 0 (reference 1.0) or None to disable.")
+    _check(
+        _is_number(decay_rate) and 0 < decay_rate <= 1,
+        f"{where}: decay_rate={decay_rate!r} must be in (0, 1]; it is the exponent of the second-moment "
+        f"decay 1 - (t+1)^-decay_rate (reference: 0.8 for C4 pretraining, 0.9 for arXiv fine-tuning), "
+        f"not a per-step beta2.",
+    )
+    _check(
+        clipping_threshold is None or (_is_number(clipping_threshold) and clipping_threshold > 0),
+        f"{where}: clipping_threshold={clipping_threshold!r} must be > 0 (reference 1.0) or None to disable.",
+    )
     _check_non_negative("epsilon1", epsilon1, where)
     _check_non_negative("epsilon2", epsilon2, where)
-    _check(momentum is None or (_is_number(momentum) and 0 <= momentum < 1),
-           f"{where}: momentum={momentum!r} must be in [0, 1) or None (the reference uses none: beta1=0).")
+    _check(
+        momentum is None or (_is_number(momentum) and 0 <= momentum < 1),
+        f"{where}: momentum={momentum!r} must be in [0, 1) or None (the reference uses none: beta1=0).",
+    )
     _check_non_negative("weight_decay_rate", weight_decay_rate, where)
     _check(weight_decay_rate < 1, f"{where}: weight_decay_rate={weight_decay_rate!r} must be < 1 (reference 1e-5).")
     if weight_decay_steps is not None:
         _check_int("weight_decay_steps", weight_decay_steps, where, 1)
     _check_int("min_dim_size_to_factor", min_dim_size_to_factor, where, 1)
 
-    chain = [optax.scale_by_factored_rms(
-        factored=factored, decay_rate=decay_rate, min_dim_size_to_factor=min_dim_size_to_factor, epsilon=epsilon1)]
+    chain = [
+        optax.scale_by_factored_rms(
+            factored=factored, decay_rate=decay_rate, min_dim_size_to_factor=min_dim_size_to_factor, epsilon=epsilon1
+        )
+    ]
     if clipping_threshold is not None:
         chain.append(optax.clip_by_block_rms(clipping_threshold))
     chain.append(optax.scale_by_learning_rate(schedule, flip_sign=False))
@@ -221,8 +251,11 @@ def adafactor(
     if momentum is not None:
         chain.append(optax.ema(momentum, debias=False))
     if weight_decay_rate > 0:
-        rate = (float(weight_decay_rate) if weight_decay_steps is None
-                else optax.linear_schedule(float(weight_decay_rate), 0.0, weight_decay_steps))
+        rate = (
+            float(weight_decay_rate)
+            if weight_decay_steps is None
+            else optax.linear_schedule(float(weight_decay_rate), 0.0, weight_decay_steps)
+        )
         chain.append(optax.add_decayed_weights(rate))
     chain.append(optax.scale(-1.0))
     return OptimizerSpec(optax.chain(*chain), schedule)
@@ -244,10 +277,16 @@ def adamw(
     Adam instead subtracts ``weight_decay_rate * w`` independently of it; both are off at 0).
     """
     where = "terra.training.adamw"
-    schedule = (rsqrt_schedule(constant=0.5, warmup_steps=16_000, linear_warmup=True) if learning_rate is None
-                else _as_schedule(learning_rate, where))
+    schedule = (
+        rsqrt_schedule(constant=0.5, warmup_steps=16_000, linear_warmup=True)
+        if learning_rate is None
+        else _as_schedule(learning_rate, where)
+    )
     for name, value in (("b1", b1), ("b2", b2)):
-        _check(_is_number(value) and 0 <= value < 1, f"{where}: {name}={value!r} must be in [0, 1) (reference b1=0.9, b2=0.98).")
+        _check(
+            _is_number(value) and 0 <= value < 1,
+            f"{where}: {name}={value!r} must be in [0, 1) (reference b1=0.9, b2=0.98).",
+        )
     _check(_is_number(eps) and eps > 0, f"{where}: eps={eps!r} must be > 0 (reference 2e-5).")
     _check_non_negative("weight_decay", weight_decay, where)
     return OptimizerSpec(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), schedule)
@@ -258,8 +297,10 @@ def sgd(*, learning_rate: LearningRate = 0.01, momentum: Optional[float] = None)
     """Plain SGD (``optax.sgd``), mainly for tests and debugging."""
     where = "terra.training.sgd"
     schedule = _as_schedule(learning_rate, where)
-    _check(momentum is None or (_is_number(momentum) and 0 <= momentum < 1),
-           f"{where}: momentum={momentum!r} must be in [0, 1) or None.")
+    _check(
+        momentum is None or (_is_number(momentum) and 0 <= momentum < 1),
+        f"{where}: momentum={momentum!r} must be in [0, 1) or None.",
+    )
     return OptimizerSpec(optax.sgd(schedule, momentum=momentum), schedule)
 
 
@@ -282,8 +323,9 @@ def optimizer_by_name(name: str, **kwargs) -> OptimizerSpec:
 
 
 @gin.configurable(module="terra.training")
-def build_optimizer(spec: OptimizerSpec, *, clip_grad_norm: Optional[float] = None,
-                    gradient_accumulation_steps: int = 1) -> OptimizerSpec:
+def build_optimizer(
+    spec: OptimizerSpec, *, clip_grad_norm: Optional[float] = None, gradient_accumulation_steps: int = 1
+) -> OptimizerSpec:
     """The transformation the trainer applies: ``spec`` preceded by optional global-norm clipping,
     the whole wrapped in ``optax.MultiSteps`` when accumulating gradients.
 
@@ -296,9 +338,12 @@ def build_optimizer(spec: OptimizerSpec, *, clip_grad_norm: Optional[float] = No
     if not isinstance(spec, OptimizerSpec):
         raise ConfigError(
             f"{where}: expected an OptimizerSpec (e.g. @terra.training.adafactor() or @terra.training.adamw()), "
-            f"got {type(spec).__name__}; wrap a raw optax transformation as OptimizerSpec(transform, schedule).")
-    _check(clip_grad_norm is None or (_is_number(clip_grad_norm) and clip_grad_norm > 0),
-           f"{where}: clip_grad_norm={clip_grad_norm!r} must be > 0 or None (no clipping), e.g. 1.0.")
+            f"got {type(spec).__name__}; wrap a raw optax transformation as OptimizerSpec(transform, schedule)."
+        )
+    _check(
+        clip_grad_norm is None or (_is_number(clip_grad_norm) and clip_grad_norm > 0),
+        f"{where}: clip_grad_norm={clip_grad_norm!r} must be > 0 or None (no clipping), e.g. 1.0.",
+    )
     _check_int("gradient_accumulation_steps", gradient_accumulation_steps, where, 1)
 
     tx = spec.transform
@@ -308,8 +353,7 @@ def build_optimizer(spec: OptimizerSpec, *, clip_grad_norm: Optional[float] = No
     if k == 1:
         return OptimizerSpec(tx, spec.schedule)
     inner = spec.schedule
-    return OptimizerSpec(optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation(),
-                         lambda n: inner(n // k))
+    return OptimizerSpec(optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation(), lambda n: inner(n // k))
 
 
 def learning_rate_at(spec_or_schedule: Union[OptimizerSpec, Schedule], step) -> float:

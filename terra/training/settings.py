@@ -53,7 +53,8 @@ class ParallelSettings:
     def __post_init__(self):
         if self.num_devices is not None and not 0 < self.num_devices <= jax.device_count():
             raise ConfigError(
-                f"ParallelSettings.num_devices={self.num_devices}: this run has {jax.device_count()} devices.")
+                f"ParallelSettings.num_devices={self.num_devices}: this run has {jax.device_count()} devices."
+            )
 
 
 @gin.configurable(module="terra.training")
@@ -92,8 +93,10 @@ class EvaluationSettings:
             raise ConfigError(f"EvaluationSettings.every={self.every} and steps={self.steps} must be >= 0.")
         for hook in self.hooks:
             if not isinstance(hook, EvaluationHook):
-                raise ConfigError(f"EvaluationSettings.hooks: {hook!r} is not an evaluation hook "
-                                  "(it needs every, metric_names, higher_is_better, prepare() and __call__).")
+                raise ConfigError(
+                    f"EvaluationSettings.hooks: {hook!r} is not an evaluation hook "
+                    "(it needs every, metric_names, higher_is_better, prepare() and __call__)."
+                )
 
     @property
     def teacher_forced(self) -> bool:

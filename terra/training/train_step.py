@@ -18,7 +18,9 @@ from terra.training.train_state import TrainState
 Metrics = Dict[str, jax.Array]
 
 
-def train_step(model, tx: optax.GradientTransformation, state: TrainState, batch, rng: jax.Array) -> Tuple[TrainState, Metrics]:
+def train_step(
+    model, tx: optax.GradientTransformation, state: TrainState, batch, rng: jax.Array
+) -> Tuple[TrainState, Metrics]:
     """One optimizer step on ``batch`` (a dict of global arrays sharded over 'data')."""
     dropout_rng = jax.random.fold_in(rng, state.step)
 

@@ -153,24 +153,32 @@ class Trainer:
         self.logging = logging or LoggingSettings()
         self.provider = tasks.get_task(task)
         tasks.check_vocabulary_and_lengths(
-            self.provider, self.feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
+            self.provider, self.feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
+        )
         self.host_batch = host_batch_size(batch_size)
         directions = self.evaluation.metric_directions()
         if self.checkpoints.best_metric not in directions:
             raise ConfigError(
                 f"CheckpointSettings.best_metric={self.checkpoints.best_metric!r} is not a metric this run evaluates; "
-                f"use one of {sorted(directions)} (eval/rouge* needs a ROUGE hook in EvaluationSettings.hooks).")
+                f"use one of {sorted(directions)} (eval/rouge* needs a ROUGE hook in EvaluationSettings.hooks)."
+            )
         self.best_mode = directions[self.checkpoints.best_metric]
         # The train split is checked when its first batch is read, in run(), still before model_dir.
         if self.evaluation.teacher_forced or self.evaluation.hooks:
             tasks.check_task_data(self.provider, self.evaluation.split)
         self.eval_feature_lengths = dict(self.evaluation.feature_lengths or self.feature_lengths)
         for hook in self.evaluation.hooks:
-            hook.prepare(model=model, task=self.provider, split=self.evaluation.split,
-                         feature_lengths=self.eval_feature_lengths, batch_size=self.host_batch)
+            hook.prepare(
+                model=model,
+                task=self.provider,
+                split=self.evaluation.split,
+                feature_lengths=self.eval_feature_lengths,
+                batch_size=self.host_batch,
+            )
         spec = optimizer or optimizers.adafactor()
         self.optimizer = optimizers.build_optimizer(
-            spec, clip_grad_norm=clip_grad_norm, gradient_accumulation_steps=gradient_accumulation_steps)
+            spec, clip_grad_norm=clip_grad_norm, gradient_accumulation_steps=gradient_accumulation_steps
+        )
         self.rules = self.parallel.axis_rules or axes.default_axis_rules()
         devices = jax.devices()[: self.parallel.num_devices] if self.parallel.num_devices else None
         self.mesh = mesh_lib.make_mesh(**dict(self.parallel.mesh_shape or {}), devices=devices)
@@ -180,8 +188,15 @@ class Trainer:
     def batches(self, split: str, lengths: Mapping[str, int], num_epochs: Optional[int], shuffle: bool):
         """This host's batches of ``split``: a checkpointable iterator."""
         ds = pipeline.get_dataset(
-            self.provider, split=split, feature_lengths=lengths, batch_size=self.host_batch,
-            feature_converter=self.feature_converter, seed=self.data_seed, shuffle=shuffle, num_epochs=num_epochs)
+            self.provider,
+            split=split,
+            feature_lengths=lengths,
+            batch_size=self.host_batch,
+            feature_converter=self.feature_converter,
+            seed=self.data_seed,
+            shuffle=shuffle,
+            num_epochs=num_epochs,
+        )
         return pipeline.BatchIterator(ds)
 
     def read_eval_batches(self) -> List:
@@ -198,8 +213,12 @@ class Trainer:
         p_shardings = sharding.param_shardings(abstract_vars, self.mesh, self.rules)
         self.abstract_params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            sharding.unboxed(abstract_vars)["params"], p_shardings)
-        o_shardings = sharding.opt_state_shardings(self.optimizer.transform, self.abstract_params, p_shardings, self.mesh)
+            sharding.unboxed(abstract_vars)["params"],
+            p_shardings,
+        )
+        o_shardings = sharding.opt_state_shardings(
+            self.optimizer.transform, self.abstract_params, p_shardings, self.mesh
+        )
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self.state_shardings = TrainState(step=self.replicated, params=p_shardings, opt_state=o_shardings)
 
@@ -211,7 +230,8 @@ class Trainer:
         """``(state, start_step, origin)``: restored, fine-tuned from ``init_from``, or fresh."""
         abstract_state = jax.eval_shape(self._init_state, jax.random.key(self.seed))
         abstract_state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, self.state_shardings)
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, self.state_shardings
+        )
         restored = self.checkpointer.restore(abstract_state, data_iterator=train_batches)
         if restored is not None:
             state, start_step = restored
@@ -255,8 +275,13 @@ class Trainer:
         """Saves at the checkpoint interval, when forced (end, preemption), or at orbax's
         preemption sync point; ``metrics`` rank the best checkpoints. Called before the next
         batch is read, so the stored data position is ``step``."""
-        self.checkpointer.save(step, state, data_iterator=train_batches, force=force,
-                               metrics={f"eval/{k}": v for k, v in metrics.items()} if metrics else None)
+        self.checkpointer.save(
+            step,
+            state,
+            data_iterator=train_batches,
+            force=force,
+            metrics={f"eval/{k}": v for k, v in metrics.items()} if metrics else None,
+        )
 
     def _raise_if_diverged(self, metrics, last_step: int, to_close) -> None:
         """Raise :class:`TrainingDiverged` naming the first of the steps ``last_step - len + 1 ..
@@ -269,7 +294,8 @@ class Trainer:
                     f"step {last_step - len(metrics) + 1 + i}: the loss or gradient norm is not finite "
                     f"(loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}); training stopped. Non-finite "
                     f"steps left the parameters unchanged, and the last checkpoint in {self.model_dir} is intact. "
-                    "Lower the learning rate, enable clip_grad_norm, or check the data.")
+                    "Lower the learning rate, enable clip_grad_norm, or check the data."
+                )
 
     # ----- the run -------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -280,8 +306,13 @@ class Trainer:
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
             self._shardings()
             self.checkpointer = checkpointing.Checkpointer(
-                self.model_dir, save_interval_steps=self.checkpoints.every, keep_last=self.checkpoints.keep_last,
-                keep_best=self.checkpoints.keep_best, best_metric=self.checkpoints.best_metric, best_mode=self.best_mode)
+                self.model_dir,
+                save_interval_steps=self.checkpoints.every,
+                keep_last=self.checkpoints.keep_last,
+                keep_best=self.checkpoints.keep_best,
+                best_metric=self.checkpoints.best_metric,
+                best_mode=self.best_mode,
+            )
             state, start_step, origin = self._initial_state(train_batches)
             if start_step:
                 first = None  # the restored data position replaces the batch read to check the pipeline
@@ -293,8 +324,9 @@ class Trainer:
                 out_shardings=(self.state_shardings, self.replicated),
                 donate_argnums=(0,),
             )
-            self.eval_fn = jax.jit(model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh),
-                                   out_shardings=self.replicated)
+            self.eval_fn = jax.jit(
+                model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=self.replicated
+            )
             self.rng = jax.random.key(self.seed + 1)
             host_next = first if first is not None else next(train_batches)
             pending = sharding.global_batch(host_next, self.mesh)
@@ -302,8 +334,10 @@ class Trainer:
             self.eval_batches = self.read_eval_batches()
             param_count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.abstract_params)))
             summary = metrics_lib.summarize_start(
-                mesh_description=mesh_lib.describe_mesh(self.mesh), param_count=param_count,
-                compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step))
+                mesh_description=mesh_lib.describe_mesh(self.mesh),
+                param_count=param_count,
+                compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step),
+            )
             if self.is_host0:
                 print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
                 with open(os.path.join(self.model_dir, "config.gin"), "w") as f:
@@ -312,7 +346,9 @@ class Trainer:
 
     def _loop(self, state, start_step, train_batches, host_next, pending) -> TrainResult:
         writer = metrics_lib.MetricsWriter(self.model_dir, enabled=self.is_host0)
-        bar = metrics_lib.ProgressBar(self.steps, initial_step=start_step, enabled=self.is_host0 and self.logging.progress)
+        bar = metrics_lib.ProgressBar(
+            self.steps, initial_step=start_step, enabled=self.is_host0 and self.logging.progress
+        )
         last_train: Dict[str, float] = {}
         last_eval: Dict[str, float] = {}
         window: List = []
@@ -332,8 +368,13 @@ class Trainer:
                 # The host waits for the device only where it reads results anyway (logging,
                 # evaluation, checkpoints), so steps stay asynchronous in between; a non-finite
                 # step never changed the state, and nothing is saved after one.
-                if (step % log_every == 0 or step % self.checkpoints.every == 0 or evaluated or step == self.steps
-                        or term.received):
+                if (
+                    step % log_every == 0
+                    or step % self.checkpoints.every == 0
+                    or evaluated
+                    or step == self.steps
+                    or term.received
+                ):
                     self._raise_if_diverged(unchecked, step, (writer, bar, self.checkpointer))
                     unchecked = []
                 if step % log_every == 0 or step == self.steps:
@@ -353,11 +394,17 @@ class Trainer:
                 if results:
                     writer.write(step, results, prefix="eval")
                     if self.is_host0 and self.logging.print_evaluation:
-                        bar.write(f"train: step {step} eval: " + ", ".join(
-                            f"{k} {v:.4f}" for k, v in sorted(results.items())))
+                        bar.write(
+                            f"train: step {step} eval: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(results.items()))
+                        )
                     last_eval = {**last_eval, **results}
-                self.maybe_save(step, state, train_batches, force=step == self.steps or term.received,
-                                metrics=last_eval if results else None)
+                self.maybe_save(
+                    step,
+                    state,
+                    train_batches,
+                    force=step == self.steps or term.received,
+                    metrics=last_eval if results else None,
+                )
                 if term.received:
                     break
                 if step < self.steps:
@@ -366,6 +413,11 @@ class Trainer:
         writer.close()
         bar.close()
         self.checkpointer.close()
-        return TrainResult(step=step, params=state.params, last_train_metrics=last_train, last_eval_metrics=last_eval,
-                           preempted=term.received, model_dir=self.model_dir)
-
+        return TrainResult(
+            step=step,
+            params=state.params,
+            last_train_metrics=last_train,
+            last_eval_metrics=last_eval,
+            preempted=term.received,
+            model_dir=self.model_dir,
+        )

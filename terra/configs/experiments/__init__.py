@@ -1,2 +1,1 @@
-"""Experiments: a model, a task and a run config, composed.
-"""
+"""Experiments: a model, a task and a run config, composed."""

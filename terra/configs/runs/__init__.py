@@ -1,2 +1,1 @@
-"""Run configs: the trainer's and the evaluator's bindings from macros.
-"""
+"""Run configs: the trainer's and the evaluator's bindings from macros."""

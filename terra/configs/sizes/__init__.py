@@ -1,2 +1,1 @@
-"""Size overrides that shrink any model config (``sizes/tiny.gin``).
-"""
+"""Size overrides that shrink any model config (``sizes/tiny.gin``)."""

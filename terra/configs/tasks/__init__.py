@@ -1,2 +1,1 @@
-"""Task configs: ``TASK``, ``TASK_FEATURE_LENGTHS`` and ``FEATURE_CONVERTER`` of each seqio task.
-"""
+"""Task configs: ``TASK``, ``TASK_FEATURE_LENGTHS`` and ``FEATURE_CONVERTER`` of each seqio task."""
