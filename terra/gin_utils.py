@@ -173,7 +173,10 @@ def parse_gin(
     with _quiet_gin_path_probes():
         _parse_files_and_bindings(files, gin_bindings)
     if finalize:
-        gin.finalize()
+        try:
+            gin.finalize()
+        except ValueError as e:  # e.g. a %gin.REQUIRED macro left unset
+            raise explain_gin_error(e, "checking the parsed config") from None
 
 
 def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str]) -> None:

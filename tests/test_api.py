@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, tiny_config
 
 import terra
 from terra import configurables
@@ -24,6 +23,8 @@ from terra.models import (
     TerraformerModel,
     TransformerConfig,
 )
+
+from conftest import REPO_ROOT, tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import sentencepiece as spm
-from conftest import REPO_ROOT
 
 from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
+
+from conftest import REPO_ROOT
 
 NEWLINE_TEXT = "first sentence .\nsecond sentence ."
 UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  "

@@ -5,10 +5,11 @@ import json
 import os
 
 import pytest
-from conftest import tiny_config
 
 from terra.benchmarks import decode_speed, presets
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
+
+from conftest import tiny_config
 
 # Timings are printed, never asserted: XLA's optimisations would only cost compile time here.
 pytestmark = pytest.mark.usefixtures("fast_compile")

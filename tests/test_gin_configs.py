@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
 
 from terra import gin_utils
 from terra.models import ConfigError, TransformerConfig
+
+from conftest import REPO_ROOT
 
 # Instantiating every config compiles each model's loss: XLA's optimisations only cost time here.
 pytestmark = pytest.mark.usefixtures("fast_compile")

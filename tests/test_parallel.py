@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tiny_config
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +32,8 @@ from terra.parallel.sharding import (
     param_shardings,
     sharded_init,
 )
+
+from conftest import tiny_config
 
 N_DEVICES = len(jax.devices())
 DATA = N_DEVICES // 2

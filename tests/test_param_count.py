@@ -4,10 +4,10 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO_ROOT, tiny_config
-
 from terra import gin_utils
 from terra.models.param_count import closed_form_param_count
+
+from conftest import REPO_ROOT, tiny_config
 
 
 def test_800m_parameter_count_from_abstract_shapes_matches_the_closed_form():

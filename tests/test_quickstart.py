@@ -7,9 +7,10 @@ import json
 import os
 
 import pytest
-from conftest import REPO_ROOT
 
 from terra.cli import quickstart
+
+from conftest import REPO_ROOT
 
 SMALL = [
     "--gin.TransformerConfig.d_model=32",

@@ -4,12 +4,13 @@ import json
 import os
 
 import pytest
-from conftest import ONE_DEVICE, is_png
 
 from terra import gin_utils
 from terra.cli import reproduce as cli
 from terra.data import pipeline, synthetic, tasks
 from terra.reproduce import length_generalization
+
+from conftest import ONE_DEVICE, is_png
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -4,11 +4,12 @@ import json
 import os
 
 import pytest
-from conftest import ONE_DEVICE, is_png
 
 from terra.cli import reproduce as cli
 from terra.errors import ConfigError, DataNotFoundError, UsageError
 from terra.reproduce import runs, sparsity
+
+from conftest import ONE_DEVICE, is_png
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
 
 from terra.benchmarks import reversible_memory
 from terra.decoding.decode_step import IncrementalDecoder
@@ -15,6 +14,8 @@ from terra.layers import LSHSelfAttention, SparseFeedForward, SparseLossLogits, 
 from terra.layers.length_concat import concat_with_padding, strip_to_decoder
 from terra.models import Terraformer, TerraformerModel
 from terra.models.terraformer import shared_qk_from_dense_attention
+
+from conftest import tiny_config
 
 VOCAB = 64
 

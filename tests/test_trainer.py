@@ -14,11 +14,12 @@ import gin
 import jax
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
 
 from terra import gin_utils
 from terra.errors import ConfigError
 from terra.training import checkpointing, trainer
+
+from conftest import REPO_ROOT
 
 # A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
 TINY = [
