@@ -17,9 +17,30 @@ import ml_collections
 TIMING_SHAPE_800M = ("TransformerConfig.n_encoder_layers = 2",)
 
 
-def make_row(name: str, *gin_files: str, bindings=(), series: str = "", sparsity: float = 0.0):
+def make_row(
+    name: str,
+    *gin_files: str,
+    bindings=(),
+    series: str = "",
+    sparsity: float = 0.0,
+    baseline: str = "",
+    paper: float = 0.0,
+    paper_note: str = "",
+):
+    """One model to time. ``baseline``: the name of the row its speed-up is measured against
+    (default: the preset's ``dense_row``); ``paper``: the paper's seconds for the same row on
+    the paper's CPU (0: the paper has none), ``paper_note`` where that figure comes from."""
     return ml_collections.ConfigDict(
-        {"name": name, "gin_files": list(gin_files), "bindings": list(bindings), "series": series, "sparsity": sparsity}
+        {
+            "name": name,
+            "gin_files": list(gin_files),
+            "bindings": list(bindings),
+            "series": series,
+            "sparsity": sparsity,
+            "baseline": baseline,
+            "paper": paper,
+            "paper_note": paper_note,
+        }
     )
 
 
@@ -37,7 +58,8 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
             "block_mode": "divide",  # 'divide': time / decoder layers; 'difference': see paper_17b_block
             "weights_dtype": "float32",
             "bandwidth_buffer_mb": 1024,
-            "dense_row": 0,  # the row speed-ups are relative to
+            "dense_row": 0,  # the row speed-ups are relative to (unless a row names its baseline)
+            "title": "",  # the table's and plot's title (default: the preset's name)
         }
     )
     config.update(overrides)
@@ -49,20 +71,21 @@ def paper_800m() -> ml_collections.ConfigDict:
     m = "models/{}_800m.gin".format
     return timing_config(
         [
-            make_row("baseline Transf.", m("dense")),
-            make_row("+ Sparse FF", m("sparse_ff")),
-            make_row("+ Sparse QKV", m("sparse_qkv")),
-            make_row("+ Sparse FF+QKV", m("sparse_ff_qkv")),
-            make_row("Sparse FF 128", m("sparse_ff128")),
-            make_row("Sparse loss S=2", m("sparse_loss2")),
-            make_row("Sparse loss S=4", m("sparse_loss4")),
-            make_row("Sparse loss S=8", m("sparse_loss8")),
-            make_row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4")),
+            make_row("baseline Transf.", m("dense"), paper=0.160, paper_note="Table 1"),
+            make_row("+ Sparse FF", m("sparse_ff"), paper=0.093, paper_note="Table 1"),
+            make_row("+ Sparse QKV", m("sparse_qkv"), paper=0.152, paper_note="Table 1"),
+            make_row("+ Sparse FF+QKV", m("sparse_ff_qkv"), paper=0.061, paper_note="Table 1"),
+            make_row("Sparse FF 128", m("sparse_ff128"), paper=0.089, paper_note="Table 2"),
+            make_row("Sparse loss S=2", m("sparse_loss2"), paper=0.158, paper_note="Table 7"),
+            make_row("Sparse loss S=4", m("sparse_loss4"), paper=0.149, paper_note="Table 7"),
+            make_row("Sparse loss S=8", m("sparse_loss8"), paper=0.148, paper_note="Table 7"),
+            make_row("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4"), paper=0.061, paper_note="Table 8"),
             make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse")),
-            make_row("MoE FF (64 experts)", m("moe_ff")),
+            make_row("MoE FF (64 experts)", m("moe_ff"), paper=0.11, paper_note="§3.1"),
             # Table 8: Terraformer 800M (Sparse FF+QKV, loss 4, SRU, two decoder attentions).
-            make_row("Terraformer", m("terraformer")),
-        ]
+            make_row("Terraformer", m("terraformer"), paper=0.086, paper_note="Table 8"),
+        ],
+        title="Decode speed at the 800M widths, 2+24-layer timing shape (batch 1, float32)",
     )
 
 
@@ -95,18 +118,43 @@ def paper_17b_block() -> ml_collections.ConfigDict:
     cross = ("SparseQueryCrossAttention.attention_sparsity = 64",)
     return timing_config(
         [
-            make_row("baseline Transf.", m("dense"), bindings=dense_ff),
-            make_row("+ Sparse FF", m("sparse_ff"), bindings=ff),
-            make_row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv),
-            make_row("+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv),
+            make_row("baseline Transf.", m("dense"), bindings=dense_ff, paper=0.581, paper_note="Table 1, per block"),
+            make_row("+ Sparse FF", m("sparse_ff"), bindings=ff, paper=0.259, paper_note="Table 1, per block"),
+            make_row("+ Sparse QKV", m("sparse_qkv"), bindings=qkv, paper=0.554, paper_note="Table 1, per block"),
+            make_row(
+                "+ Sparse FF+QKV", m("sparse_ff_qkv"), bindings=ff + qkv, paper=0.014, paper_note="Table 1, per block"
+            ),
             make_row("fully sparse (+ sparse enc-dec attn)", m("fully_sparse"), bindings=ff + qkv + cross),
-            # Table 6 per block: Terraformer blocks (two attentions + FF + SRU), dense to sparse.
-            make_row("Terraformer dense", m("terraformer"), bindings=dense_ff + _TERRAFORMER_DENSE),
-            make_row("Terraformer Sparse FF", m("terraformer"), bindings=ff + _TERRAFORMER_DENSE[1:]),
-            make_row("Terraformer Sparse FF+QKV", m("terraformer"), bindings=ff + qkv),
+            # Table 6: Terraformer blocks (two attentions + FF + SRU), dense to sparse, against the
+            # dense Terraformer block; the paper's figures are for the whole 17B model.
+            make_row(
+                "Terraformer dense",
+                m("terraformer"),
+                bindings=dense_ff + _TERRAFORMER_DENSE,
+                baseline="Terraformer dense",
+                paper=3.651,
+                paper_note="Table 6, whole model",
+            ),
+            make_row(
+                "Terraformer Sparse FF",
+                m("terraformer"),
+                bindings=ff + _TERRAFORMER_DENSE[1:],
+                baseline="Terraformer dense",
+                paper=1.595,
+                paper_note="Table 6, whole model",
+            ),
+            make_row(
+                "Terraformer Sparse FF+QKV",
+                m("terraformer"),
+                bindings=ff + qkv,
+                baseline="Terraformer dense",
+                paper=0.183,
+                paper_note="Table 6, whole model",
+            ),
         ],
         common_bindings=list(_WIDE),
         block_mode="difference",
+        title="Decode speed per decoder block at the 17B widths (d_model 9216; batch 1, float32)",
         repeats=4,  # the per-block difference of two timings needs more samples
         warmup=2,
     )
@@ -114,7 +162,13 @@ def paper_17b_block() -> ml_collections.ConfigDict:
 
 def sparsity_sweep() -> ml_collections.ConfigDict:
     """Decode time against FF sparsity N (Figure 3's axis) and loss sparsity S."""
-    rows = [make_row("dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0)]
+    table_2 = {64: 0.093, 128: 0.089}  # paper Table 2 (and 0.160 dense)
+    table_7 = {2: 0.158, 4: 0.149, 8: 0.148}  # paper Table 7
+    rows = [
+        make_row(
+            "dense FF", "models/dense_800m.gin", series="ff_sparsity", sparsity=0, paper=0.160, paper_note="Table 2"
+        )
+    ]
     for n in (16, 32, 64, 128):
         rows.append(
             make_row(
@@ -123,14 +177,24 @@ def sparsity_sweep() -> ml_collections.ConfigDict:
                 bindings=(f"SparseFeedForward.ff_sparsity = {n}",),
                 series="ff_sparsity",
                 sparsity=n,
+                paper=table_2.get(n, 0.0),
+                paper_note="Table 2" if n in table_2 else "",
             )
         )
-    rows.append(make_row("dense loss", "models/dense_800m.gin", series="loss_sparsity", sparsity=1))
+    loss = dict(series="loss_sparsity", baseline="dense loss")
+    rows.append(make_row("dense loss", "models/dense_800m.gin", sparsity=1, paper=0.160, paper_note="Table 7", **loss))
     for s in (2, 4, 8):
         rows.append(
-            make_row(f"Sparse loss S={s}", f"models/sparse_loss{s}_800m.gin", series="loss_sparsity", sparsity=s)
+            make_row(
+                f"Sparse loss S={s}",
+                f"models/sparse_loss{s}_800m.gin",
+                sparsity=s,
+                paper=table_7[s],
+                paper_note="Table 7",
+                **loss,
+            )
         )
-    return timing_config(rows)
+    return timing_config(rows, title="Decode speed against sparsity, 800M widths, 2+24-layer timing shape (batch 1)")
 
 
 def tiny() -> ml_collections.ConfigDict:
@@ -143,8 +207,8 @@ def tiny() -> ml_collections.ConfigDict:
             make_row("Terraformer", "models/tiny_terraformer.gin"),
         ],
         common_bindings=[],
-        tokens=6,
-        repeats=1,
+        tokens=8,
+        repeats=3,  # the in-loop time of a tiny model needs repetitions to tell it from jitter
         warmup=2,
         bandwidth_buffer_mb=64,
     )

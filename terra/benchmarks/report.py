@@ -1,12 +1,25 @@
-"""Decode-speed results as the paper's table (Markdown), JSON rows and a PNG plot."""
+"""Decode-speed results as the paper's table (Markdown), JSON rows and a PNG plot.
+
+Each row's speed-up is against its ``baseline`` row (the preset's dense row unless the row
+names another), in the table and in the plot: a plot has one panel per baseline. The paper's
+seconds, where the paper has a figure for the row, appear beside ours as a speed-up (the paper's
+CPU is not this one, so only ratios compare). An in-loop time the generation loop's jitter hid
+(``None``) is shown as such, never as a number.
+"""
 
 import json
+import math
 import os
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 
 def _millions(n: int) -> str:
     return f"{n / 1e6:,.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
+def milliseconds(seconds: Optional[float], digits: int = 3) -> str:
+    """``12.345 ms``, or ``—`` for a time lost in noise."""
+    return "—" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
 
 
 def timing_keys(per_block: bool):
@@ -17,8 +30,42 @@ def timing_keys(per_block: bool):
     return "seconds_per_token_median", "seconds_per_token_loop"
 
 
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    if not numerator or not denominator:
+        return None
+    return numerator / denominator
+
+
+def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
+    """Sets each row's ``speedup_reference`` (its ``baseline`` row's name, else row
+    ``dense_row``'s), ``speedup_vs_dense`` and ``speedup_vs_dense_loop`` (the reference's time
+    over the row's; None where either in-loop time is None) and ``paper_speedup`` (the same
+    ratio of the paper's seconds, where the paper has both)."""
+    by_name = {r["name"]: r for r in rows}
+    default = rows[dense_row]["name"]
+    key, loop_key = timing_keys(bool(rows) and rows[0].get("block_mode") == "difference")
+    for r in rows:
+        reference = by_name[r.get("baseline") or default]
+        r["speedup_reference"] = reference["name"]
+        r["speedup_vs_dense"] = _ratio(reference[key], r[key])
+        r["speedup_vs_dense_loop"] = _ratio(reference[loop_key], r[loop_key])
+        r["paper_speedup"] = _ratio(reference.get("paper_seconds"), r.get("paper_seconds"))
+
+
+def _speedup(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _paper(row: dict) -> str:
+    if not row.get("paper_seconds"):
+        return "—"
+    ratio = f" ({row['paper_speedup']:.2f}x)" if row.get("paper_speedup") else ""
+    return f"{row['paper_seconds']:.3f} s{ratio}"
+
+
 def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
     block_mode = bool(rows) and rows[0].get("block_mode") == "difference"
+    references = sorted({r["speedup_reference"] for r in rows})
     lines = [
         f"### {title}",
         "",
@@ -35,22 +82,31 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
             else "GB/s, % of bandwidth and floor are per token."
         )
         + " Dec. time is one jitted `step` call per token (the reference's protocol); in loop is the "
-        "same step inside one jitted `while_loop`, as generation runs it.",
+        "same step inside one jitted `while_loop`, as generation runs it. Speed-ups are against "
+        + (" or ".join(references) if len(references) > 1 else references[0])
+        + " (each row's own baseline); paper: the paper's seconds on its CPU, and its speed-up.",
         "",
         f"| model | Params | Dec. time | Dec. time per block | Speedup | in loop | Speedup in loop "
-        f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor | MFLOP | arith. |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| MB / {'block' if block_mode else 'token'} | GB/s | % of bandwidth | floor | MFLOP | arith. | paper |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     _, loop_key = timing_keys(block_mode)
     for r in rows:
         lines.append(
             f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
             f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
-            f"{r['speedup_vs_dense']:.2f}x | {r[loop_key] * 1e3:.3f} ms | {r['speedup_vs_dense_loop']:.2f}x | "
+            f"{_speedup(r['speedup_vs_dense'])} | {milliseconds(r[loop_key])} | "
+            f"{_speedup(r['speedup_vs_dense_loop'])} | "
             f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
             f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms | "
-            f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms |"
+            f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms | "
+            f"{_paper(r)} |"
         )
+    if any(r[loop_key] is None for r in rows):
+        lines += [
+            "",
+            "In loop —: the generation loop's jitter was larger than the time it measures; the row's step time stands.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -64,40 +120,128 @@ def pyplot():
     return plt
 
 
-def plot(rows: Sequence[dict], path: str, title: str) -> None:
-    plt = pyplot()
+def _ms(value: Optional[float]) -> float:
+    return math.nan if value is None else value * 1e3
 
-    series = sorted({r["series"] for r in rows if r.get("series")})
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    if len(series) and all(r.get("series") for r in rows):
-        for name in series:
-            points = sorted((r["sparsity"], r["seconds_per_token_median"] * 1e3) for r in rows if r["series"] == name)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-        ax.set_xlabel("sparsity (FF: N units per block, 0 = dense; loss: S modules, 1 = dense)")
-        ax.set_ylabel("ms per token (median)")
-        ax.legend()
-    else:
-        names = [r["name"] for r in rows]
-        per_block = rows[0].get("block_mode") == "difference"
-        step_key, loop_key = timing_keys(per_block)
-        floors = [r["floor_seconds"] * 1e3 for r in rows]
-        y = list(range(len(rows)))
-        ax.barh(y, [r[step_key] * 1e3 for r in rows], color="tab:blue", label="measured (a step call per token)")
-        ax.scatter(
-            [r[loop_key] * 1e3 for r in rows], y, color="black", marker="o", s=18, label="in one while_loop", zorder=3
+
+SERIES_AXES = {
+    "ff_sparsity": ("feed-forward sparsity N (units per block; paper Table 2)", "dense"),
+    "loss_sparsity": ("loss sparsity S (modules; paper Table 7)", "dense"),
+}
+LEGEND = {
+    "loop": "in the generation loop",
+    "step": "one jitted step call",
+    "floor": "byte floor (measured bandwidth)",
+    "arith": "byte floor + arithmetic",
+    "paper": "paper, its CPU (right axis, scaled to our dense point)",
+}
+
+
+def _plot_series(rows: Sequence[dict], title: str):
+    """One panel per series (FF sparsity N, loss sparsity S): ms per token against sparsity,
+    in the loop and per step call, with the byte floor and the floor plus arithmetic, and the
+    paper's figures on a right axis scaled so its dense point sits on ours."""
+    plt = pyplot()
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    fig, axes = plt.subplots(1, len(series), figsize=(5.2 * len(series), 4.4), squeeze=False)
+    handles = {}
+    for ax, name in zip(axes[0], series):
+        members = sorted((r for r in rows if r["series"] == name), key=lambda r: r["sparsity"])
+        x = list(range(len(members)))
+        xlabel, dense_label = SERIES_AXES.get(name, (name, "dense"))
+        labels = [dense_label if r["sparsity"] in (0, 1) else f"{r['sparsity']:g}" for r in members]
+        loop = [_ms(r["seconds_per_token_loop"]) for r in members]
+        floor = [r["floor_seconds"] * 1e3 for r in members]
+        handles["loop"] = ax.plot(x, loop, "o-", color="tab:blue", linewidth=2)[0]
+        handles["step"] = ax.plot(x, [_ms(r["seconds_per_token_median"]) for r in members], "o:", color="grey")[0]
+        handles["floor"] = ax.plot(x, floor, "--", color="tab:red")[0]
+        with_arith = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floor, members)]
+        handles["arith"] = ax.plot(x, with_arith, "--", color="tab:orange")[0]
+        ax.set_xticks(x, labels)
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1.15 * max(v for v in loop + with_arith + floor if not math.isnan(v)))
+        ax.grid(alpha=0.3)
+        paper = [(i, r["paper_seconds"]) for i, r in enumerate(members) if r.get("paper_seconds")]
+        ours_dense = loop[0] if not math.isnan(loop[0]) else _ms(members[0]["seconds_per_token_median"])
+        if paper and members[0].get("paper_seconds"):
+            twin = ax.twinx()
+            scale = members[0]["paper_seconds"] / ours_dense  # paper seconds per our ms
+            handles["paper"] = twin.plot(
+                [i for i, _ in paper], [p for _, p in paper], "s", color="tab:green", markersize=7
+            )[0]
+            low, high = ax.get_ylim()
+            twin.set_ylim(low * scale, high * scale)
+            twin.set_ylabel("paper: seconds per token", color="tab:green")
+    axes[0][0].set_ylabel("ms per token (batch 1)")
+    order = [k for k in LEGEND if k in handles]
+    fig.legend([handles[k] for k in order], [LEGEND[k] for k in order], loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def _plot_bars(rows: Sequence[dict], title: str):
+    """One panel per baseline: the in-loop time of each row as a bar, the step-call time, the
+    byte floor and the floor plus arithmetic as marks, and the speed-up (ours, the paper's)."""
+    plt = pyplot()
+    per_block = rows[0].get("block_mode") == "difference"
+    step_key, loop_key = timing_keys(per_block)
+    groups: Dict[str, List[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["speedup_reference"], []).append(r)
+    fig, axes = plt.subplots(
+        len(groups),
+        1,
+        figsize=(9, 1.2 + 0.42 * len(rows) + 0.9 * len(groups)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [len(g) for g in groups.values()]},
+    )
+    unit = "ms per decoder block (batch 1)" if per_block else "ms per token (batch 1)"
+    right = max(
+        max(
+            _ms(r[step_key]),
+            _ms(r[loop_key]) if r[loop_key] else 0,
+            (r["floor_seconds"] + r["arithmetic_seconds"]) * 1e3,
         )
-        ax.scatter(floors, y, color="tab:red", marker="|", s=300, label="bandwidth floor", zorder=3)
-        with_arithmetic = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, rows)]
-        ax.scatter(
-            with_arithmetic, y, color="tab:orange", marker="|", s=300, label="floor + arithmetic (no overlap)", zorder=3
-        )
-        ax.set_yticks(y, names, fontsize=8)
+        for r in rows
+    )
+    handles = {}
+    for ax, (reference, members) in zip(axes[:, 0], groups.items()):
+        y = list(range(len(members)))
+        handles["loop"] = ax.barh(y, [_ms(r[loop_key]) for r in members], color="tab:blue", height=0.6)
+        handles["step"] = ax.scatter([_ms(r[step_key]) for r in members], y, color="black", s=16, zorder=3)
+        floors = [r["floor_seconds"] * 1e3 for r in members]
+        handles["floor"] = ax.scatter(floors, y, color="tab:red", marker="|", s=300, zorder=3)
+        arith = [f + r["arithmetic_seconds"] * 1e3 for f, r in zip(floors, members)]
+        handles["arith"] = ax.scatter(arith, y, color="tab:orange", marker="|", s=300, zorder=3)
+        for i, r in enumerate(members):
+            if r["speedup_vs_dense_loop"] is not None:
+                text = f"{r['speedup_vs_dense_loop']:.1f}x"
+            else:  # an in-loop time lost in jitter: the step-call speed-up stands in for it
+                text = f"{r['speedup_vs_dense']:.1f}x per step call (in loop: noise)"
+            if r.get("paper_speedup") and r["name"] != reference:
+                text += f"  (paper {r['paper_speedup']:.1f}x)"
+            ax.text(right * 1.03, i, text, va="center", fontsize=8)
+        notes = sorted({r["paper_note"] for r in members if r.get("paper_speedup") and r.get("paper_note")})
+        ax.set_yticks(y, [r["name"] for r in members], fontsize=8)
         ax.invert_yaxis()
-        unit = "ms per decoder block" if per_block else "ms per token"
-        ax.set_xlabel(f"{unit} (batch 1)")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+        ax.set_xlim(0, right * 1.35)
+        sources = f"; paper: {', '.join(notes)}" if notes else ""
+        ax.set_title(f"speed-ups in the loop against {reference}{sources}", fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel(unit)
+    labels = {**LEGEND, "step": "one jitted step call", "loop": "in the generation loop (bar)"}
+    order = ["loop", "step", "floor", "arith"]
+    fig.legend([handles[k] for k in order], [labels[k] for k in order], loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def plot(rows: Sequence[dict], path: str, title: str) -> None:
+    """A sparsity sweep (rows with a ``series``) as curves, anything else as bars per baseline."""
+    plt = pyplot()
+    fig = _plot_series(rows, title) if all(r.get("series") for r in rows) else _plot_bars(rows, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -107,12 +251,24 @@ def write_outputs(out_dir: str, rows: List[dict], machine: dict, bandwidth_gbps:
     with open(os.path.join(out_dir, "decode_speed.json"), "w") as f:
         json.dump(rows, f, indent=2)
     with open(os.path.join(out_dir, "machine.json"), "w") as f:
-        json.dump({**machine, "bandwidth_gbps": bandwidth_gbps}, f, indent=2)
+        json.dump({**machine, "bandwidth_gbps": bandwidth_gbps, "title": title}, f, indent=2)
     table = markdown_table(rows, machine, bandwidth_gbps, title)
     with open(os.path.join(out_dir, "decode_speed.md"), "w") as f:
         f.write(table)
     plot(rows, os.path.join(out_dir, "decode_speed.png"), title)
     return table
+
+
+def rerender(out_dir: str, title: Optional[str] = None) -> str:
+    """Writes ``decode_speed.{md,png}`` again from an earlier run's ``decode_speed.json`` and
+    ``machine.json`` in ``out_dir`` (nothing is timed); returns the table."""
+    with open(os.path.join(out_dir, "decode_speed.json")) as f:
+        rows = json.load(f)
+    with open(os.path.join(out_dir, "machine.json")) as f:
+        machine = json.load(f)
+    title = title or machine.get("title") or os.path.basename(os.path.normpath(out_dir))
+    add_speedups(rows)
+    return write_outputs(out_dir, rows, machine, machine["bandwidth_gbps"], title)
 
 
 def write_rows(out_dir: str, stem: str, rows: List[dict], note: str, table: str) -> None:

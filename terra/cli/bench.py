@@ -20,6 +20,7 @@ Writes decode_speed.{md,json,png} and machine.json to --out.
   terra-bench decode --preset tiny                                   # seconds: a smoke run
   terra-bench decode --gin_file=models/fully_sparse_800m.gin         # one config
   terra-bench decode --preset paper_800m --config.tokens=20 --config.weights_dtype=bfloat16
+  terra-bench decode --replot out/paper_800m                         # redraw table and plot only
 """
 
 
@@ -33,11 +34,22 @@ def define_decode_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_string(
         "out", None, "directory for decode_speed.{json,md,png} and machine.json", flag_values=flag_values
     )
+    flags.DEFINE_string(
+        "replot",
+        None,
+        "redraw decode_speed.{md,png} from the decode_speed.json and machine.json in this directory, timing nothing",
+        flag_values=flag_values,
+    )
 
 
 def run_decode(flag_values: flags.FlagValues, _) -> int:
     from terra.benchmarks import decode_speed, presets
 
+    if flag_values.replot:
+        from terra.benchmarks import report
+
+        print(report.rerender(flag_values.replot))
+        return 0
     gin = flag_groups.gin_arguments(flag_values)
     config = flag_values.config
     if gin["gin_files"]:
@@ -48,7 +60,7 @@ def run_decode(flag_values: flags.FlagValues, _) -> int:
         title = f"decode speed, {' + '.join(gin['gin_files'])}"
     else:
         config.common_bindings = list(config.common_bindings) + gin["gin_bindings"]
-        title = f"decode speed, preset {flag_values.preset}"
+        title = config.title or f"decode speed, preset {flag_values.preset}"
     decode_speed.run_preset(config, flag_values.out, title)
     return 0
 

@@ -230,35 +230,53 @@ def markdown(rows: Sequence[dict], cfg, task_names: Sequence[str]) -> str:
 
 
 def plot(rows: Sequence[dict], task_names: Sequence[str], path: str) -> None:
-    """Bars: out-of-distribution accuracy per task and model, in-distribution as outlines."""
+    """Table 4 as bars: per task (copy, addition), token and whole-sequence accuracy on inputs
+    twice the training length for each model, ours (solid) beside the paper's (hatched), and
+    ours at the training lengths (outline) for reference."""
     plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    width = 0.8 / max(len(rows), 1)
-    for ax, metric, title in zip(
-        axes, ("token_accuracy", "sequence_accuracy"), ("token accuracy", "sequence accuracy")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    colors = {"transformer": "tab:blue", "terraformer": "tab:green"}
+    width = 0.8 / max(2 * len(rows), 1)
+    for ax, metric, suffix, title in zip(
+        axes, ("token_accuracy", "sequence_accuracy"), ("", "_seq"), ("token accuracy", "whole-sequence accuracy")
     ):
         for i, r in enumerate(rows):
-            xs = [j + i * width for j in range(len(task_names))]
+            color = colors.get(r["model"], None)
+            ours_x = [j + 2 * i * width for j in range(len(task_names))]
+            paper_x = [x + width for x in ours_x]
             ood = [100 * r[f"{t}_out_of_distribution_{metric}"]["mean"] for t in task_names]
             inside = [100 * r[f"{t}_in_distribution_{metric}"]["mean"] for t in task_names]
-            bars = ax.bar(xs, ood, width * 0.9, label=f"{r['label']}, 2x longer")
+            ax.bar(ours_x, ood, width * 0.9, color=color, label=f"{r['label']} (terra), 2x longer")
             ax.bar(
-                xs,
+                ours_x,
                 inside,
                 width * 0.9,
                 fill=False,
-                edgecolor=bars.patches[0].get_facecolor(),
+                edgecolor=color,
                 linestyle="--",
-                label=f"{r['label']}, training lengths",
+                label=f"{r['label']} (terra), training lengths",
             )
-        ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(task_names))])
+            paper = [PAPER_TABLE_4[r["model"]][f"{t}{suffix}"] for t in task_names]
+            ax.bar(
+                paper_x,
+                paper,
+                width * 0.9,
+                color="white",
+                edgecolor=color,
+                hatch="///",
+                label=f"{r['label']} (paper Table 4), 2x longer",
+            )
+            for x, value in zip(paper_x, paper):
+                ax.text(x, value + 1, f"{value:.0f}", ha="center", fontsize=7)
+        ax.set_xticks([j + width * (2 * len(rows) - 1) / 2 for j in range(len(task_names))])
         ax.set_xticklabels(task_names)
         ax.set_title(title)
-        ax.set_ylim(0, 105)
+        ax.set_ylim(0, 110)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("%")
-    axes[1].legend(fontsize=7, loc="upper right")
-    fig.suptitle("Length generalization (paper Table 4 analogue)")
-    fig.tight_layout()
+    axes[0].set_ylabel("% correct")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
+    fig.suptitle("Length generalization: accuracy on inputs twice the training length (paper Table 4)")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -151,7 +151,12 @@ def run(
     table = markdown(rows, cfg, task_gin)
     runs.write_json(os.path.join(out_dir, "sparsity.json"), payload)
     write_atomically(os.path.join(out_dir, "sparsity.md"), table)
-    plot(results, names, os.path.join(out_dir, "sparsity.png"), f"{cfg.size} size, {task_gin}")
+    plot(
+        {n: [r.curves for r in results[n]] for n in names},
+        names,
+        os.path.join(out_dir, "sparsity.png"),
+        f"{cfg.size} size, {task_gin}",
+    )
     log(table)
     return payload
 
@@ -241,35 +246,60 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Dict[str, List[runs.RunResult]], names: Sequence[str], path: str, title: str) -> None:
-    """Eval log-perplexity against step per variant: mean over seeds, min-max band."""
+def plot(curves: Dict[str, List[Dict[str, list]]], names: Sequence[str], path: str, title: str) -> None:
+    """Eval log-perplexity against step (Figure 1's plot) as small multiples: one panel per
+    sparse variant, each against the dense model, as the mean over seeds with a band of ± one
+    standard deviation (the spread the table reports). ``curves[name]`` holds each seed's
+    ``curves`` (as ``metrics.jsonl`` gives them, and ``sparsity.json`` stores them)."""
+    import math
+
     plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in names:
-        curves = [dict((int(s), v) for s, v in r.curves.get("eval/loss", [])) for r in results[name]]
-        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves and all(curves) else []
-        if not steps:
-            continue
-        values = [[c[s] for c in curves] for s in steps]
-        mean = [sum(v) / len(v) for v in values]
-        (line,) = ax.plot(
-            steps,
-            mean,
-            marker="o",
-            markersize=3,
-            label=VARIANTS[name].label,
-            linewidth=2.5 if name == "dense" else 1.5,
-            color="black" if name == "dense" else None,
-        )
-        if len(curves) > 1:
-            ax.fill_between(
-                steps, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color()
-            )
-    ax.set_xlabel("training step")
-    ax.set_ylabel("eval log-perplexity (nats per target token)")
-    ax.set_title(f"Sparse vs dense ({title})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+
+    def mean_and_std(name):
+        per_seed = [dict((int(step), v) for step, v in c.get("eval/loss", [])) for c in curves.get(name, [])]
+        if not per_seed or not all(per_seed):
+            return [], [], []
+        steps = sorted(set.intersection(*(set(c) for c in per_seed)))
+        stats = [runs.mean_and_spread([c[step] for c in per_seed]) for step in steps]
+        return steps, [st["mean"] for st in stats], [st["std"] for st in stats]
+
+    others = [n for n in names if n != "dense"]
+    columns = min(4, max(len(others), 1))
+    rows_n = math.ceil(max(len(others), 1) / columns)
+    fig, axes = plt.subplots(
+        rows_n, columns, figsize=(3.4 * columns, 2.9 * rows_n + 0.8), sharex=True, sharey=True, squeeze=False
+    )
+    dense = mean_and_std("dense")
+    seeds = len(curves.get("dense", []))
+    for ax, name in zip(axes.flat, others):
+        for (steps, mean, std), color, label in (
+            (dense, "black", VARIANTS["dense"].label),
+            (mean_and_std(name), "tab:blue", VARIANTS[name].label),
+        ):
+            if not steps:
+                continue
+            ax.plot(steps, mean, color=color, linewidth=1.6, label=label)
+            if seeds > 1:
+                ax.fill_between(
+                    steps,
+                    [m - d for m, d in zip(mean, std)],
+                    [m + d for m, d in zip(mean, std)],
+                    color=color,
+                    alpha=0.15,
+                )
+        ax.set_title(VARIANTS[name].label, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(others) :]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("training step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("eval log-perplexity")
+    band = f"bands: mean ± one standard deviation over {seeds} seeds" if seeds > 1 else "one seed (no band)"
+    fig.suptitle(
+        f"Sparse vs dense at equal steps ({title}); black: dense baseline, blue: the panel's variant; {band}",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
