@@ -50,7 +50,7 @@ bench-input: $(STAMP)
 bench-train: $(STAMP)
 	$(BIN)/terra-bench train --out out/train_speed
 
-# The paper's claims at CPU size (docs/reproduce.md).
+# The paper's claims at CPU size (docs/reproduction.md).
 reproduce: reproduce-sparsity reproduce-length
 
 reproduce-sparsity: $(STAMP)

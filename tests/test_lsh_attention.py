@@ -1,4 +1,4 @@
-"""LSH self-attention (paper §4, ``trax_reference.md`` §4.5 and §2.5b)."""
+"""LSH self-attention (paper §4, ``docs/design/reference_code.md`` §4.5 and §2.5b)."""
 
 import functools
 

@@ -69,7 +69,7 @@ def test_addition_bindings_give_untruncated_sums_at_both_lengths(split):
 
 
 def test_addition_feature_lengths_fit_the_reference_length_formulas():
-    # trax_reference.md §7: eval inputs up to 301 symbols, first operand up to 214 digits.
+    # docs/design/reference_code.md §7: eval inputs up to 301 symbols, first operand up to 214 digits.
     assert synthetic.addition_feature_lengths(257, 301) == {"inputs": 302, "targets": 216}
     # Training: the second operand can reach 127 digits (129 - 1 - 1), so the sum 128.
     assert synthetic.addition_feature_lengths(3, 129) == {"inputs": 130, "targets": 129}

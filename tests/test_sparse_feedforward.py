@@ -1,4 +1,4 @@
-"""SparseFeedForward (paper §3.1, trax_reference.md §1 and the §9 checklist) and the
+"""SparseFeedForward (paper §3.1, docs/design/reference_code.md §1 and the §9 checklist) and the
 mixture-of-experts baseline."""
 
 import flax.linen as nn

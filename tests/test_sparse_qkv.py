@@ -1,5 +1,5 @@
 """The multiplicative layer, sparse QKV attention, the sparse query cross-attention and the
-sparse loss (paper §3.2–3.3, trax_reference.md §2–§3 and the §9 checklist)."""
+sparse loss (paper §3.2–3.3, docs/design/reference_code.md §2–§3 and the §9 checklist)."""
 
 import flax.linen as nn
 import jax

@@ -1,4 +1,4 @@
-"""The low-rank SRU branch (paper §4.3; ``trax_reference.md`` §4.3 and §4.7)."""
+"""The low-rank SRU branch (paper §4.3; ``docs/design/reference_code.md`` §4.3 and §4.7)."""
 
 import functools
 

@@ -2,9 +2,8 @@
 
 A batch-1 decode step is bound by the bytes it must stream from DRAM, so its floor is
 ``bytes_per_token / bandwidth``. The bandwidth is the best of a full reduction (``max``) and a
-matrix-vector product over a buffer far larger than the last-level cache; on the development
-machine both match a vectorised C read loop on two threads (34 GB/s there at the time of
-measurement).
+matrix-vector product over a buffer far larger than the last-level cache; on a 2-core AMD
+EPYC VM both match a vectorised C read loop on two threads.
 
 Sparse layers move the limit: what they read shrinks far more than the arithmetic they do
 (Sparse QKV's multiplicative layer and convolutions do nearly the dense Q, K, V products'

@@ -5,7 +5,7 @@
   terra-bench decode --gin_file=models/fully_sparse_800m.gin      # one config
   ... --config.tokens=20 --config.repeats=5                        # override a preset's field
 
-Protocol (the reference's, ``trax_reference.md`` §6): random weights; prefill a 16-token
+Protocol (the reference's, ``docs/design/reference_code.md`` §6): random weights; prefill a 16-token
 encoder input; warm up (compiles and runs a few steps); then, per repetition, prefill again and
 time ``tokens`` single-token ``step`` calls with ``block_until_ready``, the first two not
 counted. The same tokens are also timed inside one jitted ``while_loop``
@@ -39,12 +39,13 @@ from terra.decoding.decode_step import IncrementalDecoder
 def measured_difference(long_s: Sequence[float], short_s: Sequence[float], steps: int) -> Optional[float]:
     """Seconds per step from paired timings of a loop over more steps (``long_s``) and over
     fewer (``short_s``), ``steps`` apart: the median of the per-repetition differences, or
-    None when noise dominates it — the difference is not positive, or the loops' own jitter
-    (the spread of either timing across repetitions) is larger than the difference."""
+    None when noise dominates it — the median is not positive, or the differences scatter
+    around it by more than half of it (their median absolute deviation, which one slow
+    repetition does not move)."""
     differences = [(a - b) / steps for a, b in zip(long_s, short_s)]
     median = float(np.median(differences))
-    jitter = max(max(long_s) - min(long_s), max(short_s) - min(short_s)) / steps
-    if median <= 0 or jitter > median:
+    scatter = float(np.median([abs(d - median) for d in differences]))
+    if median <= 0 or scatter > median / 2:
         return None
     return median
 
@@ -156,10 +157,10 @@ def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int,
 
 def random_params(model, seed: int):
     """Random weights for timing, one leaf at a time: uniform with the variance of N(0, 1/fan_in),
-    drawn by numpy. Timing does not depend on the distribution (the in-loop times of the 800M
-    dense and fully sparse models agree with their real initialisers' within noise); the real
-    initialisers are one jitted program that takes tens of seconds to compile at the 800M widths
-    and, for a 2-layer slice at the 17B widths (11.5 GB of weights), peaks above 24 GB."""
+    drawn by numpy. Timing does not depend on the distribution (the in-loop times agree with
+    the real initialisers' within noise); the real initialisers are one large jitted program,
+    slow to compile at the 800M widths and, at the 17B widths, larger than the machine's
+    memory (docs/architecture.md)."""
     rng = np.random.default_rng(seed)
 
     def leaf(spec):

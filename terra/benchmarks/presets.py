@@ -12,7 +12,7 @@ from typing import Callable, Dict, Sequence
 
 import ml_collections
 
-# The reference's decode-timing model (trax_reference.md §5.5, "medium"): 2 encoder and 24
+# The reference's decode-timing model (docs/design/reference_code.md §5.5, "medium"): 2 encoder and 24
 # decoder layers at the 800M widths; dropout is irrelevant to decoding.
 TIMING_SHAPE_800M = ("TransformerConfig.n_encoder_layers = 2",)
 
@@ -67,7 +67,8 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
 
 
 def paper_800m() -> ml_collections.ConfigDict:
-    """Tables 1 (upper half), 2 and 7 at the 800M shape, the fully sparse model and the MoE baseline."""
+    """Tables 1 (upper half), 2, 7 and 8 at the 800M widths in the 2+24-layer timing shape, the
+    fully sparse model and the MoE baseline."""
     m = "models/{}_800m.gin".format
     return timing_config(
         [
@@ -89,7 +90,7 @@ def paper_800m() -> ml_collections.ConfigDict:
     )
 
 
-# The 17B model's widths (paper footnote 2; trax_reference.md §5.5): d_model 9216, 96 heads.
+# The 17B model's widths (paper footnote 2; docs/design/reference_code.md §5.5): d_model 9216, 96 heads.
 _WIDE = (
     "TransformerConfig.d_model = 9216",
     "TransformerConfig.n_heads = 96",

@@ -20,7 +20,7 @@ Sparse FF+QKV, + sparse loss, the MoE baseline) from their 800M gin configs at s
 the same data and seeds, and reports eval log-perplexity, the gap to dense and each variant's
 batch-1 decode time. The embedded corpus by default; --c4_json or --tfds_data_dir for C4.
 
-  terra-reproduce sparsity --out out/reproduce/sparsity                       # about 45 min on 2 cores
+  terra-reproduce sparsity --out out/reproduce/sparsity                       # about 40 min on 2 cores
   terra-reproduce sparsity --out DIR --config.seeds=0,1,2 --config.steps=2000
   terra-reproduce sparsity --out DIR --c4_json=/data/c4/en
 """

@@ -5,7 +5,7 @@
   ``decoder_loss_weights [T]`` (the names ``Model.loss_fn`` reads; loss weights
   are 0 on padding).
 * :class:`LengthConcatFeatureConverter` — the same features plus Terraformer's LengthConcat
-  layout (paper §4.1; ``trax_reference.md`` §4.1): one causal sequence of length ``I + T`` made
+  layout (paper §4.1; ``docs/design/reference_code.md`` §4.1): one causal sequence of length ``I + T`` made
   of the real input tokens, then the shifted targets, with the input padding moved to the end,
   so the decoder attends to the whole input and its own past in one stream. Loss weights mark
   only the target positions. For decoder-only models over tokens: ``terra.models.Terraformer``

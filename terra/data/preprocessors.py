@@ -2,7 +2,7 @@
 
 The paper ("Sparse is Enough in Scaling Transformers", Jaszczur et al., 2021) pretrains every
 model on C4 (§4.4, appendix 6.5); its code uses T5's span corruption (15% noise, mean span 3,
-``trax_reference.md`` §5.1), and for Terraformer the paper says "we mask single words" (mean
+``docs/design/reference_code.md`` §5.1), and for Terraformer the paper says "we mask single words" (mean
 span 1). It then fine-tunes on arXiv summarization. Those preprocessors live in the ``t5``
 package, which cannot be installed next to our pinned tensorflow/seqio, so this module
 reimplements the same semantics:

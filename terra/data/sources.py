@@ -1,7 +1,7 @@
 """Where text comes from: read-only TFDS directories and local JSON-lines files, never the network.
 
 Users pretrain on C4 and fine-tune on arXiv (paper §4.4, appendix 6.5–6.6) with data they
-already have. Two real code paths per dataset (``data_and_seqio.md`` §0):
+already have. Two real code paths per dataset (``docs/design/data_pipeline.md``, "Rules terra follows"):
 
 * a prepared TFDS directory, read through ``seqio.TfdsDataSource(..., read_only=True)``:
   ``c4/en:3.1.0`` (the newest version the pinned TFDS can construct; a directory prepared by
@@ -38,7 +38,7 @@ C4_HOW_TO_GET = (
     "C4 cannot be prepared on one machine (TFDS builds it with Apache Beam over Common Crawl). "
     "Either copy a prepared TFDS copy into this directory, e.g. AllenAI's "
     "`gsutil -u <project> -m cp 'gs://allennlp-tensorflow-datasets/c4/en/3.0.1/*' <data_dir>/c4/en/3.0.1` "
-    "(then bind c4_tfds_source.version = '3.0.1'), or download the JSON shards "
+    "(then bind terra.data.c4_source.version = '3.0.1'), or download the JSON shards "
     "(`git clone https://huggingface.co/datasets/allenai/c4` with `GIT_LFS_SKIP_SMUDGE=1`, then "
     "`git lfs pull --include 'en/*'`) and point the C4 tasks at them with --c4_json=<dir> "
     "(gin: c4_source.json_path = '<dir>')."

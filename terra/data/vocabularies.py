@@ -137,10 +137,8 @@ def embedded_vocabulary(
     """A unigram SentencePiece vocabulary trained on the embedded corpus's train split.
 
     Trained on first use and cached as ``spm-unigram-<vocab_size>.model`` next to the corpus;
-    later calls load the cached file. At the default 4,000 pieces (+ ``extra_ids`` sentinels)
-    training takes ~2.5-5 s on two CPU cores for the ~1.8 MB train split and encodes it at
-    ~3.2 bytes per token (8,000 pieces: ~3.6). The ~1.9 MB corpus supports at most ~12,600
-    pieces; larger sizes fail with "Vocabulary size too high".
+    later calls load the cached file (training takes seconds; docs/data.md). The ~1.9 MB
+    corpus supports at most ~12,600 pieces; larger sizes fail with "Vocabulary size too high".
     """
     path = embedded_vocabulary_path(vocab_size=vocab_size, cache_dir=cache_dir)
     if not os.path.isfile(path):

@@ -9,8 +9,8 @@ cache, so XLA updates the KV caches in place instead of copying them every token
 
 ``generate_tokens`` runs ``step`` and the token choice inside one jitted ``while_loop``, so a
 sequence pays the host's per-call work (flattening and checking some 900 parameter and cache
-arrays at the 800M shape, then a host round trip for the next token) once instead of per
-token: 1-2 ms of a 20 ms sparse step (measured by the decode-speed benchmark, which times both).
+arrays at the 800M widths, then a host round trip for the next token) once instead of per
+token; the decode-speed benchmark times both ways (docs/decode_speed.md).
 """
 
 from typing import Any, Optional

@@ -63,7 +63,7 @@ def sample_next_token(logits: jax.Array, rng: jax.Array, temperature, top_k=0, t
     ``temperature == 0`` is greedy (argmax of the unfiltered logits). ``temperature > 0``
     samples from ``softmax(filter_logits(logits / temperature, top_k, top_p))``; unfiltered,
     that is what the reference's ``argmax(log_softmax + T * Gumbel)`` does
-    (``trax_reference.md`` §5.4: the paper's "temperature 0.5" is sampling, not greedy).
+    (``docs/design/reference_code.md`` §5.4: the paper's "temperature 0.5" is sampling, not greedy).
     ``temperature``, ``top_k`` and ``top_p`` may be traced scalars, so one compiled function
     serves every value; ``top_k=0`` and ``top_p=1`` turn the filters off.
     """

@@ -2,7 +2,7 @@
 
 Loads the parameters of a training run (latest checkpoint or a given step), decodes every
 example of the split with the jitted single-token decode loop (greedy by default; the paper's
-abstracts were sampled at temperature 0.5, ``trax_reference.md`` §5.4), scores the summaries
+abstracts were sampled at temperature 0.5, ``docs/design/reference_code.md`` §5.4), scores the summaries
 with ``rouge-score`` (``terra.evaluation.rouge``) and the targets' log-perplexity, and writes
 
   OUTPUT_DIR/predictions.jsonl   one line per example: id, input excerpt, target, prediction

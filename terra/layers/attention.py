@@ -3,10 +3,10 @@ KV cache, and encoder-decoder attention whose keys and values are computed once 
 
 Decode caches are stored head-major, ``[batch, heads, length, d_head]``, so the per-step
 ``q · K^T`` and ``p · V`` are batched over (batch, heads) with contiguous rows and XLA:CPU
-never transposes the cache inside the step (``cpu_decode_notes.md``). Cache variables are
+never transposes the cache inside the step (``docs/design/cpu_decoding.md``). Cache variables are
 created on the first decode call, guarded with ``has_variable``: ``init``/prefill *runs*
 the body, so an unguarded index update would advance on creation
-(``framework_anchors.md`` §0 item 7).
+(``docs/design/jax_stack.md``, pitfall 7).
 """
 
 from typing import Optional
@@ -165,8 +165,8 @@ class AttentionBase(nn.Module):
         # Attend over the cache as it was (positions < index) plus the new token, then
         # write the new key/value in place. XLA:CPU copies a donated buffer that is both
         # read and updated in one step unless the update provably comes after the reads
-        # (measured: two full copies of every cache per layer per token, 1.4 ms for a
-        # 4096-token cache). ``write_after_read`` gives the update that data dependency.
+        # (two full copies of every cache per layer per token; docs/architecture.md).
+        # ``write_after_read`` gives the update that data dependency.
         scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
         visible = jnp.arange(max_len)[None, :] < index
         if self.has_variable("cache", "key_mask"):  # a prefilled cache with padded slots

@@ -2,9 +2,9 @@
 
 The kernel is stored as ``[*features, *in_features]`` (output axes first). Batch-1 decoding
 on CPU is a matrix-vector product per layer and is bound by how fast the weights stream
-from memory; XLA:CPU reads the output-major layout ~20% faster than Flax's
-``[in, out]`` (``../shared/design/cpu_decode_notes.md``; re-measured in this repository's
-benchmark). Storing the kernel that way means no transpose is ever materialised in the step.
+from memory; XLA:CPU reads the output-major layout faster than Flax's ``[in, out]``
+(``docs/design/cpu_decoding.md``). Storing the kernel that way means no transpose is ever
+materialised in the step.
 """
 
 import math
@@ -83,7 +83,7 @@ class Dense(nn.Module):
         # Contract as one 2-D product ``[..., in] x [out, in]^T``: the row-major reshapes
         # are free, and XLA:CPU then reads the kernel in place. Given a multi-axis kernel
         # directly, its dot canonicaliser transposes the kernel to ``[in, out]`` and copies
-        # it on every call (measured: ~10x slower batch-1 decoding).
+        # it on every call, which dominates batch-1 decoding (docs/architecture.md).
         n_features, n_inputs = math.prod(features), math.prod(in_shape)
         x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (n_inputs,))
         kernel2 = jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs)

@@ -1,6 +1,6 @@
 """Dense feed-forward block: the baseline at the paper's feed-forward swap point.
 
-``trax_reference.md`` §4.3: ``Dense(d_ff) -> Dropout(ff_dropout) -> ReLU -> Dense(d_model)
+``docs/design/reference_code.md`` §4.3: ``Dense(d_ff) -> Dropout(ff_dropout) -> ReLU -> Dense(d_model)
 -> Dropout(dropout)``, both dropouts shared over the length axis; the ff dropout comes
 *before* the ReLU. ``SparseFeedForward`` replaces this module with one gin line.
 """

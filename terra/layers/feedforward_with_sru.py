@@ -1,7 +1,7 @@
 """Terraformer's feed-forward block: a feed-forward layer plus the low-rank SRU branch.
 
 Paper §4.3; reference ``configurable_transformer.py:FeedForwardWithOptions``
-(``trax_reference.md`` §4.3): ``f(x) = [LN -> FF -> Dropout](x) + [LN -> Dense(32) -> SRU(32)
+(``docs/design/reference_code.md`` §4.3): ``f(x) = [LN -> FF -> Dropout](x) + [LN -> Dense(32) -> SRU(32)
 -> Dense(d)](x)``, both branches inside the same (half-)residual, each with its own norm.
 The feed-forward layer is injected (dense ``FeedForward`` or ``SparseFeedForward``; it ends
 with its own dropout).

@@ -1,7 +1,7 @@
 """Terraformer's LengthConcat: encoder vectors and decoder embeddings in one sequence.
 
 Paper §4.2; reference ``transformer2.py:_ConcatWithPadding`` and
-``StripFromConcatenateWithPadding`` (``trax_reference.md`` §4.1 item 4). Per row, the
+``StripFromConcatenateWithPadding`` (``docs/design/reference_code.md`` §4.1 item 4). Per row, the
 decoder runs over ``[n real encoder vectors, the L2 decoder vectors, zeros]`` (length
 ``L1 + L2``): the encoder padding moves to the end, so the decoder block starts right after
 the row's last real encoder token and causal attention alone (no padding mask) keeps every

@@ -1,6 +1,6 @@
 """LSH (locality-sensitive hashing) self-attention, the Reformer attention that the
 Terraformer uses for long sequences (paper §4; reference ``efficient_attention.py:
-LSHSelfAttention``, ``trax_reference.md`` §4.5 and, for the sparse projections, §2.5b).
+LSHSelfAttention``, ``docs/design/reference_code.md`` §4.5 and, for the sparse projections, §2.5b).
 
 Full forward (train/eval), per example and head, as the reference's ``forward_unbatched``:
 
@@ -124,11 +124,10 @@ def hashing_key(key: jax.Array) -> jax.Array:
     """An ``'rbg'`` key (XLA's RngBitGenerator) seeded from ``key`` (a typed key of any
     implementation, or raw ``uint32`` key data).
 
-    Hashing needs no more than a fair draw, and XLA:CPU compiles threefry bits slowly:
-    measured 0.86 s per draw site against 0.13 s with RngBitGenerator, per LSH layer of a
-    compiled model. The values drawn may differ across XLA versions and backends; a
-    reversible layer replays *buckets* (``buckets=``), not rotations, so nothing relies on
-    bitwise-stable rotations.
+    Hashing needs no more than a fair draw, and XLA:CPU compiles threefry bits several times
+    more slowly than RngBitGenerator, per LSH layer of a compiled model. The values drawn may
+    differ across XLA versions and backends; a reversible layer replays *buckets*
+    (``buckets=``), not rotations, so nothing relies on bitwise-stable rotations.
     """
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)

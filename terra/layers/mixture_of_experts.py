@@ -1,5 +1,5 @@
 """Mixture-of-experts style feed-forward: the block-sparse baseline the paper compares with
-(§3.1 "Mixture-of-Experts style sparsity"; reference ``BlockSparseFF``, ``trax_reference.md`` §1.4).
+(§3.1 "Mixture-of-Experts style sparsity"; reference ``BlockSparseFF``, ``docs/design/reference_code.md`` §1.4).
 
 A dense router picks one of ``n_experts`` contiguous blocks of ``d_ff / n_experts`` units per
 token; only that block is active:

@@ -1,6 +1,6 @@
 """Trainable positional embeddings initialised with sin/cos (reference ``tl.PositionalEncoding``).
 
-``trax_reference.md`` §4.6: ``pos_type=None`` gives a trainable ``[max_len, d_model]`` table
+``docs/design/reference_code.md`` §4.6: ``pos_type=None`` gives a trainable ``[max_len, d_model]`` table
 initialised with ``sin/cos(pos * exp(-ln(10000) * 2i / d))``. In decode mode the next
 position is kept in the ``cache`` collection.
 """
@@ -31,7 +31,7 @@ class TrainablePositionalEmbedding(nn.Module):
     ``position``, created at 0 on the first (cache-creating) call and advanced per step.
 
     Random start offsets (the reference's ``pos_start_from_zero_prob`` and
-    ``pos_max_offset_to_add``, ``trax_reference.md`` §4.6 and §7): in training
+    ``pos_max_offset_to_add``, ``docs/design/reference_code.md`` §4.6 and §7): in training
     (``deterministic=False``), with probability ``1 - start_from_zero_prob`` the batch's
     positions start at a uniform offset in ``[0, max_offset)`` instead of 0 (drawn from the
     ``dropout`` rng), so rows beyond the training lengths get trained too; the length

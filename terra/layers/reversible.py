@@ -1,4 +1,4 @@
-"""Two-stream reversible residual stack (RevNet; paper §4.2, ``trax_reference.md`` §4.2–4.4).
+"""Two-stream reversible residual stack (RevNet; paper §4.2, ``docs/design/reference_code.md`` §4.2–4.4).
 
 A stack of half-residuals ``f_0 .. f_{n-1}`` over two streams ``(x1, x2)``, each
 ``[batch, length, d_model]``. Layer ``i`` computes
@@ -10,16 +10,16 @@ pass therefore does not need the activations of the forward pass: it starts from
 outputs, walks the layers in reverse, recomputes each ``f_i`` under ``jax.vjp`` on the
 reconstructed input and rebuilds that layer's input from its output. Activation memory is
 that of one layer plus the two output streams, whatever the depth (the reference's
-``ReversibleHalfResidual.reverse_and_grad``); measured on XLA:CPU, the gradient's temporaries
-grow ~10x less per layer than with plain autodiff (what remains is a parameter broadcast XLA
-materialises per layer). The reconstruction is exact up to rounding: keep the streams in
+``ReversibleHalfResidual.reverse_and_grad``); the gradient's temporaries grow far less per
+layer than with plain autodiff (what remains is a parameter broadcast XLA materialises per
+layer; ``terra-bench memory`` measures both). The reconstruction is exact up to rounding: keep the streams in
 float32 (bfloat16 streams lose low bits on every ``(x + f) - f``).
 
 The Terraformer decoder block is three half-residuals with a swap after each
 (``x1 += Attn1(LN(x2)); swap; x2 += Attn2(LN(x1)); swap; x1 += FFN(x2); swap``), so a decoder
 stack is ``ReversibleStack([attn1, attn2, ffn] * n_layers)``.
 
-**Discrete decisions are stored, never recomputed** (paper §4.2, ``trax_reference.md`` §4.4).
+**Discrete decisions are stored, never recomputed** (paper §4.2, ``docs/design/reference_code.md`` §4.4).
 The reconstructed input differs from the forward input by rounding; an argmax over a near
 tie (the sparse feed-forward's block choice, LSH buckets) can flip on it, and the recomputed
 ``f_i`` would then be a different function from the one the forward pass applied: the

@@ -18,7 +18,7 @@ def block_argmax(x: jax.Array) -> jax.Array:
 
 def gumbel_block_argmax(logits: jax.Array, temperature: float, rng: jax.Array) -> jax.Array:
     """Training choice: ``argmax(log_softmax(logits) + temperature * Gumbel)``; the temperature
-    scales the noise, it does not divide the logits (``trax_reference.md`` §1.2)."""
+    scales the noise, it does not divide the logits (``docs/design/reference_code.md`` §1.2)."""
     gumbel = jax.random.gumbel(rng, logits.shape, jnp.float32)
     return block_argmax(jax.nn.log_softmax(logits) + temperature * gumbel)
 
@@ -35,5 +35,5 @@ def straight_through_mask(logits: jax.Array, indices: jax.Array, hard_prob: floa
 
 def take_rows(matrix: jax.Array, rows: jax.Array) -> jax.Array:
     """``matrix[rows]`` along axis 0. ``mode='clip'``: the rows are in range by construction, and
-    the default bounds handling ('fill') makes XLA:CPU's gather twice as slow (21 vs 12 us)."""
+    the default bounds handling ('fill') makes XLA:CPU's gather about twice as slow."""
     return jnp.take(matrix, rows, axis=0, mode="clip")

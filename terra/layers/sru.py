@@ -3,7 +3,7 @@
 The paper adds a recurrence to every feed-forward block, made cheap by a low-rank bottleneck:
 "we first project from d_model to a small dimension (32 in our experiments), then apply the
 SRU, and then project back to d_model and add the result to the feedforward block."
-The reference (``trax_reference.md`` §4.3, ``configurable_transformer.py:FeedForwardWithOptions``)
+The reference (``docs/design/reference_code.md`` §4.3, ``configurable_transformer.py:FeedForwardWithOptions``)
 builds the branch as ``LayerNorm -> Dense(n) -> SRU(n) [x n_layers] -> Dense(d_model)``, with
 its own LayerNorm and no dropout, and the caller adds it to the feed-forward output.
 
@@ -63,7 +63,7 @@ def linear_recurrence(
       c0: the carry before the first position, ``[batch, n]`` (zeros if ``None``).
       parallel: ``jax.lax.associative_scan`` (``O(log L)`` depth; the choice for
         accelerators) or a sequential ``jax.lax.scan`` over time (the reference's ``Scan``;
-        measured faster on a 2-core CPU: 1.0 vs 2.5 ms forward at ``[8, 2048, 32]``).
+        the faster one on a CPU).
     Returns:
       ``c`` ``[batch, length, n]``, ``c[:, t]`` the carry after position ``t``.
     """
@@ -83,9 +83,8 @@ def linear_recurrence(
 
 
 def _use_parallel_scan(parallel_scan: Optional[bool]) -> bool:
-    # Measured: on the 2-core CPU the sequential scan is 2.5-4x faster than the associative one
-    # at [8, 2048, 32], and makes a whole Terraformer train step 1.4x faster (154 -> 211 tokens/s,
-    # terra.benchmarks.train_speed); the associative scan's O(log L) depth pays on accelerators.
+    # The sequential scan is the faster one on a CPU, by a whole Terraformer train step too
+    # (docs/architecture.md); the associative scan's O(log L) depth pays on accelerators.
     if parallel_scan is None:
         return jax.default_backend() != "cpu"
     return parallel_scan

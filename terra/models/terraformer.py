@@ -1,6 +1,6 @@
 """Terraformer (paper §4): a reversible encoder and a LengthConcat decoder with two attentions.
 
-Data flow (reference ``ConfigurableTerraformer``, ``trax_reference.md`` §4.1–§4.3)::
+Data flow (reference ``ConfigurableTerraformer``, ``docs/design/reference_code.md`` §4.1–§4.3)::
 
   encoder   embed(tokens_e) -> dropout -> + encoder positions -> (x, x)
             ReversibleStack([HalfResidual(LN, encoder attention), FeedForwardWithSRU] * n_enc)

@@ -5,7 +5,7 @@ wide parameter axes (d_ff, heads, vocab) over ``model``, as the logical-axis rul
 ``terra.layers.axes`` say. Where a tensor lands is decided by those rules (data), not by the
 layers; this module only builds the device grid the rules refer to.
 
-Two version-specific choices (framework_anchors.md §0 items 1-2, §11):
+Two version-specific choices (``docs/design/jax_stack.md``, pitfalls 1-2 and the checklist):
 
 * Mesh axes are ``AxisType.Auto``. In JAX 0.10.2 ``jax.make_mesh`` defaults to ``Explicit``
   axes, under which Flax Linen's ``nn.with_logical_constraint`` becomes a hard assert and the

@@ -8,7 +8,7 @@ mesh axes ``("data", "model")``. Changing how a model is partitioned means chang
 ``in_shardings``/``out_shardings``, so parameters and optimizer state are created already
 sharded and the batch arrives split over ``data``.
 
-Optimizer state cannot simply inherit the parameters' boxes (framework_anchors.md §0 item 14):
+Optimizer state cannot simply inherit the parameters' boxes (``docs/design/jax_stack.md``, pitfall 14):
 ``optax.adafactor(...).init(boxed_params)`` copies a parameter's box onto its factored second
 moments, so ``v_row`` of a ``("embed", "mlp")`` kernel is rank 1 but still carries two names, and
 ``jax.jit(init, out_shardings=...)`` rejects it. ``opt_state_shardings`` therefore derives the

@@ -6,7 +6,7 @@ inputs twice as long?
 
 Trains the Transformer and the Terraformer of ``experiments/synthetic_{copy,addition}_*.gin``
 (the reference's models: SRU in the Terraformer's feed-forward blocks, random positional start
-offsets in both — ``trax_reference.md`` §7) on inputs up to the training length, then evaluates
+offsets in both — ``docs/design/reference_code.md`` §7) on inputs up to the training length, then evaluates
 on the validation split, whose inputs are 2–2.5x longer, and writes to ``--out``:
 
 * ``length_generalization.json`` — every run's curves, in-distribution and out-of-distribution

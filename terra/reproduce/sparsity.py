@@ -12,12 +12,12 @@ widths of the chosen size, and writes to ``--out``:
 * ``sparsity.json`` — every run's curves and final metrics, per-variant mean ± spread over seeds,
   gap to dense, parameters and decode time;
 * ``sparsity.md`` — the final table;
-* ``sparsity.png`` — eval log-perplexity against steps (Figure 1's plot), mean over seeds with
-  the min-max band.
+* ``sparsity.png`` — eval log-perplexity against steps (Figure 1's plot), each variant against
+  dense, mean over seeds with a band of ± one standard deviation.
 
 Decode time per token is measured by the decode-speed benchmark (``terra.benchmarks``) at batch 1
 for each variant, at the trained size (``--config.decode_at=trained``, default) or at the 800M
-timing shape of ``paper_800m`` (``--config.decode_at=800m``), or skipped (``none``).
+widths and 2+24-layer timing shape of ``paper_800m`` (``--config.decode_at=800m``), or skipped (``none``).
 """
 
 import os
@@ -220,7 +220,7 @@ def markdown(rows: Sequence[dict], cfg, task_gin: str) -> str:
     seeds = runs.parse_seeds(cfg.seeds)
     decode_note = {
         "trained": "at the trained size",
-        "800m": "at the 800M timing shape (2 encoder + 24 decoder layers)",
+        "800m": "at the 800M widths, 2+24-layer timing shape (2 encoder + 24 decoder layers)",
         "none": "not measured",
     }[cfg.decode_at]
     lines = [

@@ -16,7 +16,7 @@ Step convention: ``spec.schedule(n)`` is the learning rate applied by the ``n``-
 accumulation over ``k`` micro-batches the inner schedule advances once per ``k`` calls, and the
 spec returned by :func:`build_optimizer` accounts for that (``schedule(n) = inner(n // k)``).
 
-The reference (Trax) configurations, ``trax_reference.md`` §5.1–§5.3 and §7:
+The reference (Trax) configurations, ``docs/design/reference_code.md`` §5.1–§5.3 and §7:
 
 * C4 pretraining: ``Adafactor(beta1=0, decay_rate=0.8, clipping_threshold=1.0, epsilon1=1e-16,
   epsilon2=1e-3, factored=True, multiply_by_parameter_scale=True, weight_decay_rate=1e-5,
