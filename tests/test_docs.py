@@ -1,0 +1,114 @@
+"""The documentation stands on its own: every repository path that the README, the docs, the code,
+the configs and the tests cite exists, every relative link between pages resolves, nothing cites
+notes outside the repository, and the README stays a short front door."""
+
+import glob
+import itertools
+import os
+import re
+
+import pytest
+
+from conftest import REPO_ROOT
+
+TOP_FILES = ("README.md", "CHANGELOG.md", "LICENSE", "Makefile", "setup.cfg", "pyproject.toml", "requirements.txt")
+# A repository path: a top-level folder of the checkout followed by a path, or a shipped config
+# named as --gin_file takes it (models/tiny.gin, relative to terra/configs).
+PATH = re.compile(r"(?<![\w./-])((?:terra|docs|tests|scripts|\.ci)/[\w./{},*-]*[\w*}])")
+CONFIG = re.compile(r"(?<![\w./-])((?:models|tasks|runs|sizes|experiments)/[\w{},*-]+\.gin)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+OUTSIDE = re.compile(r"\.\./shared|trax_reference\.md|framework_anchors\.md|cpu_decode_notes\.md|data_and_seqio\.md")
+
+
+def _sources():
+    """Every text file whose citations must hold: docs, code, configs, tests, build files."""
+    patterns = [
+        "*.md",
+        "docs/**/*.md",
+        "terra/**/*.py",
+        "terra/configs/**/*.gin",
+        "tests/*.py",
+        "scripts/*.sh",
+        ".ci/run",
+    ]
+    found = {os.path.join(REPO_ROOT, f) for f in TOP_FILES if os.path.isfile(os.path.join(REPO_ROOT, f))}
+    for pattern in patterns:
+        found.update(glob.glob(os.path.join(REPO_ROOT, pattern), recursive=True))
+    return sorted(found)
+
+
+SOURCES = _sources()
+
+
+def _expand(path: str):
+    """``a/{b,c}.{md,json}`` -> every combination; a brace without a comma is a placeholder."""
+    parts = re.split(r"(\{[^{}]*\})", path)
+    options = [p[1:-1].split(",") if p.startswith("{") and "," in p else [p] for p in parts]
+    return ["".join(combo) for combo in itertools.product(*options)]
+
+
+def _exists(relative: str, base: str = REPO_ROOT) -> bool:
+    target = os.path.normpath(os.path.join(base, relative))
+    return bool(glob.glob(target, recursive=True)) if "*" in relative else os.path.exists(target)
+
+
+def _cited(text: str):
+    for match in PATH.finditer(text):
+        yield match.group(1).rstrip("."), ""
+    for match in CONFIG.finditer(text):
+        yield match.group(1), "terra/configs"
+
+
+# Tests cite missing paths on purpose (error paths); the changelog records removed ones.
+CITING = [s for s in SOURCES if not s.startswith(os.path.join(REPO_ROOT, "tests")) and not s.endswith("CHANGELOG.md")]
+
+
+def test_every_cited_repository_path_exists():
+    missing = []
+    for source in CITING:
+        text = open(source, encoding="utf-8").read()
+        for cited, prefix in _cited(text):
+            # Placeholders: {split}, <name>, NAME, X (models/X.gin).
+            if re.search(r"\{[^{},]*\}|<|\b[A-Z]+\b", cited):
+                continue
+            for path in _expand(cited):
+                if not _exists(os.path.join(prefix, path)):
+                    missing.append(f"{os.path.relpath(source, REPO_ROOT)}: {path}")
+    assert not missing, "cited paths that do not exist:\n  " + "\n  ".join(sorted(set(missing)))
+
+
+def test_every_relative_link_of_the_markdown_pages_resolves():
+    broken = []
+    for source in (s for s in SOURCES if s.endswith(".md")):
+        text = re.sub(r"```.*?```|`[^`\n]*`", "", open(source, encoding="utf-8").read(), flags=re.S)  # code
+        for match in LINK.finditer(text):
+            target = match.group(1)
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            if not _exists(target, os.path.dirname(source)):
+                broken.append(f"{os.path.relpath(source, REPO_ROOT)}: {target}")
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
+
+
+def test_nothing_cites_notes_outside_the_repository():
+    cites = [
+        f"{os.path.relpath(s, REPO_ROOT)}:{n}"
+        for s in SOURCES
+        if not s.endswith("test_docs.py")
+        for n, line in enumerate(open(s, encoding="utf-8"), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert not cites, cites
+
+
+def test_the_readme_is_a_short_front_door():
+    readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+    assert len(readme.splitlines()) <= 250
+    assert readme.index("make run") < readme.index("make test") < readme.index("## Install")
+    for section in ("## Contents", "## Two commands", "## Install", "## Python API", "## Results", "## Documentation"):
+        assert section in readme, section
+
+
+@pytest.mark.parametrize("text, expected", [("docs/reproduce/{a,b}.{md,png}", 4), ("docs/x.md", 1)])
+def test_brace_expansion_of_cited_paths(text, expected):
+    assert len(_expand(text)) == expected
