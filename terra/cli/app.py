@@ -47,7 +47,7 @@ class Command:
     """One command line. ``define_flags(flag_values, argv)`` defines the flags (``argv`` is the
     command line, for flags whose shape depends on it); ``run(flag_values, positional)`` runs
     the parsed command and returns its exit status (``None`` is 0). A command with
-    ``subcommands`` dispatches on its first positional argument instead."""
+    ``subcommands`` dispatches on its first argument instead."""
 
     name: str
     python_m: str
@@ -56,7 +56,6 @@ class Command:
     run: Optional[Run] = None
     positional: str = ""  # e.g. "FILE..."; empty: the command takes no positional arguments
     subcommands: Mapping[str, "Command"] = dataclasses.field(default_factory=dict)
-    loads_tensorflow: bool = True
 
     @property
     def summary(self) -> str:
@@ -85,7 +84,7 @@ class Command:
         argv = [a for a in argv if a not in HELP_FLAGS]
         flag_values = flags.FlagValues()
         argv = rewrite_gin_args(argv)
-        with self._usage_errors():
+        with self._usage_errors(argv):
             if self.define_flags:
                 self.define_flags(flag_values, argv)
             if wants_help:
@@ -94,41 +93,45 @@ class Command:
             rest = flag_values([self.name, *argv])[1:]
         if rest and not self.positional:
             raise errors.UsageError(f"unexpected argument(s) {' '.join(rest)}; run '{self.name} --help' for its usage.")
-        if self.positional and not self.positional.startswith("[") and not rest:
+        if self.positional and not rest:
             raise errors.UsageError(f"missing {self.positional}; run '{self.name} --help' for its usage.")
-        if self.loads_tensorflow:
-            from terra.tensorflow_setup import import_tensorflow_quietly
+        from terra.tensorflow_setup import import_tensorflow_quietly  # before anything imports terra.data
 
-            import_tensorflow_quietly()
+        import_tensorflow_quietly()
         return self.run(flag_values, rest) or 0
 
     @contextlib.contextmanager
-    def _usage_errors(self):
+    def _usage_errors(self, argv: Sequence[str]):
         """Bad flags, bad flag values and unknown ``--config`` fields as one ``UsageError``."""
         hint = f"\n  Run '{self.name} --help' for its flags."
+        overrides_config = any(a.startswith("--config.") for a in argv)
         try:
             yield
         except flags.Error as e:
             raise errors.UsageError(f"{e}{hint}") from None
-        except (KeyError, AttributeError) as e:  # ml_collections: an override of a --config field that does not exist
+        except (KeyError, AttributeError) as e:
+            if not overrides_config:  # not ml_collections rejecting an override: a real bug
+                raise
             while e.args and isinstance(e.args[0], Exception):  # ml_collections wraps its KeyError
                 e = e.args[0]
             field, _, suggestion = str(e.args[0] if e.args else e).partition("\n")
             raise errors.UsageError(f"unknown --config field {field}. {suggestion}{hint}") from None
 
     def _dispatch(self, argv: List[str]) -> int:
-        position = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-        if position is None:
+        """The subcommand is the first argument: ``terra-bench decode --preset tiny``."""
+        if not argv or argv[0].startswith("-"):
             if any(a in HELP_FLAGS for a in argv):
                 print(self.help_text(None))
                 return 0
-            raise errors.UsageError(f"name a subcommand: {', '.join(self.subcommands)}. Run '{self.name} --help'.")
-        name = argv[position]
+            raise errors.UsageError(
+                f"name a subcommand first: {', '.join(self.subcommands)}. Run '{self.name} --help'."
+            )
+        name = argv[0]
         if name not in self.subcommands:
             close = difflib.get_close_matches(name, list(self.subcommands), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise errors.UsageError(f"unknown subcommand '{name}'.{hint} Choose from: {', '.join(self.subcommands)}.")
-        return self.subcommands[name].call(argv[:position] + argv[position + 1 :])
+        return self.subcommands[name].call(argv[1:])
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """The console entry point: runs the command and turns terra's errors into one line
