@@ -35,17 +35,30 @@ def cohan_example(record: dict) -> dict:
 
 
 def split_documents(text: str, name: str) -> List[Tuple[str, str]]:
-    """``[(label, article text)]``: Cohan JSON lines (one paper each) or the whole plain text."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    records = []
-    if lines and lines[0].lstrip().startswith("{"):
+    """``[(label, article text)]``: Cohan JSON lines (one paper each) when the first non-empty
+    line starts with ``{``, else the whole plain text. A file that starts as JSON lines is read
+    as JSON lines to the end: a line that is not a JSON object with an ``article_text`` list is an
+    ``InputError`` naming the line, never a reason to summarize the raw JSON as text."""
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not numbered or not numbered[0][1].lstrip().startswith("{"):
+        return [(name, text)]
+    docs = []
+    for i, (n, line) in enumerate(numbered):
+        where = f"{name}, line {n}"
         try:
-            records = [json.loads(line) for line in lines]
-        except json.JSONDecodeError:
-            records = []
-    if records and all(isinstance(r, dict) and "article_text" in r for r in records):
-        return [(f"{name} [{r.get('article_id', i)}]", cohan_example(r)["article"]) for i, r in enumerate(records)]
-    return [(name, text)]
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{where}: not valid JSON ({e.msg} at column {e.colno}); the file starts as Cohan JSON lines "
+                "(one paper per line), so every line must be one."
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("article_text"), list):
+            raise InputError(
+                f"{where}: a Cohan JSON line needs an 'article_text' list of sentences"
+                f"{'' if isinstance(record, dict) else f', not a {type(record).__name__}'}."
+            )
+        docs.append((f"{name} [{record.get('article_id', i)}]", cohan_example(record)["article"]))
+    return docs
 
 
 def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
