@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from terra.data.pipeline import BatchIterator
-from terra.training.checkpointing import Checkpointer, CheckpointError, restore_params
+from terra.training.checkpointing import Checkpointer, CheckpointError, restore_params, short_cause
 from terra.training.train_state import TrainState
 
 
@@ -128,7 +128,16 @@ def test_a_corrupt_latest_checkpoint_is_skipped_with_a_warning(tmp_path, mesh, c
             assert ckpt.save(2, newer)
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("step 2" in m and "corrupt" in m for m in messages), messages
+    # One readable line: the step, its directory and the first line of the cause.
+    (warning,) = [m for m in messages if "corrupt or incomplete" in m]
+    assert "\n" not in warning and len(warning) < 500 and str(tmp_path / "checkpoints" / "2") in warning
     assert len(os.listdir(tmp_path / "corrupt_checkpoints")) == 1
+
+
+def test_short_cause_keeps_the_first_line_of_a_long_storage_error():
+    error = ValueError('DATA_LOSS: Error reading "manifest.ocdbt"\n' + "  [source locations] x.cc:1\n" * 60)
+    assert short_cause(error) == 'ValueError: DATA_LOSS: Error reading "manifest.ocdbt"'
+    assert len(short_cause(RuntimeError("y" * 1000))) < 260 and short_cause(OSError()) == "OSError"
 
 
 def test_a_step_without_commit_metadata_is_skipped_and_none_good_raises(tmp_path, mesh, caplog):

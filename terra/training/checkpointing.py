@@ -78,6 +78,16 @@ from terra.training.train_state import TrainState
 logger = logging.getLogger(__name__)
 
 
+def short_cause(error: BaseException, limit: int = 240) -> str:
+    """``ErrorType: first line of its message`` (cut at ``limit`` characters): storage errors
+    (TensorStore's, orbax's) print their whole status object, dozens of lines, as their message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 class _DropMissingMetricsWarning(logging.Filter):
     """orbax warns on every save without metrics once a best metric is tracked; terra passes
     metrics only at the steps that evaluated, so the warning says nothing."""
@@ -492,14 +502,13 @@ class Checkpointer:
                 return restored, candidate
             failures.append((candidate, error))
             logger.warning(
-                "Checkpoint step %d in %s is corrupt or incomplete (%s: %s)%s",
+                "Checkpoint step %d (%s) is corrupt or incomplete: %s%s",
                 candidate,
-                self.directory,
-                type(error).__name__,
-                error,
+                self.directory / str(candidate),
+                short_cause(error),
                 "; trying the previous checkpoint." if step is None else ".",
             )
-        details = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in failures)
+        details = "; ".join(f"step {s}: {short_cause(e)}" for s, e in failures)
         raise CheckpointError(
             f"no readable checkpoint in {self.directory} ({details}); nothing was moved or deleted."
         ) from failures[-1][1]
