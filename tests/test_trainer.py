@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from terra import gin_utils
 from terra.errors import ConfigError
 from terra.training import checkpointing, trainer
+from terra.training import metrics as metrics_lib
 
 from conftest import REPO_ROOT
 
@@ -293,3 +295,27 @@ def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, ca
     rows = json.loads((tmp_path / "train_speed.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["tokens_per_second"] > 0 and np.isfinite(r["final_loss"]) for r in rows)
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_compiling(tmp_path, capsys):
+    run, every = tmp_path / "r", "terra.training.CheckpointSettings.every = 3"
+    _parse(run, 6, every)
+    trainer.Trainer().run()
+    logged = {r["step"]: r["train/loss"] for r in metrics_lib.read_metrics(run) if "train/loss" in r}
+    # A crash after step 6 was logged but before it was saved: the run resumes from step 3, with
+    # a line cut short at the end of metrics.jsonl.
+    shutil.rmtree(run / "checkpoints" / "6")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train/lo')
+    _parse(run, 6, every)
+    resumed = trainer.Trainer().run()
+    replayed = [(r["step"], r["train/loss"]) for r in metrics_lib.read_metrics(run) if "train/loss" in r]
+    assert [step for step, _ in replayed] == [1, 2, 3, 4, 5, 6]
+    assert dict(replayed) == pytest.approx(logged, rel=1e-6)  # the replayed steps are the same steps
+    # Run again: already at TRAIN_STEPS, so it returns at once, compiling nothing.
+    _parse(run, 6, every)
+    again = trainer.Trainer()
+    finished = again.run()
+    assert finished.step == 6 and not hasattr(again, "compiled_step")
+    assert "already at step 6" in capsys.readouterr().out
+    _assert_same_params(finished.params, resumed.params, rtol=0, atol=0)

@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Mapping, Optional
 
+from terra.files import write_atomically
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -51,9 +53,15 @@ def _scalar_metadata():
 class MetricsWriter:
     """Appends ``{"step": s, "<prefix>/<name>": value, ...}`` lines to ``<model_dir>/metrics.jsonl``
     (flushed per line, so a crash loses nothing written) and the same scalars to TensorBoard
-    event files under ``<model_dir>/tensorboard``. Use as a context manager or call ``close()``."""
+    event files under ``<model_dir>/tensorboard``. Use as a context manager or call ``close()``.
 
-    def __init__(self, model_dir: str, *, enabled: bool = True, tensorboard: bool = True):
+    ``resume_step``: the step the run continues from. Lines of later steps (written before a
+    crash, then replayed from the checkpoint) and a line cut short by the crash are dropped
+    first, so each step appears once."""
+
+    def __init__(
+        self, model_dir: str, *, enabled: bool = True, tensorboard: bool = True, resume_step: Optional[int] = None
+    ):
         self.model_dir = model_dir
         self.enabled = bool(enabled)
         self._tensorboard = tensorboard
@@ -61,6 +69,8 @@ class MetricsWriter:
         self._tb_writer = None
         if self.enabled:
             os.makedirs(model_dir, exist_ok=True)
+            if resume_step is not None:
+                truncate_metrics(model_dir, resume_step)
             self._jsonl = open(os.path.join(model_dir, METRICS_FILE), "a", encoding="utf-8")
 
     @property
@@ -103,6 +113,31 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_metrics(model_dir: str, last_step: int) -> int:
+    """Keeps the records of ``metrics.jsonl`` up to ``last_step`` (and drops a line that is not
+    JSON, what a crash mid-write leaves); rewritten atomically. Returns the records dropped."""
+    path = os.path.join(model_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if int(record.get("step", 0)) <= last_step:
+                kept.append(json.dumps(record) + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        write_atomically(path, "".join(kept))
+    return dropped
 
 
 def read_metrics(model_dir: str):

@@ -314,6 +314,22 @@ class Trainer:
                 best_mode=self.best_mode,
             )
             state, start_step, origin = self._initial_state(train_batches)
+            if start_step >= self.steps:  # a finished run: nothing to compile or train
+                if self.is_host0:
+                    print(
+                        f"train: {self.model_dir} is already at step {start_step} (TRAIN_STEPS = {self.steps}); "
+                        "nothing to do.",
+                        flush=True,
+                    )
+                self.checkpointer.close()
+                return TrainResult(
+                    step=start_step,
+                    params=state.params,
+                    last_train_metrics={},
+                    last_eval_metrics={},
+                    preempted=False,
+                    model_dir=self.model_dir,
+                )
             if start_step:
                 first = None  # the restored data position replaces the batch read to check the pipeline
             model, tx = self.model, self.optimizer.transform
@@ -345,7 +361,7 @@ class Trainer:
             return self._loop(state, start_step, train_batches, host_next, pending)
 
     def _loop(self, state, start_step, train_batches, host_next, pending) -> TrainResult:
-        writer = metrics_lib.MetricsWriter(self.model_dir, enabled=self.is_host0)
+        writer = metrics_lib.MetricsWriter(self.model_dir, enabled=self.is_host0, resume_step=start_step)
         bar = metrics_lib.ProgressBar(
             self.steps, initial_step=start_step, enabled=self.is_host0 and self.logging.progress
         )
