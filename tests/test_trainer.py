@@ -319,3 +319,41 @@ def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_comp
     assert finished.step == 6 and not hasattr(again, "compiled_step")
     assert "already at step 6" in capsys.readouterr().out
     _assert_same_params(finished.params, resumed.params, rtol=0, atol=0)
+
+
+def test_fine_tuning_from_a_run_of_another_architecture_writes_nothing(tmp_path):
+    _parse(tmp_path / "pre", 1)
+    trainer.Trainer().run()
+    _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(tmp_path / 'pre')!r}", "TransformerConfig.d_ff = 96")
+    with pytest.raises(checkpointing.CheckpointError, match="d_ff|shape"):
+        trainer.Trainer().run()
+    assert not (tmp_path / "fine").exists()  # no checkpoints/, no lock, nothing
+
+
+def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_taken_over(tmp_path):
+    run = tmp_path / "locked"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom terra.training.run_lock import RunLock\n"
+            f"RunLock({str(run)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)\n",
+        ],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        _parse(run, 2)
+        with pytest.raises(ConfigError, match=rf"in use by another trainer \(host .*, pid {holder.pid}"):
+            trainer.Trainer().run()
+        assert sorted(os.listdir(run)) == [".terra.lock"]  # stopped before writing anything
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # The killed holder's lock is released with its process: the next trainer takes it over.
+    _parse(run, 2)
+    assert trainer.Trainer().run().step == 2

@@ -224,6 +224,12 @@ def _committed_steps(root: epath.Path) -> List[int]:
     return sorted(m.step for m in ocp.step.standard_name_format().find_all(root))
 
 
+def has_checkpoint(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds a committed checkpoint (reads only; creates nothing)."""
+    root = _absolute(model_dir) / CHECKPOINTS_SUBDIR
+    return root.is_dir() and bool(_committed_steps(root))
+
+
 def _all_processes_agree(ok: bool) -> bool:
     """True only if ``ok`` on every process (restore must pick the same step everywhere)."""
     if jax.process_count() == 1:

@@ -37,7 +37,7 @@ from terra.layers import axes
 from terra.models.protocol import Model
 from terra.parallel import mesh as mesh_lib
 from terra.parallel import sharding
-from terra.training import checkpointing, optimizers
+from terra.training import checkpointing, optimizers, run_lock
 from terra.training import metrics as metrics_lib
 from terra.training.settings import CheckpointSettings, EvaluationSettings, LoggingSettings, ParallelSettings
 from terra.training.train_state import TrainState
@@ -226,8 +226,9 @@ class Trainer:
         params = nn.unbox(self.model.init_variables(rng))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.transform.init(params))
 
-    def _initial_state(self, train_batches):
-        """``(state, start_step, origin)``: restored, fine-tuned from ``init_from``, or fresh."""
+    def _initial_state(self, train_batches, init_params):
+        """``(state, start_step, origin)``: restored, fine-tuned from ``init_params`` (read from
+        ``init_from`` before anything was written), or fresh."""
         abstract_state = jax.eval_shape(self._init_state, jax.random.key(self.seed))
         abstract_state = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, self.state_shardings
@@ -237,11 +238,14 @@ class Trainer:
             state, start_step = restored
             return state, start_step, f"resumed from step {start_step}"
         state = sharding.sharded_init(self._init_state, jax.random.key(self.seed), self.state_shardings)
-        if not self.init_from:
+        if init_params is None:
             return state, 0, "initialised from seed"
-        params = checkpointing.restore_params(self.init_from, self.abstract_params, param_map=self.param_map)
-        opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(params)
-        return TrainState(step=state.step, params=params, opt_state=opt_state), 0, f"parameters from {self.init_from}"
+        opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(init_params)
+        return (
+            TrainState(step=state.step, params=init_params, opt_state=opt_state),
+            0,
+            f"parameters from {self.init_from}",
+        )
 
     # ----- the pieces of one iteration -----------------------------------------------------
     def step(self, state: TrainState, batch) -> tuple:
@@ -299,66 +303,80 @@ class Trainer:
 
     # ----- the run -------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        """Train to ``steps`` (or to preemption) and return the final state's summary."""
+        """Train to ``steps`` (or to preemption) and return the final state's summary. Every check
+        (the data pipeline, a fine-tuning checkpoint's fit) runs before ``model_dir`` is created,
+        and the run holds ``model_dir``'s lock (``run_lock``) while it writes there."""
         train_batches = self.batches("train", self.feature_lengths, None, self.shuffle)
         first = next(train_batches)  # fails here, before model_dir exists, if the pipeline cannot run
-        os.makedirs(self.model_dir, exist_ok=True)
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
             self._shardings()
-            self.checkpointer = checkpointing.Checkpointer(
-                self.model_dir,
-                save_interval_steps=self.checkpoints.every,
-                keep_last=self.checkpoints.keep_last,
-                keep_best=self.checkpoints.keep_best,
-                best_metric=self.checkpoints.best_metric,
-                best_mode=self.best_mode,
-            )
-            state, start_step, origin = self._initial_state(train_batches)
-            if start_step >= self.steps:  # a finished run: nothing to compile or train
-                if self.is_host0:
-                    print(
-                        f"train: {self.model_dir} is already at step {start_step} (TRAIN_STEPS = {self.steps}); "
-                        "nothing to do.",
-                        flush=True,
-                    )
-                self.checkpointer.close()
-                return TrainResult(
-                    step=start_step,
-                    params=state.params,
-                    last_train_metrics={},
-                    last_eval_metrics={},
-                    preempted=False,
-                    model_dir=self.model_dir,
+            init_params = None
+            if self.init_from and not checkpointing.has_checkpoint(self.model_dir):
+                # Read (and checked against this model) before anything is written: a checkpoint
+                # of another architecture fails here and leaves model_dir as it was.
+                init_params = checkpointing.restore_params(
+                    self.init_from, self.abstract_params, param_map=self.param_map
                 )
-            if start_step:
-                first = None  # the restored data position replaces the batch read to check the pipeline
-            model, tx = self.model, self.optimizer.transform
-            batch_sh = sharding.batch_sharding(self.mesh)
-            step_fn = jax.jit(
-                lambda s, b, r: train_step(model, tx, s, b, r),
-                in_shardings=(self.state_shardings, batch_sh, self.replicated),
-                out_shardings=(self.state_shardings, self.replicated),
-                donate_argnums=(0,),
-            )
-            self.eval_fn = jax.jit(
-                model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=self.replicated
-            )
-            self.rng = jax.random.key(self.seed + 1)
-            host_next = first if first is not None else next(train_batches)
-            pending = sharding.global_batch(host_next, self.mesh)
-            self.compiled_step = step_fn.lower(state, pending, self.rng).compile()
-            self.eval_batches = self.read_eval_batches()
-            param_count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.abstract_params)))
-            summary = metrics_lib.summarize_start(
-                mesh_description=mesh_lib.describe_mesh(self.mesh),
-                param_count=param_count,
-                compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step),
-            )
+            with run_lock.RunLock(self.model_dir, enabled=self.is_host0):
+                return self._train(train_batches, first, init_params)
+
+    def _train(self, train_batches, first, init_params) -> TrainResult:
+        """Restores or initialises the state, compiles the step and runs the loop (locked)."""
+        os.makedirs(self.model_dir, exist_ok=True)  # every process; process 0's lock made it already
+        self.checkpointer = checkpointing.Checkpointer(
+            self.model_dir,
+            save_interval_steps=self.checkpoints.every,
+            keep_last=self.checkpoints.keep_last,
+            keep_best=self.checkpoints.keep_best,
+            best_metric=self.checkpoints.best_metric,
+            best_mode=self.best_mode,
+        )
+        state, start_step, origin = self._initial_state(train_batches, init_params)
+        if start_step >= self.steps:  # a finished run: nothing to compile or train
             if self.is_host0:
-                print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
-                with open(os.path.join(self.model_dir, "config.gin"), "w") as f:
-                    f.write(gin.operative_config_str())
-            return self._loop(state, start_step, train_batches, host_next, pending)
+                print(
+                    f"train: {self.model_dir} is already at step {start_step} (TRAIN_STEPS = {self.steps}); "
+                    "nothing to do.",
+                    flush=True,
+                )
+            self.checkpointer.close()
+            return TrainResult(
+                step=start_step,
+                params=state.params,
+                last_train_metrics={},
+                last_eval_metrics={},
+                preempted=False,
+                model_dir=self.model_dir,
+            )
+        if start_step:
+            first = None  # the restored data position replaces the batch read to check the pipeline
+        model, tx = self.model, self.optimizer.transform
+        batch_sh = sharding.batch_sharding(self.mesh)
+        step_fn = jax.jit(
+            lambda s, b, r: train_step(model, tx, s, b, r),
+            in_shardings=(self.state_shardings, batch_sh, self.replicated),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=(0,),
+        )
+        self.eval_fn = jax.jit(
+            model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=self.replicated
+        )
+        self.rng = jax.random.key(self.seed + 1)
+        host_next = first if first is not None else next(train_batches)
+        pending = sharding.global_batch(host_next, self.mesh)
+        self.compiled_step = step_fn.lower(state, pending, self.rng).compile()
+        self.eval_batches = self.read_eval_batches()
+        param_count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.abstract_params)))
+        summary = metrics_lib.summarize_start(
+            mesh_description=mesh_lib.describe_mesh(self.mesh),
+            param_count=param_count,
+            compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step),
+        )
+        if self.is_host0:
+            print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
+            with open(os.path.join(self.model_dir, "config.gin"), "w") as f:
+                f.write(gin.operative_config_str())
+        return self._loop(state, start_step, train_batches, host_next, pending)
 
     def _loop(self, state, start_step, train_batches, host_next, pending) -> TrainResult:
         writer = metrics_lib.MetricsWriter(self.model_dir, enabled=self.is_host0, resume_step=start_step)
