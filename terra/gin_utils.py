@@ -6,19 +6,27 @@ the package (``terra/configs``), so ``models/tiny.gin`` works from any directory
 files include each other by their package path (``include 'terra/configs/runs/train.gin'``),
 which gin resolves as a package resource wherever terra is installed. Errors are raised as
 ``GinConfigError`` with the offending file or binding and, for a misspelled name, the closest
-valid names. Only gin's public API is used.
+valid names; a literal of the wrong type for a configurable's parameter (``'64'`` for an
+``int``) fails when the bindings are parsed, naming the binding, not later inside the library.
+Only gin's public API is used (its parser, ``gin.config_parser``, reads texts without resolving
+references, so a config can be read before the modules it names are imported).
 """
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import logging
 import os
 import re
 import sys
-from typing import Iterable, List, Sequence
+import tokenize
+import types
+import typing
+from typing import Any, Iterable, List, Optional, Sequence
 
 import gin
+from gin import config_parser
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Where a gin file's ``include 'models/tiny.gin'`` finds the shipped configs.
@@ -31,6 +39,117 @@ _SEARCH_PATHS_ADDED = set()  # gin's search path list only grows; add each path 
 
 class GinConfigError(ValueError):
     """A gin file or binding that cannot be applied; the message says what to change."""
+
+
+# --- gin text read without resolving it, and the types of its values -----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """``@name`` or ``@name()`` in a value, left unresolved."""
+
+    name: str
+    evaluate: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MacroUse:
+    """``%NAME`` in a value, left unresolved."""
+
+    name: str
+
+
+class _UnresolvedDelegate(config_parser.ParserDelegate):
+    """Keeps references and macros as names: reading a text then needs none of the modules it
+    names, and nothing is bound."""
+
+    def configurable_reference(self, scoped_configurable_name, evaluate):
+        return Reference(scoped_configurable_name, evaluate)
+
+    def macro(self, macro_name):
+        return MacroUse(macro_name)
+
+
+def read_statements(text_or_file) -> List[Any]:
+    """gin's statements (``BindingStatement``, ``IncludeStatement``, ...) of a text or an open
+    file, values as Python literals with :class:`Reference` and :class:`MacroUse` in them. A text
+    gin cannot read raises ``SyntaxError`` (gin's own, or for an unclosed bracket, which
+    Python's tokenizer reports as a ``TokenError``)."""
+    try:
+        return list(config_parser.ConfigParser(text_or_file, _UnresolvedDelegate()))
+    except tokenize.TokenError as e:
+        raise SyntaxError(f"{e.args[0]} (an unclosed bracket or quote?)") from None
+
+
+_TYPE_NAMES = {
+    bool: "a bool",
+    int: "an int",
+    float: "a float",
+    str: "a str",
+    list: "a list",
+    tuple: "a tuple",
+    dict: "a dict",
+}
+
+
+def type_name(value_or_type) -> str:
+    """``'an int'`` for ``3`` or ``int``; ``'None'`` for ``None``."""
+    if value_or_type is None:
+        return "None"
+    kind = value_or_type if isinstance(value_or_type, type) else type(value_or_type)
+    return _TYPE_NAMES.get(kind, kind.__name__)
+
+
+def literal_type(value) -> Optional[type]:
+    """The type a literal default asks of an override; ``None`` (no constraint) for ``None``,
+    references, macros and anything else gin cannot write as a literal."""
+    return type(value) if type(value) in _TYPE_NAMES else None
+
+
+def fits(value, expected: type) -> bool:
+    """Whether ``value`` can stand where ``expected`` is asked. Lenient where Python is: an int
+    is a float, a list and a tuple stand for each other, ``None`` and unresolved references
+    and macros pass (their type is known only when the library runs)."""
+    if value is None or isinstance(value, (Reference, MacroUse)):
+        return True
+    if isinstance(value, bool) or expected is bool:  # bool is an int subclass, but True is not a step count
+        return isinstance(value, bool) and expected is bool
+    if expected is float:
+        return isinstance(value, (int, float))
+    if expected in (list, tuple):
+        return isinstance(value, (list, tuple))
+    return isinstance(value, expected)
+
+
+_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+_OPTIONAL_NAME = re.compile(r"^(?:Optional\[(\w+)\]|(\w+)(?:\|None)?)$")
+
+
+def _simple_annotation(annotation) -> Optional[type]:
+    """``int`` for ``int``, ``Optional[int]``, ``int | None`` or their string forms (modules with
+    ``from __future__ import annotations``); ``None`` for anything broader."""
+    if isinstance(annotation, str):
+        match = _OPTIONAL_NAME.match(annotation.replace(" ", ""))
+        return _SIMPLE_TYPES.get(match.group(1) or match.group(2)) if match else None
+    if annotation in _SIMPLE_TYPES.values():
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _simple_annotation(args[0]) if len(args) == 1 else None
+    return None
+
+
+def parameter_type(fn, name: str) -> Optional[type]:
+    """The scalar type parameter ``name`` of ``fn`` takes, from its annotation or else its
+    default; ``None`` when that is broader than one of bool, int, float and str."""
+    try:
+        parameter = inspect.signature(fn).parameters[name]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if parameter.annotation is not inspect.Parameter.empty:
+        return _simple_annotation(parameter.annotation)
+    default = parameter.default
+    return type(default) if type(default) in _SIMPLE_TYPES.values() else None
 
 
 def register_terra_configurables() -> None:
@@ -172,6 +291,7 @@ def parse_gin(
     files = [resolve_gin_file(f, search_paths) for f in gin_files]
     with _quiet_gin_path_probes():
         _parse_files_and_bindings(files, gin_bindings)
+    check_binding_types(gin_bindings)
     if finalize:
         try:
             gin.finalize()
@@ -188,8 +308,73 @@ def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str])
     for binding in gin_bindings:
         try:
             gin.parse_config(binding)
-        except (ValueError, KeyError, TypeError, SyntaxError, ImportError) as e:
+        except (ValueError, KeyError, TypeError, SyntaxError, ImportError, tokenize.TokenError) as e:
             raise _explain_parse_error(e, f"binding {binding!r}") from None
+
+
+def check_binding_types(gin_bindings: Sequence[str]) -> None:
+    """A literal of the wrong type in ``gin_bindings`` (parsed already, its configurables
+    registered) as a ``GinConfigError`` naming the binding: a parameter bound directly
+    (``TransformerConfig.d_model = '64'``) or through a macro (``MODEL_DIR = 5`` where
+    ``Trainer.model_dir = %MODEL_DIR``). Without it the value reaches the library and fails
+    there as a ``TypeError``, far from the binding."""
+    macros = {}
+    for binding in gin_bindings:
+        for statement in _binding_statements(binding):
+            if statement.arg_name:
+                _check_parameter(binding, statement.selector, statement.arg_name, statement.value)
+            elif not statement.scope:
+                macros[statement.selector] = (binding, statement.value)
+    if macros:
+        _check_macro_uses(macros)
+
+
+def _binding_statements(text: str) -> List[Any]:
+    try:
+        return [s for s in read_statements(text) if isinstance(s, config_parser.BindingStatement)]
+    except SyntaxError:  # gin parsed it; a text this reader cannot is not worth failing over
+        return []
+
+
+def _mismatch(selector: str, name: str, value) -> Optional[str]:
+    """``'Trainer.steps, which takes an int'`` when ``value`` cannot stand for that parameter."""
+    try:
+        fn = gin.get_configurable(selector)
+    except ValueError:
+        return None
+    expected = parameter_type(fn, name)
+    if expected is None or fits(value, expected):
+        return None
+    return f"{selector.split('.')[-1]}.{name}, which takes {type_name(expected)}"
+
+
+def _check_parameter(binding: str, selector: str, name: str, value) -> None:
+    mismatch = _mismatch(selector, name, value)
+    if mismatch:
+        raise GinConfigError(
+            f"Invalid gin configuration (binding {binding!r}): {value!r} is {type_name(value)}, but it is "
+            f"bound to {mismatch}."
+        )
+
+
+def _check_macro_uses(macros) -> None:
+    """Each parameter the config binds to one of ``macros`` (``{name: (binding, value)}``),
+    checked against the macro's value; the bindings come from gin's own listing of the config."""
+    try:
+        statements = _binding_statements(gin.config_str())
+    except (ValueError, TypeError):  # a value gin cannot print back
+        return
+    for statement in statements:
+        used = statement.value
+        if not (statement.arg_name and isinstance(used, MacroUse) and used.name in macros):
+            continue
+        binding, value = macros[used.name]
+        mismatch = _mismatch(statement.selector, statement.arg_name, value)
+        if mismatch:
+            raise GinConfigError(
+                f"Invalid gin configuration (binding {binding!r}): {value!r} is {type_name(value)}, but "
+                f"{used.name} is passed to {mismatch}."
+            )
 
 
 def build(selector_or_fn, where: str = "building the configured object"):

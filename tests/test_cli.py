@@ -1,7 +1,9 @@
 """The command line: every command answers --help and --version at once, without importing the
 heavy stack; its help names the command as the user types it and lists every flag and every
---config field with its default; a bad flag is one line and exit status 2; the console scripts
-match the command modules; library modules have no command line of their own."""
+--config field with its default; a bad flag is one line and exit status 2, and so is a --gin
+override that no config declares, of the wrong type or unquoted, reported before TensorFlow
+loads; each class of failure has one exit status; the console scripts match the command
+modules; library modules have no command line of their own."""
 
 import ast
 import configparser
@@ -17,8 +19,10 @@ import pytest
 from absl import flags
 
 import terra
+from terra import errors
 from terra.benchmarks import presets as bench_presets
-from terra.cli import bench, data, evaluate, params, quickstart, reproduce, summarize, train, vocab
+from terra.cli import app, bench, data, evaluate, gin_checks, params, quickstart, reproduce, summarize, train, vocab
+from terra.gin_utils import GinConfigError
 from terra.reproduce import presets as study_presets
 
 from conftest import REPO_ROOT
@@ -61,6 +65,7 @@ def test_every_console_script_is_a_command_module_and_names_itself():
         "terra.cli.__init__",
         "terra.cli.app",
         "terra.cli.flag_groups",
+        "terra.cli.gin_checks",
     }
     assert command_modules == {m.__name__ for m in COMMANDS.values()}
 
@@ -208,3 +213,187 @@ def test_the_vocab_commands_default_size_is_the_embedded_vocabularys():
     flag_values = flags.FlagValues()
     vocab.define_flags(flag_values, [])
     assert flag_values["vocab_size"].default == vocabularies.DEFAULT_EMBEDDED_VOCAB_SIZE
+
+
+# --- --gin overrides, checked against the configs before anything heavy is imported ----------------
+
+QUICKSTART = "--gin_file=experiments/quickstart.gin"
+
+
+def _heavy_modules_after(call: str) -> str:
+    """A script that runs ``call`` (a command's ``main``), prints the heavy modules then loaded
+    and exits with the command's status."""
+    return (
+        "import json, sys\n"
+        "from terra.cli import bench, evaluate, params, train\n"
+        f"status = {call}\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m in {HEAVY!r})))\n"
+        "sys.exit(status)\n"
+    )
+
+
+@pytest.fixture
+def no_tensorflow(monkeypatch):
+    """Past its checks a command imports TensorFlow first: here that fails the test instead."""
+    from terra import tensorflow_setup
+
+    def refuse():
+        raise AssertionError("the command got past its checks and went on to import TensorFlow")
+
+    monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", refuse)
+
+
+def test_a_misspelled_macro_is_an_error_with_a_did_you_mean_before_tensorflow_loads(tmp_path):
+    argv = [QUICKSTART, "--gin.TRAIN_STEPZ=10", f"--gin.MODEL_DIR='{tmp_path / 'run'}'"]
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", _heavy_modules_after(f"train.main({argv!r})")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        "error: --gin.TRAIN_STEPZ=10 sets a macro no config declares. Did you mean TRAIN_STEPS? "
+        "Macros declared by experiments/quickstart.gin: BATCH_SIZE, FEATURE_CONVERTER, INIT_FROM, MODEL, MODEL_DIR,"
+    )
+    assert json.loads(result.stdout) == [] and not (tmp_path / "run").exists()
+    assert elapsed < 10, f"took {elapsed:.1f} s"  # about 0.1 s on 2 cores; TensorFlow alone takes 10+
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "--gin.TRAIN_STEPS='ten'",
+            "error: --gin.TRAIN_STEPS='ten' is a str, but TRAIN_STEPS is an int in "
+            "terra/configs/experiments/quickstart.gin (default 300): give an int, e.g. --gin.TRAIN_STEPS=300.\n",
+        ),
+        ("--gin.TRAIN_STEPS=1e4", "error: --gin.TRAIN_STEPS=1e4 is a float, but TRAIN_STEPS is an int"),
+        (
+            "--gin.TASK_FEATURE_LENGTHS=128",
+            "is an int, but TASK_FEATURE_LENGTHS is a dict in terra/configs/tasks/embedded_span_corruption.gin "
+            "(default {'inputs': 128, 'targets': 32}): give a dict, e.g. "
+            "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 128, 'targets': 32}\"",
+        ),
+    ],
+    ids=["str for int", "float for int", "int for dict"],
+)
+def test_a_wrong_typed_macro_is_one_paragraph_naming_the_binding_and_the_expected_type(
+    override, message, no_tensorflow, capsys
+):
+    assert train.main([QUICKSTART, override, "--gin.MODEL_DIR='runs/x'"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "command, argv, hint",
+    [
+        (
+            train,
+            [QUICKSTART, "--gin.MODEL_DIR=runs/x"],
+            "error: --gin.MODEL_DIR=runs/x: gin values are Python literals; "
+            "quote strings: --gin.MODEL_DIR=\"'runs/x'\"",
+        ),
+        (
+            bench,
+            ["decode", "--preset", "tiny", "--gin.TransformerConfig.dtype=bfloat16"],
+            "quote strings: --gin.TransformerConfig.dtype=\"'bfloat16'\"",
+        ),
+        (
+            train,
+            [QUICKSTART, "--gin.EncoderDecoderTransformer.feed_forward=SparseFeedForward"],
+            "(or @SparseFeedForward for a configurable)",
+        ),
+        (train, [QUICKSTART, "--gin.TASK_FEATURE_LENGTHS={'inputs': 8"], "gin cannot parse this binding"),
+    ],
+    ids=["a path", "a word", "a configurable without @", "an unclosed dict"],
+)
+def test_an_unquoted_string_gets_a_hint_to_quote_it_and_a_bad_value_names_the_literal_forms(
+    command, argv, hint, no_tensorflow, capsys
+):
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert hint in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "binding",
+    [
+        "TRAIN_STEPS = 10",
+        "MODEL_DIR = 'runs/x'",  # %gin.REQUIRED in runs/train.gin: any value
+        "TASK_FEATURE_LENGTHS = {'inputs': 64, 'targets': 16}",
+        "MODEL = @terra.models.TerraformerModel()",  # a reference: its type is known at run time only
+        "TRAIN_STEPS = %BATCH_SIZE",
+        "TransformerConfig.d_model = 64",  # a parameter: checked once its configurable is imported
+    ],
+)
+def test_overrides_the_configs_declare_with_values_of_their_type_pass(binding):
+    gin_checks.check_overrides([binding], ["experiments/quickstart.gin"])
+
+
+def test_a_users_config_is_read_with_its_includes_and_the_macros_it_only_uses(tmp_path):
+    (tmp_path / "mine.gin").write_text("include 'models/tiny.gin'\nRATE = 0.5\nTrainer.init_from = %FROM_CLI\n")
+    macros = gin_checks.declared_macros(["mine.gin"], [str(tmp_path)])
+    assert {"MODEL", "RATE", "FROM_CLI"} <= set(macros.names)  # MODEL from dense_800m.gin, two includes down
+    gin_checks.check_overrides(["RATE = 1", "FROM_CLI = 'runs/x'"], ["mine.gin"], [str(tmp_path)])  # int for float
+    with pytest.raises(GinConfigError, match=r"--gin.RATE='fast' is a str, but RATE is a float in .*mine.gin"):
+        gin_checks.check_overrides(["RATE = 'fast'"], ["mine.gin"], [str(tmp_path)])
+    with pytest.raises(GinConfigError, match="Did you mean RATE?"):
+        gin_checks.check_overrides(["RATES = 1"], ["mine.gin"], [str(tmp_path)])
+
+
+def test_a_config_the_reader_cannot_follow_is_left_to_the_full_parse(tmp_path):
+    broken = tmp_path / "broken.gin"
+    broken.write_text("include 'no/such/file.gin'\n")
+    assert gin_checks.declared_macros([str(broken)]) is None
+    gin_checks.check_overrides(["ANY_MACRO = 1"], [str(broken)])  # gin's parse reports the include
+    with pytest.raises(GinConfigError, match="not found"):
+        gin_checks.check_overrides(["ANY_MACRO = 1"], ["no_such_experiment.gin"])
+
+
+def test_evaluate_checks_overrides_against_the_runs_own_config(tmp_path, no_tensorflow, capsys):
+    (tmp_path / "config.gin").write_text(
+        "MODEL_DIR = 'x'\nTASK = 'embedded_summarization'\nTASK_FEATURE_LENGTHS = {'inputs': 8, 'targets': 4}\n"
+    )
+    assert evaluate.main(["--checkpoint", str(tmp_path), "--gin.TASK_FEATURE_LENGHTS={'inputs': 8}"]) == 2
+    assert "Did you mean TASK_FEATURE_LENGTHS?" in capsys.readouterr().err
+
+
+def _fails_with(error):
+    def run(flag_values, rest):
+        raise error
+
+    return app.command("terra-x", "terra.cli.x", "A command that fails.", define_flags=lambda f, a: None, run=run)
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (errors.UsageError("bad flag"), 2),
+        (GinConfigError("bad binding"), 2),
+        (errors.ConfigError("bad size"), 2),
+        (errors.DataNotFoundError("no data"), 2),
+        (errors.CheckpointError("no checkpoint"), 2),
+        (errors.InputError("empty input"), 2),
+        (errors.TrainingError("the loss diverged"), 1),
+        (KeyboardInterrupt(), 130),
+    ],
+    ids=lambda x: type(x).__name__ if isinstance(x, BaseException) else str(x),
+)
+def test_each_class_of_failure_has_one_exit_status(error, status, monkeypatch, capsys):
+    from terra import tensorflow_setup
+
+    monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", lambda: None)
+    assert _fails_with(error).main([]) == status
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_exit_statuses_documented_are_the_ones_the_commands_return():
+    text = open(os.path.join(REPO_ROOT, "docs", "commands.md"), encoding="utf-8").read()
+    table = text.split("## Exit status", 1)[1]
+    documented = {int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()}
+    assert documented == {0, app.EXIT_USAGE, app.EXIT_FAILED, app.EXIT_INTERRUPTED}

@@ -109,6 +109,52 @@ def test_a_misspelled_layer_reference_names_the_closest_configurable():
         gin_utils.parse_gin(["models/tiny.gin"], ["EncoderDecoderTransformer.feed_forward = @FeedForwrd"])
 
 
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        (
+            "TransformerConfig.d_model = '64'",
+            "'64' is a str, but it is bound to TransformerConfig.d_model, which takes an int",
+        ),
+        (
+            "TransformerConfig.dropout = 'none'",
+            "'none' is a str, but it is bound to TransformerConfig.dropout, which takes a float",
+        ),
+        (
+            "terra.training.CheckpointSettings.every = 1.5",
+            "1.5 is a float, but it is bound to CheckpointSettings.every",
+        ),
+        ("MODEL_DIR = 5", "5 is an int, but MODEL_DIR is passed to Trainer.model_dir, which takes a str"),
+    ],
+    ids=["str for int", "str for float", "float for int", "a macro, through the parameter it is bound to"],
+)
+def test_a_wrong_typed_binding_names_the_parameter_and_its_type_before_the_library_runs(binding, message):
+    with pytest.raises(gin_utils.GinConfigError) as info:
+        gin_utils.parse_gin(["experiments/quickstart.gin"], [binding], finalize=False)
+    assert message in str(info.value) and binding in str(info.value)
+
+
+def test_bindings_of_a_compatible_type_pass_the_type_check():
+    gin_utils.parse_gin(
+        ["experiments/quickstart.gin"],
+        [
+            "TransformerConfig.dropout = 0",  # an int is a float
+            "terra.training.ParallelSettings.num_devices = None",  # Optional[int]
+            "terra.training.ParallelSettings.mesh_shape = {'data': 1}",  # a Mapping: not checked
+            "MODEL_DIR = 'runs/x'",
+            "TRAIN_STEPS = 10",
+        ],
+    )
+
+
+def test_the_cli_reports_a_wrong_typed_parameter_with_exit_status_2(capsys):
+    from terra.cli import params
+
+    assert params.main(["--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads='4'"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Invalid gin configuration") and "which takes an int" in err and "Traceback" not in err
+
+
 def test_a_missing_gin_file_lists_the_available_configs():
     with pytest.raises(gin_utils.GinConfigError, match="tiny.gin"):
         gin_utils.parse_gin(["models/no_such_model.gin"])

@@ -2,6 +2,7 @@
 fine-tuning, divergence, early failures, the written artifacts and multi-host."""
 
 import glob
+import gzip
 import json
 import os
 import re
@@ -357,3 +358,29 @@ def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_
     # The killed holder's lock is released with its process: the next trainer takes it over.
     _parse(run, 2)
     assert trainer.Trainer().run().step == 2
+
+
+def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_written(tmp_path):
+    shards = tmp_path / "c4" / "en"
+    shards.mkdir(parents=True)
+    with gzip.open(shards / "c4-train.00000-of-00001.json.gz", "wt") as f:
+        f.writelines(json.dumps({"url": f"https://example.com/{i}"}) + "\n" for i in range(50))
+    files = ["models/tiny.gin", "tasks/c4_lm.gin", "runs/train.gin"]
+    bindings = _bindings(tmp_path / "run", 2, "TransformerConfig.vocab_size = 4224")
+    bindings = [b for b in bindings if not b.startswith("terra.data.copy_dataset")]
+    result = subprocess.run(
+        [sys.executable, "-m", "terra.cli.train", *[f"--gin_file={f}" for f in files]]
+        + [f"--gin.{b.replace(' = ', '=', 1)}" for b in bindings]
+        + [f"--c4_json={tmp_path / 'c4'}"],
+        cwd=REPO_ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "no full batch" in error[0], result.stderr[-2000:]
+    assert re.search(r"used 0 records, skipped (\d+) \(\1 no 'text' field\)", error[0])
+    assert "c4-train.00000-of-00001.json.gz" in error[0]
+    assert not (tmp_path / "run").exists()

@@ -6,7 +6,8 @@ runs it. Flags are defined on a fresh ``absl.flags.FlagValues`` at every call, s
 called again in the same process (tests, notebooks) and define flags that depend on the
 command line (a benchmark preset's ``--config.*`` fields). Everything heavy (JAX, TensorFlow,
 seqio, the models) is imported by ``run`` after the flags are parsed, so ``--help``, ``--version``
-and a mistyped flag answer at once.
+and a mistyped flag answer at once; so do the ``--gin`` overrides, checked before those imports
+against the gin files the command names (:mod:`terra.cli.gin_checks`).
 
 ``main(argv)`` is the console entry point: it prints ``error: ...`` for bad input and returns
 the exit status (2 for bad flags, configuration, data, checkpoints or inputs; 1 for a run that
@@ -25,6 +26,7 @@ from absl import flags
 
 import terra
 from terra import errors
+from terra.cli import gin_checks
 from terra.gin_utils import GinConfigError
 
 HELP_FLAGS = ("--help", "-h", "--helpfull", "-help", "-?")
@@ -38,16 +40,28 @@ USAGE_ERRORS = (
 )
 EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
+
+def error_message(error: BaseException) -> str:
+    """The error's own message, without the ``In call to configurable ...`` lines gin appends
+    to an exception raised inside a configurable (they name a function, not the user's input)."""
+    lines = str(error).splitlines()
+    return "\n".join(line for line in lines if not line.strip().startswith("In call to configurable")).strip()
+
+
 DefineFlags = Callable[[flags.FlagValues, Sequence[str]], None]
 Run = Callable[[flags.FlagValues, List[str]], Optional[int]]
+GinFiles = Callable[[flags.FlagValues], Optional[Sequence[str]]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
     """One command line. ``define_flags(flag_values, argv)`` defines the flags (``argv`` is the
     command line, for flags whose shape depends on it); ``run(flag_values, positional)`` runs
-    the parsed command and returns its exit status (``None`` is 0). A command with
-    ``subcommands`` dispatches on its first argument instead."""
+    the parsed command and returns its exit status (``None`` is 0). ``gin_files(flag_values)``
+    names the gin files ``run`` will parse before the ``--gin`` bindings (``None``: not known
+    before it runs), so that a binding to a macro they do not declare is reported before
+    anything heavy is imported. A command with ``subcommands`` dispatches on its first argument
+    instead."""
 
     name: str
     python_m: str
@@ -55,6 +69,7 @@ class Command:
     define_flags: Optional[DefineFlags] = None
     run: Optional[Run] = None
     positional: str = ""  # e.g. "FILE..."; empty: the command takes no positional arguments
+    gin_files: Optional[GinFiles] = None
     subcommands: Mapping[str, "Command"] = dataclasses.field(default_factory=dict)
 
     @property
@@ -95,6 +110,7 @@ class Command:
             raise errors.UsageError(f"unexpected argument(s) {' '.join(rest)}; run '{self.name} --help' for its usage.")
         if self.positional and not rest:
             raise errors.UsageError(f"missing {self.positional}; run '{self.name} --help' for its usage.")
+        self._check_gin_overrides(flag_values)
         from terra.tensorflow_setup import import_tensorflow_quietly  # before anything imports terra.data
 
         import_tensorflow_quietly()
@@ -116,6 +132,15 @@ class Command:
                 e = e.args[0]
             field, _, suggestion = str(e.args[0] if e.args else e).partition("\n")
             raise errors.UsageError(f"unknown --config field {field}. {suggestion}{hint}") from None
+
+    def _check_gin_overrides(self, flag_values: flags.FlagValues) -> None:
+        """A mistyped ``--gin`` value or macro reported in a fraction of a second: the heavy
+        imports (10-30 s) come after."""
+        if "gin_bindings" not in flag_values:
+            return
+        files = self.gin_files(flag_values) if self.gin_files else None
+        search_paths = flag_values["gin_search_paths"].value if "gin_search_paths" in flag_values else []
+        gin_checks.check_overrides(flag_values.gin_bindings, files, search_paths)
 
     def _dispatch(self, argv: List[str]) -> int:
         """The subcommand is the first argument: ``terra-bench decode --preset tiny``."""
@@ -139,10 +164,10 @@ class Command:
         try:
             return self.call(sys.argv[1:] if argv is None else argv)
         except USAGE_ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {error_message(e)}", file=sys.stderr)
             return EXIT_USAGE
         except errors.TrainingError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {error_message(e)}", file=sys.stderr)
             return EXIT_FAILED
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -188,7 +188,7 @@ COMMAND = app.group(
     "terra.cli.bench",
     __doc__,
     {
-        "decode": _sub("decode", DECODE_DOC, define_decode_flags, run_decode),
+        "decode": _sub("decode", DECODE_DOC, define_decode_flags, run_decode, gin_files=lambda f: f.gin_file or None),
         "train": _sub("train", TRAIN_DOC, define_train_flags, run_train),
         "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
         "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),

@@ -1,5 +1,7 @@
 """Look at a task's data as a model will see it, and prepare the arXiv dataset offline."""
 
+import sys
+
 from absl import flags
 
 from terra.cli import app, flag_groups
@@ -32,16 +34,16 @@ def define_show_flags(flag_values: flags.FlagValues, argv) -> None:
 
 def run_show(flag_values: flags.FlagValues, _) -> int:
     from terra import gin_utils
-    from terra.data import pipeline, tasks
+    from terra.data import json_lines, pipeline, tasks
 
     gin = flag_groups.gin_arguments(flag_values)
     gin_utils.parse_gin(
         gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
     )
     provider = tasks.get_task(flag_values.task)
-    ds = pipeline.get_dataset(
+    batches = pipeline.batch_iterator(
         provider,
-        split=flag_values.split,
+        flag_values.split,
         batch_size=1,
         seed=flag_values.seed,
         shuffle=False,
@@ -49,13 +51,15 @@ def run_show(flag_values: flags.FlagValues, _) -> int:
         feature_lengths={"inputs": flag_values.inputs_length, "targets": flag_values.targets_length},
     )
     features = provider.output_features
-    for i, batch in enumerate(pipeline.BatchIterator(ds)):
+    for i, batch in enumerate(batches):
         if i >= flag_values.n:
             break
         for name, key in (("inputs", "encoder_input_tokens"), ("targets", "decoder_target_tokens")):
             ids = [int(t) for t in batch[key][0] if t != 0]
             print(f"--- example {i} {name} ({len(ids)} tokens)")
             print(features[name].vocabulary.decode(ids))
+    for line in json_lines.skip_report(batches.readers):
+        print(f"note: {line}", file=sys.stderr)
     return 0
 
 
@@ -94,7 +98,12 @@ COMMAND = app.group(
     __doc__,
     {
         "show": app.command(
-            "terra-data show", "terra.cli.data", SHOW_DOC, define_flags=define_show_flags, run=run_show
+            "terra-data show",
+            "terra.cli.data",
+            SHOW_DOC,
+            define_flags=define_show_flags,
+            run=run_show,
+            gin_files=lambda f: f.gin_file,
         ),
         "prepare-arxiv": app.command(
             "terra-data prepare-arxiv",

@@ -72,7 +72,19 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.command("terra-evaluate", "terra.cli.evaluate", __doc__, define_flags=define_flags, run=run)
+def gin_files(flag_values: flags.FlagValues):
+    """What ``run`` parses before the bindings; ``None`` when that is not known yet (``run``
+    then reports the missing config)."""
+    files = list(flag_values.gin_file)
+    if not files and flag_values.checkpoint:
+        config = os.path.join(flag_values.checkpoint, "config.gin")
+        files = [config] if os.path.isfile(config) else []
+    return [*files, "runs/evaluate.gin"] if files else None
+
+
+COMMAND = app.command(
+    "terra-evaluate", "terra.cli.evaluate", __doc__, define_flags=define_flags, run=run, gin_files=gin_files
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

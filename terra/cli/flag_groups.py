@@ -57,7 +57,7 @@ DATA_FLAGS: Dict[str, tuple] = {
         ("terra.data.c4_source.tfds_data_dir", "terra.data.arxiv_source.tfds_data_dir"),
     ),
     "c4_json": (
-        "directory (or glob with {split}) of allenai/c4 c4-{train,validation}.*.json.gz shards",
+        "C4-style JSON lines (field text; allenai/c4, OLMo, Dolma): a folder, a glob, or a pattern with {split}",
         ("terra.data.c4_source.json_path",),
     ),
     "arxiv_cohan": (

@@ -44,7 +44,14 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.command("terra-params", "terra.cli.params", __doc__, define_flags=define_flags, run=run)
+def gin_files(flag_values: flags.FlagValues):
+    """The model config ``run`` parses; each shipped one in turn with --all (not checked)."""
+    return None if flag_values.all else (flag_values.gin_file or ["models/dense_800m.gin"])
+
+
+COMMAND = app.command(
+    "terra-params", "terra.cli.params", __doc__, define_flags=define_flags, run=run, gin_files=gin_files
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

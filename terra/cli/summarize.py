@@ -11,6 +11,7 @@ greedy unless --temperature is set (the paper sampled its abstracts at 0.5).
   cat paper.txt | terra-summarize --checkpoint /runs/terraformer_arxiv --temperature 0.5 -
 """
 
+import os
 import sys
 
 from absl import flags
@@ -83,6 +84,12 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
     return 0
 
 
+def gin_files(flag_values: flags.FlagValues):
+    """The run's own config.gin, which ``terra.load`` parses before the bindings."""
+    config = os.path.join(flag_values.checkpoint, "config.gin")
+    return [config] if os.path.isfile(config) else None
+
+
 COMMAND = app.command(
     "terra-summarize",
     "terra.cli.summarize",
@@ -90,6 +97,7 @@ COMMAND = app.command(
     define_flags=define_flags,
     run=lambda flag_values, paths: summarize(flag_values, paths),
     positional="FILE...",
+    gin_files=gin_files,
 )
 main, call = COMMAND.main, COMMAND.call
 

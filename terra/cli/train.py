@@ -61,7 +61,9 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.command("terra-train", "terra.cli.train", __doc__, define_flags=define_flags, run=run)
+COMMAND = app.command(
+    "terra-train", "terra.cli.train", __doc__, define_flags=define_flags, run=run, gin_files=lambda f: f.gin_file
+)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

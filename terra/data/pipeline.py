@@ -19,8 +19,8 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from terra.data import feature_converters, tasks
-from terra.errors import ConfigError
+from terra.data import feature_converters, json_lines, tasks
+from terra.errors import ConfigError, InputError
 
 
 def host_shard_info() -> seqio.ShardInfo:
@@ -82,6 +82,25 @@ def get_dataset(
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
+def batch_iterator(provider, split: str, **get_dataset_kwargs) -> "BatchIterator":
+    """:class:`BatchIterator` over :func:`get_dataset`'s batches, its errors naming the task,
+    the split and the task's files, its skip counts those of the task's readers."""
+    provider = tasks.get_task(provider) if isinstance(provider, str) else provider
+    ds = get_dataset(provider, split=split, **get_dataset_kwargs)
+    local = tasks.local_sources(provider)
+    return BatchIterator(
+        ds,
+        description=f"task '{provider.name}', split '{split}',",
+        files=[f for source in local for f in source.list_shards(split)],
+        readers=[source.reader for source in local],
+    )
+
+
+def _shown(files, limit: int = 5) -> str:
+    more = f" and {len(files) - limit} more" if len(files) > limit else ""
+    return ", ".join(files[:limit]) + more
+
+
 def count_tokens(batch: Mapping[str, np.ndarray]) -> int:
     """Non-padding tokens of a batch's inputs and targets (throughput accounting)."""
     keys = ("encoder_input_tokens", "decoder_target_tokens")
@@ -94,10 +113,20 @@ class BatchIterator:
     ``save(path)`` writes the iterator state (position, shuffle buffers, random-generator
     states) next to a model checkpoint; ``restore(path)`` on a freshly built identical
     dataset continues exactly where the saved one stopped.
+
+    A read failure is one :class:`~terra.errors.InputError` naming the file and line
+    (:mod:`terra.data.json_lines`), and a stream that ends before its first batch is an
+    ``InputError`` saying so, with the records skipped on the way, never a bare
+    ``StopIteration``. ``description`` names the stream in that message; ``files`` are the
+    local files it reads, searched for the damaged one when TensorFlow does not name it.
     """
 
-    def __init__(self, dataset: tf.data.Dataset):
+    def __init__(self, dataset: tf.data.Dataset, *, description: str = "the input pipeline", files=(), readers=None):
         self.dataset = dataset
+        self.description = description
+        self.files = list(files)
+        self.readers = readers
+        self.batches_read = 0
         self._iterator = iter(dataset)
         self._checkpoint = tf.train.Checkpoint(iterator=self._iterator)
 
@@ -105,7 +134,26 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Mapping[str, np.ndarray]:
-        return jax.tree.map(lambda t: t.numpy(), next(self._iterator))
+        try:
+            batch = next(self._iterator)
+        except tf.errors.OpError as e:
+            raise json_lines.as_input_error(e, files=self.files, readers=self.readers) from None
+        except StopIteration:
+            if self.batches_read == 0:
+                raise self._empty_stream_error() from None
+            raise
+        self.batches_read += 1
+        return jax.tree.map(lambda t: t.numpy(), batch)
+
+    def _empty_stream_error(self) -> InputError:
+        shapes = [spec.shape for spec in jax.tree.leaves(self.dataset.element_spec)]
+        batch = shapes[0][0] if shapes and shapes[0].rank else None
+        skipped = json_lines.skip_report(self.readers)
+        return InputError(
+            f"{self.description} gave no {'batch' if batch is None else f'full batch of {batch} examples'}: "
+            + (" ".join(skipped) if skipped else "its files hold no usable records (empty files?).")
+            + (f" Files: {_shown(self.files)}." if self.files else "")
+        )
 
     def save(self, path: str) -> str:
         """Write the position under the prefix ``path`` (its directory is created)."""

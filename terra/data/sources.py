@@ -21,15 +21,17 @@ data. ``read_only=True`` matters: without it seqio asks TFDS to download and pre
 arXiv retries Google Drive for minutes before failing.
 """
 
-import json
 import os
-from typing import Mapping, Optional
+import re
+import zipfile
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import seqio
 import tensorflow as tf
 
+from terra.data import json_lines
 from terra.documents import cohan_example
-from terra.errors import DataNotFoundError
+from terra.errors import DataNotFoundError, InputError
 
 C4_TFDS_VERSION = "3.1.0"
 ARXIV_TFDS_NAME = "scientific_papers/arxiv:1.1.1"
@@ -145,25 +147,48 @@ class ReadOnlyTfdsSource(seqio.TfdsDataSource):
 
 
 class LocalFileSource(seqio.FileDataSource):
-    """A ``seqio.FileDataSource`` over local files that checks they exist. (A seqio Task shards
-    by example when a split has fewer files than hosts, e.g. the single Cohan file per split.)"""
+    """A ``seqio.FileDataSource`` over explicit lists of local JSON-lines files, read and checked
+    record by record by a :class:`~terra.data.json_lines.JsonLinesReader`. (A seqio Task shards
+    by example when a split has fewer files than hosts, e.g. the single Cohan file per split.)
 
-    def __init__(self, read_file_fn, split_to_filepattern, *, description: str, how_to_get: str):
+    Args:
+      reader: parses each file's lines into examples.
+      split_files: split -> its files (an empty list: the split is not available).
+      missing_hint: split -> what to do when that split has no files (default ``how_to_get``).
+    """
+
+    def __init__(
+        self,
+        reader: json_lines.JsonLinesReader,
+        split_files: Mapping[str, Sequence[str]],
+        *,
+        tried: Mapping[str, str],
+        description: str,
+        how_to_get: str,
+        missing_hint: Optional[Mapping[str, str]] = None,
+    ):
+        self.reader = reader
         self.description = description
         self.how_to_get = how_to_get
-        super().__init__(read_file_fn=read_file_fn, split_to_filepattern=split_to_filepattern)
+        self.tried = dict(tried)
+        self.missing_hint = dict(missing_hint or {})
+        self._files = {split: sorted(files) for split, files in split_files.items()}
+        super().__init__(read_file_fn=reader.read_file, split_to_filepattern=self._files)
+
+    def list_shards(self, split: str) -> Sequence[str]:
+        return self._files.get(split, [])
 
     def check_available(self, split: Optional[str] = None) -> None:
         splits = [split] if split is not None else list(self.splits)
         for s in splits:
-            if s not in self._split_to_filepattern:
+            if s not in self._files:
                 raise DataNotFoundError(f"{self.description} has no split '{s}'; it has {sorted(self.splits)}.")
-            # seqio's list_shards returns a pattern without wildcards unchecked.
-            if not tf.io.gfile.glob(self._split_to_filepattern[s]):
+            if not self._files[s]:
                 raise DataNotFoundError(
-                    f"{self.description}: no file matches {self._split_to_filepattern[s]} (split '{s}'). "
-                    f"{self.how_to_get}"
+                    f"{self.description}: no file for split '{s}' (looked for {self.tried[s]}). "
+                    f"{self.missing_hint.get(s, self.how_to_get)}"
                 )
+            json_lines.check_files(self._files[s], self.description)
 
     def get_dataset(self, split="train", shuffle=True, seed=None, shard_info=None, **kwargs):
         self.check_available(split)
@@ -187,40 +212,110 @@ def c4_tfds_source(
     return ReadOnlyTfdsSource(f"c4/{config}:{version}", data_dir=data_dir, how_to_get=C4_HOW_TO_GET)
 
 
-def _c4_patterns(path: str) -> dict:
-    """A directory (the clone's root, its ``en/`` folder or any folder of shards) or a glob
-    containing ``{split}``."""
+_GLOB_CHARACTERS = ("*", "?", "[")
+# A file whose path (below the folder given) has one of these words is validation data.
+_VALIDATION_WORD = re.compile(r"(?<![a-z])(validation|valid|val|dev)(?![a-z])", re.IGNORECASE)
+_ALLENAI_NAME = re.compile(r"^c4-(train|validation)\.")
+
+
+# Found so that check_files can say how to decompress them, rather than ignored.
+_COMPRESSED = tuple(s + c for s in (".json", ".jsonl") for c in json_lines.UNSUPPORTED_COMPRESSION)
+
+
+def _glob(pattern: str) -> List[str]:
+    return sorted(p for p in tf.io.gfile.glob(pattern) if not tf.io.gfile.isdir(p))
+
+
+def _json_files_below(folder: str) -> List[str]:
+    found = []
+    for root, _, names in os.walk(folder):
+        found += [os.path.join(root, n) for n in names if n.endswith(json_lines.JSON_SUFFIXES + _COMPRESSED)]
+    return sorted(found)
+
+
+def _expand(path: Union[str, Sequence[str]]) -> List[str]:
+    """A file, a glob or a list of them -> the files (a folder is :func:`c4_json_files`'s job)."""
+    if not isinstance(path, str):
+        return sorted({f for item in path for f in _expand(item)})
     path = os.path.expanduser(path)
-    if "{split}" in path:
-        return {"train": path.format(split="train"), "validation": path.format(split="validation")}
-    folder = os.path.join(path, "en") if os.path.isdir(os.path.join(path, "en")) else path
-    return {s: os.path.join(folder, f"c4-{s}.*.json.gz") for s in ("train", "validation")}
+    if any(c in path for c in _GLOB_CHARACTERS):
+        return _glob(path)
+    if os.path.isdir(path):
+        return _json_files_below(path)
+    return [path] if os.path.exists(path) else []
 
 
-def _parse_c4_line(line: tf.Tensor) -> dict:
-    # TF has no JSON op (tf.io.decode_json_example only reads tf.Example JSON).
-    def parse(raw):
-        doc = json.loads(raw.numpy())
-        return doc.get("text", ""), doc.get("url", ""), doc.get("timestamp", "")
+def c4_json_files(
+    path: Union[str, Sequence[str]], validation_path: Union[str, Sequence[str], None] = None
+) -> Dict[str, List[str]]:
+    """``{"train": [...], "validation": [...]}``: the JSON-lines files (``.json``, ``.jsonl``,
+    either gzipped) that ``path`` names, with any shard names (allenai/c4, OLMo, Dolma):
 
-    text, url, timestamp = tf.py_function(parse, [line], [tf.string, tf.string, tf.string])
-    return {
-        "text": tf.ensure_shape(text, []),
-        "url": tf.ensure_shape(url, []),
-        "timestamp": tf.ensure_shape(timestamp, []),
-    }
+    * a folder (an allenai/c4 clone's root, whose ``en/`` is used, or any folder of shards,
+      searched recursively): files named ``c4-train.*``/``c4-validation.*`` by those names,
+      otherwise a file is validation data when its path below the folder has the word
+      ``validation``, ``valid``, ``val`` or ``dev``, and training data else;
+    * a pattern with ``{split}``, e.g. ``/data/c4/en/c4-{split}.000*-of-*.json.gz``;
+    * a glob, a file, or a list of them: all training data.
+
+    ``validation_path`` (same forms) names the validation files explicitly.
+    """
+    if isinstance(path, str) and "{split}" in path:
+        files = {s: _glob(os.path.expanduser(path.format(split=s))) for s in ("train", "validation")}
+    elif isinstance(path, str) and os.path.isdir(os.path.expanduser(path)):
+        folder = os.path.expanduser(path)
+        folder = os.path.join(folder, "en") if os.path.isdir(os.path.join(folder, "en")) else folder
+        found = _json_files_below(folder)
+        named = [(f, _ALLENAI_NAME.match(os.path.basename(f))) for f in found]
+        if any(m for _, m in named):
+            files = {s: [f for f, m in named if m and m.group(1) == s] for s in ("train", "validation")}
+        else:
+            validation = [f for f in found if _VALIDATION_WORD.search(os.path.relpath(f, folder))]
+            files = {"train": [f for f in found if f not in validation], "validation": validation}
+    else:
+        files = {"train": _expand(path), "validation": []}
+    if validation_path is not None:
+        files["validation"] = _expand(validation_path)
+    return files
 
 
-def c4_json_source(*, path: str) -> LocalFileSource:
-    """allenai/c4 JSON-lines shards (gzip; fields ``text``, ``timestamp``, ``url``), given the
-    directory holding them or a glob with ``{split}``, e.g. ``/data/c4/en/c4-{split}.000*-of-*.json.gz``."""
+def _c4_features(record: dict) -> Tuple[str, str, str]:
+    text = record.get("text")
+    if text is None:
+        raise json_lines.SkipRecord("no 'text' field")
+    if not isinstance(text, str):
+        raise json_lines.SkipRecord(f"'text' is a {type(text).__name__}, not a string")
+    if not text.strip():
+        raise json_lines.SkipRecord("empty 'text'")
+    return text, str(record.get("url") or ""), str(record.get("timestamp") or "")
+
+
+def c4_json_source(
+    *, path: Union[str, Sequence[str]], validation_path: Union[str, Sequence[str], None] = None
+) -> LocalFileSource:
+    """C4-style JSON-lines documents (field ``text``; ``url`` and ``timestamp`` kept when
+    present, every other field ignored) from the files :func:`c4_json_files` finds. A record
+    without text is skipped and counted; a damaged file is an error naming it and the line
+    (``terra/data/json_lines.py``)."""
+    shown = path if isinstance(path, str) else f"{len(path)} listed files"
+    description = f"C4 JSON under {shown}"
+    tried = {"train": str(shown), "validation": str(validation_path or shown)}
+    if isinstance(path, str) and not any(c in path for c in _GLOB_CHARACTERS + ("{",)):
+        if not os.path.exists(os.path.expanduser(path)):
+            tried = {s: f"{path}: no such file or folder" for s in tried}
+    if isinstance(path, str) and "{split}" not in path and os.path.isdir(os.path.expanduser(path)):
+        folder = os.path.expanduser(path)
+        tried = {s: f"c4-{s}.* or *.json[l][.gz] files below {folder}" for s in ("train", "validation")}
     return LocalFileSource(
-        lambda f: tf.data.TextLineDataset(f, compression_type="GZIP").map(
-            _parse_c4_line, num_parallel_calls=tf.data.AUTOTUNE
-        ),
-        _c4_patterns(path),
-        description=f"C4 JSON shards under {path}",
+        json_lines.JsonLinesReader(description, ("text", "url", "timestamp"), _c4_features),
+        c4_json_files(path, validation_path),
+        tried=tried,
+        description=description,
         how_to_get=C4_HOW_TO_GET,
+        missing_hint={
+            "validation": "Name the validation files with c4_source.validation_json_path (gin), or give a folder "
+            "whose validation files have 'validation' or 'val' in their names, or a pattern with {split}."
+        },
     )
 
 
@@ -238,13 +333,18 @@ def arxiv_tfds_source(*, data_dir: Optional[str] = None) -> ReadOnlyTfdsSource:
 COHAN_FEATURES = ("article", "abstract", "section_names", "id")
 
 
-def _parse_cohan_line(line: tf.Tensor) -> dict:
-    def parse(raw):
-        ex = cohan_example(json.loads(raw.numpy()))
-        return [ex[k] for k in COHAN_FEATURES]
-
-    values = tf.py_function(parse, [line], [tf.string] * len(COHAN_FEATURES))
-    return {k: tf.ensure_shape(v, []) for k, v in zip(COHAN_FEATURES, values)}
+def _cohan_features(record: dict) -> List[str]:
+    for field in ("article_text", "abstract_text"):
+        value = record.get(field)
+        if value is None:
+            raise json_lines.SkipRecord(f"no '{field}' field")
+        if not isinstance(value, list):
+            raise json_lines.SkipRecord(f"'{field}' is a {type(value).__name__}, not a list of sentences")
+    example = cohan_example(record)
+    for feature, field in (("article", "article_text"), ("abstract", "abstract_text")):
+        if not example[feature].strip():
+            raise json_lines.SkipRecord(f"empty '{field}'")
+    return [example[k] for k in COHAN_FEATURES]
 
 
 COHAN_SPLIT_FILES = {"train": "train.txt", "validation": "val.txt", "test": "test.txt"}
@@ -252,14 +352,18 @@ COHAN_SPLIT_FILES = {"train": "train.txt", "validation": "val.txt", "test": "tes
 
 def arxiv_cohan_source(*, path: str) -> LocalFileSource:
     """The extracted ``arxiv-dataset/{train,val,test}.txt`` (JSON lines, one paper each), given
-    that folder or its parent; features as :func:`cohan_example`."""
+    that folder or its parent; features as :func:`cohan_example`. A paper without article or
+    abstract sentences is skipped and counted; a damaged line is an error naming it."""
     folder = os.path.expanduser(path)
     if os.path.isdir(os.path.join(folder, "arxiv-dataset")):
         folder = os.path.join(folder, "arxiv-dataset")
+    description = f"arXiv (Cohan JSON lines) under {folder}"
+    tried = {split: os.path.join(folder, name) for split, name in COHAN_SPLIT_FILES.items()}
     return LocalFileSource(
-        lambda f: tf.data.TextLineDataset(f).map(_parse_cohan_line, num_parallel_calls=tf.data.AUTOTUNE),
-        {split: os.path.join(folder, name) for split, name in COHAN_SPLIT_FILES.items()},
-        description=f"arXiv (Cohan JSON lines) under {folder}",
+        json_lines.JsonLinesReader(description, COHAN_FEATURES, _cohan_features),
+        {split: [f] if os.path.exists(f) else [] for split, f in tried.items()},
+        tried=tried,
+        description=description,
         how_to_get=ARXIV_HOW_TO_GET,
     )
 
@@ -275,6 +379,14 @@ def prepare_arxiv(data_dir: str, *, manual_dir: Optional[str] = None) -> str:
     zip_path = os.path.join(manual_dir, "arxiv-dataset.zip")
     if not os.path.exists(zip_path):
         raise DataNotFoundError(f"{zip_path} not found. {ARXIV_HOW_TO_GET}")
+    from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
+
     builder = tfds.builder(ARXIV_TFDS_NAME, data_dir=data_dir)
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    try:
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    except (NonMatchingChecksumError, zipfile.BadZipFile) as e:
+        raise InputError(
+            f"{zip_path} is not the arXiv archive TFDS expects ({type(e).__name__}: "
+            f"{json_lines.first_line(str(e))}); download it again. {ARXIV_HOW_TO_GET}"
+        ) from None
     return _tfds_path(data_dir, ARXIV_TFDS_NAME)

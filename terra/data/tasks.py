@@ -25,7 +25,7 @@ Summarization tasks keep their source's document ``id`` as a string feature next
 
 import difflib
 import functools
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import gin
 import seqio
@@ -41,11 +41,17 @@ EXTRA_IDS = 100  # T5's sentinel count (<extra_id_0> is the top id)
 
 @gin.configurable(module="terra.data")
 def c4_source(
-    *, tfds_data_dir: Optional[str] = None, json_path: Optional[str] = None, version: str = sources.C4_TFDS_VERSION
+    *,
+    tfds_data_dir: Optional[str] = None,
+    json_path: Union[str, Sequence[str], None] = None,
+    validation_json_path: Union[str, Sequence[str], None] = None,
+    version: str = sources.C4_TFDS_VERSION,
 ):
-    """C4 from the JSON shards when ``json_path`` is given, else from the TFDS directory."""
+    """C4 from JSON-lines files when ``json_path`` is given (a folder, a glob, a pattern with
+    ``{split}`` or a list of files; :func:`terra.data.sources.c4_json_files`), else from the
+    TFDS directory. ``validation_json_path`` names the validation files explicitly."""
     if json_path:
-        return sources.c4_json_source(path=json_path)
+        return sources.c4_json_source(path=json_path, validation_path=validation_json_path)
     return sources.c4_tfds_source(data_dir=tfds_data_dir, version=version)
 
 
@@ -272,6 +278,19 @@ def check_vocabulary_and_lengths(
             f"feature lengths {too_long} exceed the model's max_len={max_len}; "
             f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features."
         )
+
+
+def local_sources(name_or_task) -> list:
+    """The :class:`~terra.data.sources.LocalFileSource` of a task (or of a mixture's members):
+    their files and readers name what a damaged-data error or a skip count is about."""
+    provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
+    members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
+    return [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
+
+
+def split_files(name_or_task, split: str) -> list:
+    """The local files ``split`` of a task (or mixture) reads; none for TFDS or generated data."""
+    return [f for source in local_sources(name_or_task) for f in source.list_shards(split)]
 
 
 def check_task_data(name_or_task, split: str = "train") -> None:

@@ -8,7 +8,7 @@ from typing import List
 
 import seqio
 
-from terra.data import sources, tasks
+from terra.data import json_lines, sources, tasks
 
 # The features holding a task source's raw text: C4's ``text``, arXiv's ``article``/``abstract``
 # (and the embedded corpus's, which uses the same names).
@@ -35,6 +35,7 @@ def task_texts(name: str, *, split: str = "train", max_documents: int = 1_000_00
     texts: List[str] = []
     for task in members:
         sources.check_available(task.source, split)
-        for example in task.source.get_dataset(split, shuffle=True, seed=0).take(max_documents).as_numpy_iterator():
+        examples = task.source.get_dataset(split, shuffle=True, seed=0).take(max_documents).as_numpy_iterator()
+        for example in json_lines.checked(examples, files=tasks.split_files(task, split)):
             texts += [example[k].decode("utf-8") for k in TASK_TEXT_FEATURES if k in example and example[k]]
     return texts

@@ -13,7 +13,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from terra.data import tasks
+from terra.data import json_lines, tasks
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def read_examples(
             target_text=_text(ex.get("targets_pretokenized", b"")),
             id=_text(ex["id"]) if ex.get("id") else str(i),
         )
-        for i, ex in enumerate(ds.as_numpy_iterator())
+        for i, ex in enumerate(json_lines.checked(ds.as_numpy_iterator(), files=tasks.split_files(provider, split)))
     ]
 
 

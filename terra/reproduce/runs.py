@@ -108,9 +108,9 @@ def evaluate_split(
     """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's evaluation)
     on the first ``num_batches`` batches of ``split``; the train split is read unshuffled from
     its start, so it is the same examples every time."""
-    ds = pipeline.get_dataset(
+    batches = pipeline.batch_iterator(
         tasks.get_task(task),
-        split=split,
+        split,
         feature_lengths=feature_lengths,
         batch_size=batch_size,
         feature_converter=feature_converter,
@@ -118,7 +118,7 @@ def evaluate_split(
         shuffle=False,
         num_epochs=1 if split != "train" else None,
     )
-    batches = itertools.islice(pipeline.BatchIterator(ds), num_batches)
+    batches = itertools.islice(batches, num_batches)
     metrics = evaluate_batches(jax.jit(model.eval_metrics), params, batches)
     if not metrics:
         raise ConfigError(f"the {split!r} split of {task!r} gave no batch of {batch_size} examples.")

@@ -20,6 +20,7 @@ The model is anything implementing ``terra.models.Model``.
 
 import dataclasses
 import itertools
+import logging
 import os
 import signal
 import time
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra.data import pipeline, tasks
+from terra.data import json_lines, pipeline, tasks
 from terra.errors import ConfigError, TrainingError
 from terra.layers import axes
 from terra.models.protocol import Model
@@ -187,9 +188,9 @@ class Trainer:
     # ----- data ----------------------------------------------------------------------------
     def batches(self, split: str, lengths: Mapping[str, int], num_epochs: Optional[int], shuffle: bool):
         """This host's batches of ``split``: a checkpointable iterator."""
-        ds = pipeline.get_dataset(
+        return pipeline.batch_iterator(
             self.provider,
-            split=split,
+            split,
             feature_lengths=lengths,
             batch_size=self.host_batch,
             feature_converter=self.feature_converter,
@@ -197,7 +198,6 @@ class Trainer:
             shuffle=shuffle,
             num_epochs=num_epochs,
         )
-        return pipeline.BatchIterator(ds)
 
     def read_eval_batches(self) -> List:
         """The first ``EvaluationSettings.steps`` batches of the eval split, unshuffled, as
@@ -317,8 +317,12 @@ class Trainer:
                 init_params = checkpointing.restore_params(
                     self.init_from, self.abstract_params, param_map=self.param_map
                 )
-            with run_lock.RunLock(self.model_dir, enabled=self.is_host0):
-                return self._train(train_batches, first, init_params)
+            try:
+                with run_lock.RunLock(self.model_dir, enabled=self.is_host0):
+                    return self._train(train_batches, first, init_params)
+            finally:
+                for line in json_lines.skip_report(train_batches.readers):
+                    logging.warning(line)
 
     def _train(self, train_batches, first, init_params) -> TrainResult:
         """Restores or initialises the state, compiles the step and runs the loop (locked)."""

@@ -1,0 +1,197 @@
+"""The ``--gin`` overrides of a command line, checked before anything heavy is imported.
+
+Reading gin files is pure Python: gin's own parser reads the files a command will parse
+(following their includes) without importing the modules they name, in milliseconds. That is
+enough to report, before TensorFlow, seqio, JAX or a model load:
+
+- a value gin cannot parse, with a hint to quote it when it looks like a word or a path
+  (``--gin.MODEL_DIR=runs/x``);
+- a macro no config declares or uses (``--gin.TRAIN_STEPZ=10``): gin would accept it and the
+  run would silently keep the default; the closest macro and the full list are named;
+- a macro override whose type is not the type of the value the configs declare
+  (``--gin.TRAIN_STEPS="'ten'"`` where ``TRAIN_STEPS = 300``).
+
+Parameters of configurables (``--gin.TransformerConfig.d_model="'64'"``) are checked against
+their signatures once the modules are imported (``terra.gin_utils.check_binding_types``).
+"""
+
+import dataclasses
+import difflib
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Set
+
+from gin import config_parser
+
+import terra
+from terra import gin_utils
+from terra.gin_utils import GinConfigError
+
+# A value that fails to parse and has none of these characters is meant as a string.
+_NOT_A_WORD = re.compile(r"""['"\[\]{}()@%,=]""")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(terra.__file__)))
+
+
+class _Unreadable(Exception):
+    """A config this reader cannot follow (an include it cannot find, a syntax error): the
+    checks that need the configs are skipped and the full parse reports the problem."""
+
+
+@dataclasses.dataclass
+class Macros:
+    """The macros a set of gin files declares (last declaration wins, as in gin), and those
+    they use (``%NAME``) without declaring: an override of either is meaningful."""
+
+    files: Sequence[str]
+    declared: Dict[str, tuple] = dataclasses.field(default_factory=dict)  # name -> (value, path)
+    used: Set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def names(self) -> List[str]:
+        return sorted(set(self.declared) | {n for n in self.used if "." not in n})  # not gin.REQUIRED
+
+
+def check_overrides(
+    bindings: Sequence[str], gin_files: Optional[Sequence[str]], search_paths: Sequence[str] = ()
+) -> None:
+    """Raises ``GinConfigError`` for the first binding (``NAME = VALUE``, as ``--gin.NAME=VALUE``
+    becomes) that cannot parse, sets an unknown macro or gives a macro a value of the wrong
+    type. ``gin_files`` are the files the command parses before the bindings; without them
+    (``None`` or empty: not known before the command runs) only the values are checked."""
+    parsed = [(binding, _parse(binding)) for binding in bindings]
+    overrides = [(b, s) for b, statements in parsed for s in statements if not s.arg_name and not s.scope]
+    if not overrides or not gin_files:
+        return
+    macros = declared_macros(gin_files, search_paths)
+    if macros is None:
+        return
+    for binding, statement in overrides:
+        _check_macro(binding, statement, macros)
+
+
+def _parse(binding: str) -> list:
+    try:
+        statements = gin_utils.read_statements(binding)
+    except SyntaxError as e:
+        raise GinConfigError(_unparsable(binding, e)) from None
+    return [s for s in statements if isinstance(s, config_parser.BindingStatement)]
+
+
+def as_flag(binding: str) -> str:
+    """``--gin.NAME=VALUE`` for the binding ``NAME = VALUE``: the form the user typed."""
+    name, _, value = binding.partition("=")
+    return f"--gin.{name.strip()}={value.strip()}"
+
+
+def _unparsable(binding: str, error: SyntaxError) -> str:
+    name, _, value = (part.strip() for part in binding.partition("="))
+    if value and not _NOT_A_WORD.search(value):
+        # gin reads values as Python literals: runs/x is the expression runs / x, not a path.
+        reference = f" (or @{value} for a configurable)" if value.replace(".", "").isidentifier() else ""
+        return (
+            f"{as_flag(binding)}: gin values are Python literals; quote strings: --gin.{name}=\"'{value}'\"{reference}."
+        )
+    reason = (error.msg or str(error)).split("\n")[0].rstrip(".")
+    return (
+        f"{as_flag(binding)}: gin cannot parse this binding ({reason}). Values are Python literals: "
+        "numbers, True/False/None, quoted strings, lists, dicts; @Name for a configurable, %NAME for a macro."
+    )
+
+
+def _check_macro(binding: str, statement, macros: Macros) -> None:
+    name, value = statement.selector, statement.value
+    if name not in macros.declared and name not in macros.used:
+        raise GinConfigError(_unknown_macro(binding, name, macros))
+    default, path = macros.declared.get(name, (None, None))
+    expected = gin_utils.literal_type(default)
+    if expected is not None and not gin_utils.fits(value, expected):
+        kind, given = gin_utils.type_name(expected), gin_utils.type_name(value)
+        raise GinConfigError(
+            f"{as_flag(binding)} is {given}, but {name} is {kind} in {_shown(path)} (default {default!r}): "
+            f"give {kind}, e.g. {_example(name, default)}."
+        )
+
+
+def _unknown_macro(binding: str, name: str, macros: Macros) -> str:
+    known = macros.names
+    by_upper = {n.upper(): n for n in known}
+    close = difflib.get_close_matches(name.upper(), list(by_upper), n=1)
+    hint = f" Did you mean {by_upper[close[0]]}?" if close else ""
+    if not name.isupper():
+        hint += " A configurable's parameter is set as --gin.Configurable.param=VALUE."
+    return (
+        f"{as_flag(binding)} sets a macro no config declares.{hint} Macros declared by "
+        f"{', '.join(macros.files)}: {', '.join(known) or 'none'}."
+    )
+
+
+def _example(name: str, default) -> str:
+    return (
+        f'--gin.{name}="{default!r}"' if isinstance(default, (str, dict, list, tuple)) else f"--gin.{name}={default!r}"
+    )
+
+
+def _shown(path: str) -> str:
+    """A config's path as the user knows it: terra/configs/... for a shipped one."""
+    for base in (_PACKAGE_PARENT, os.getcwd()):
+        if path.startswith(base + os.sep):
+            return os.path.relpath(path, base)
+    return path
+
+
+# --- reading the configs' macros ------------------------------------------------------------------
+
+
+def declared_macros(gin_files: Sequence[str], search_paths: Sequence[str] = ()) -> Optional[Macros]:
+    """The macros ``gin_files`` declare and use, following includes as gin does; ``None`` when
+    a file cannot be followed (the full parse then reports it). A ``gin_files`` name that does
+    not exist raises the same ``GinConfigError`` as the full parse."""
+    macros = Macros(files=list(gin_files))
+    paths = [gin_utils.resolve_gin_file(f, search_paths) for f in gin_files]
+    try:
+        for path in paths:
+            _read(path, search_paths, macros, ())
+    except _Unreadable:
+        return None
+    return macros
+
+
+def _read(path: str, search_paths: Sequence[str], macros: Macros, including: tuple) -> None:
+    if path in including or len(including) > 32:  # an include loop: gin would recurse forever
+        raise _Unreadable(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            statements = gin_utils.read_statements(f)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        raise _Unreadable(path) from None
+    for statement in statements:
+        if isinstance(statement, config_parser.IncludeStatement):
+            _read(_include(statement.filename, search_paths), search_paths, macros, (*including, path))
+        elif isinstance(statement, config_parser.BindingStatement):
+            if not statement.arg_name:
+                name = f"{statement.scope}/{statement.selector}" if statement.scope else statement.selector
+                macros.declared[name] = (statement.value, path)
+            macros.used.update(_macro_uses(statement.value))
+
+
+def _include(name: str, search_paths: Sequence[str]) -> str:
+    """Where gin finds an include: the working directory, the search paths and terra's configs,
+    else a package resource (``terra/configs/models/tiny.gin``)."""
+    try:
+        return gin_utils.resolve_gin_file(name, search_paths)
+    except GinConfigError:
+        pass
+    candidate = os.path.join(_PACKAGE_PARENT, name)
+    if os.path.isfile(candidate):
+        return candidate
+    raise _Unreadable(name)
+
+
+def _macro_uses(value) -> Set[str]:
+    if isinstance(value, gin_utils.MacroUse):
+        return {value.name}
+    if isinstance(value, dict):
+        return set().union(*(_macro_uses(v) for v in [*value.keys(), *value.values()]))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_macro_uses(v) for v in value))
+    return set()
