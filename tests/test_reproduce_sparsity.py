@@ -72,7 +72,7 @@ def test_sparsity_study_rejects_bad_settings_before_training(tmp_path):
         cli.call(["sparsity", "--out", str(tmp_path), "--config.step=3"])
     with pytest.raises(UsageError, match="--config.steps=many: invalid literal for int"):
         cli.call(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--config.steps=many"])
-    with pytest.raises(DataNotFoundError, match="C4 JSON shards under /nowhere"):
+    with pytest.raises(DataNotFoundError, match="C4 JSON under /nowhere: no file for split .train."):
         cli.call(["sparsity", "--out", str(tmp_path), "--preset", "smoke", "--c4_json=/nowhere"])
     with pytest.raises(UsageError, match="generates its data"):
         cli.call(["length_generalization", "--out", str(tmp_path), "--c4_json=/nowhere"])

@@ -76,7 +76,7 @@ class JsonLinesReader:
     """``read_file(filename) -> tf.data.Dataset`` of string features, one example per usable line.
 
     Args:
-      description: how errors name the data, e.g. ``"C4 JSON shards under /data/c4"``.
+      description: how errors name the data, e.g. ``"C4 JSON under /data/c4"``.
       features: the names of the string features ``to_features`` returns, in order.
       to_features: one decoded JSON object -> its feature values; raises :class:`SkipRecord`
         for a record without the needed content.
