@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from terra import gin_utils
-from terra.errors import ConfigError
+from terra.cli import reproduce as reproduce_cli
+from terra.errors import ConfigError, UsageError
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
 
@@ -384,3 +385,19 @@ def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_wr
     assert re.search(r"used 0 records, skipped (\d+) \(\1 no 'text' field\)", error[0])
     assert "c4-train.00000-of-00001.json.gz" in error[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_terra_reproduce_layouts_measures_each_layouts_difference_per_step(tmp_path):
+    from terra.reproduce import layouts
+
+    bindings = [b for b in _bindings(tmp_path, 2) if not b.startswith(("MODEL_DIR", "TRAIN_STEPS"))]
+    table = layouts.compare(FILES, bindings, steps=2, layouts=[(2, 2)], perturb=True)
+    assert len(table["loss"]) == 2 and set(table) == {"loss", "2x2", layouts.ONE_ULP}
+    for loss_difference, params_difference in table["2x2"]:
+        assert loss_difference < 1e-5 and params_difference < 1e-5  # rounding only
+    assert table[layouts.ONE_ULP][0][1] > 0  # the perturbed run did move
+    assert "2x2" in layouts.format_table(table).splitlines()[1]
+    with pytest.raises(ConfigError, match="need 64 devices"):
+        layouts.compare(FILES, bindings, steps=1, layouts=[(8, 8)])
+    with pytest.raises(UsageError, match="--layouts=8y1"):
+        reproduce_cli.call(["layouts", "--layouts=8y1"])

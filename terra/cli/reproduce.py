@@ -1,5 +1,5 @@
 """Reproduce the paper's claims at a size a CPU trains: the sparsity study and the
-length-generalization study (Table 4).
+length-generalization study (Table 4); and check that parallel layouts train the same model.
 
 Each study trains ordinary terra-train runs under OUT/runs/<variant>/seed<k>, writes
 <study>.{json,md,png} to OUT, and resumes when run again into the same --out.
@@ -76,6 +76,56 @@ def run_length(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
+LAYOUTS_DOC = """Do parallel layouts train the same model? Trains one run on one device and on each
+data x model mesh (forced CPU devices) and prints, per step, the relative difference of the loss
+and of all parameters from the one-device run. --perturb adds a one-device run from parameters
+moved by one float32 ulp, the smallest possible change (docs/training.md, "Parallel layouts
+train the same model").
+
+  terra-reproduce layouts --steps 30 --perturb                       # the quick start, 8x1, 4x2, 2x4
+  terra-reproduce layouts --gin.terra.training.rsqrt_schedule.warmup_steps=10000
+"""
+
+
+def define_layouts_flags(flag_values: flags.FlagValues, argv) -> None:
+    flags.DEFINE_integer("steps", 30, "training steps of every run", lower_bound=1, flag_values=flag_values)
+    flags.DEFINE_string("layouts", "8x1,4x2,2x4", "data x model meshes, comma-separated", flag_values=flag_values)
+    flags.DEFINE_boolean("perturb", False, "add a one-device run from parameters one ulp away", flag_values=flag_values)
+    flag_groups.define_gin_flags(flag_values)
+
+
+def _parse_layouts(text: str):
+    try:
+        layouts = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        layouts = []
+    if not layouts or any(len(layout) != 2 or min(layout) < 1 for layout in layouts):
+        raise errors.UsageError(f"--layouts={text}: give data x model meshes like 8x1,4x2,2x4.")
+    return layouts
+
+
+def run_layouts(flag_values: flags.FlagValues, _) -> int:
+    import os
+
+    layouts = _parse_layouts(flag_values.layouts)
+    needed = max(d * m for d, m in layouts)
+    # Before JAX starts: the CPU backend reads the device count once.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={needed}"
+    from terra.reproduce import layouts as layouts_lib
+
+    gin = flag_groups.gin_arguments(flag_values)
+    table = layouts_lib.compare(
+        gin["gin_files"] or ["experiments/quickstart.gin"],
+        gin["gin_bindings"],
+        steps=flag_values.steps,
+        layouts=layouts,
+        perturb=flag_values.perturb,
+    )
+    print(layouts_lib.format_table(table))
+    return 0
+
+
 def _study(name, doc, study_presets, run):
     return app.command(
         f"terra-reproduce {name}", "terra.cli.reproduce", doc, define_flags=_define(study_presets, name), run=run
@@ -89,6 +139,14 @@ COMMAND = app.group(
     {
         "sparsity": _study("sparsity", SPARSITY_DOC, presets.SPARSITY_PRESETS, run_sparsity),
         "length_generalization": _study("length_generalization", LENGTH_DOC, presets.LENGTH_PRESETS, run_length),
+        "layouts": app.command(
+            "terra-reproduce layouts",
+            "terra.cli.reproduce",
+            LAYOUTS_DOC,
+            define_flags=define_layouts_flags,
+            run=run_layouts,
+            gin_files=lambda f: f.gin_file or ["experiments/quickstart.gin"],
+        ),
     },
 )
 main, call = COMMAND.main, COMMAND.call
