@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from terra.quantization import products
+from terra.quantization.quantized import QuantizedTensor
+
 Features = Union[int, Sequence[int]]
 
 # The reference initialises biases with N(0, 1e-6) (trax Dense default).
@@ -86,8 +89,11 @@ class Dense(nn.Module):
         # it on every call, which dominates batch-1 decoding (docs/architecture.md).
         n_features, n_inputs = math.prod(features), math.prod(in_shape)
         x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (n_inputs,))
-        kernel2 = jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs)
-        y = output_major_product(x2, kernel2).reshape(x.shape[: x.ndim - n_in] + features)
+        if isinstance(kernel, QuantizedTensor):  # a decode tree (terra.quantization): read narrow
+            y = products.output_major_product(x2, kernel)
+        else:
+            y = output_major_product(x2, jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs))
+        y = y.reshape(x.shape[: x.ndim - n_in] + features)
         if self.use_bias:
             bias = self.param(
                 "bias",

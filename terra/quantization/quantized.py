@@ -1,0 +1,123 @@
+"""Narrow weights for decoding: a float32 tensor stored as int8 (symmetric, one float32 scale per
+row of its last axis) or as bfloat16's 16 bits.
+
+Batch-1 decoding on a CPU streams every weight it reads from memory once per token, so its time is
+bytes ÷ bandwidth (``docs/decode_speed.md``): int8 reads a quarter of float32's bytes, bfloat16
+half. Activations, accumulation and caches stay float32.
+
+*Per row of the last axis* is the granularity for every weight: it is the output channel of a
+dense kernel stored output-major (``[*out, in]``, ``terra/layers/dense.py``), and the row a sparse
+feed-forward layer or an embedding gathers, which then carries its own scale. A kernel that
+contracts two input axes (the attention output, ``[d_model, heads, d_head]``) gets one scale per
+head of each output channel: finer, never coarser, than per channel.
+
+bfloat16 is kept as ``uint16`` bits because XLA:CPU converts a bfloat16 matrix to float32 whole
+before a product (3–10× slower than float32), while ``bitcast(uint32(bits) << 16)`` widens it
+exactly in a fused loop (``docs/design/cpu_decoding.md``).
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from terra.errors import ConfigError
+
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+INT8_MAX = 127.0
+
+
+class QuantizedTensor(flax.struct.PyTreeNode):
+    """A float32 tensor ``[..., n]`` stored narrow.
+
+    Attributes:
+      values: ``int8 [..., n]`` (round(w / scale)) or ``uint16 [..., n]`` (bfloat16 bits).
+      scale: ``float32 [...]`` for int8 (max |w| of the row / 127; 1 for an all-zero row);
+        ``float32 []`` (unused, 1) for bfloat16.
+      kind: ``"int8"`` or ``"bfloat16"``.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    kind: str = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.size * self.values.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
+
+    def reshape(self, *rows_and_n) -> "QuantizedTensor":
+        """The same weights as ``[*rows, n]``: only the row axes may change (scales follow them)."""
+        shape = tuple(rows_and_n[0]) if len(rows_and_n) == 1 and not isinstance(rows_and_n[0], int) else rows_and_n
+        if shape[-1] != self.values.shape[-1]:
+            raise ValueError(f"a QuantizedTensor keeps its last axis: {self.values.shape} -> {shape}")
+        scale = self.scale if self.kind == "bfloat16" else self.scale.reshape(shape[:-1])
+        return QuantizedTensor(self.values.reshape(shape), scale, self.kind)
+
+
+def _bfloat16_bits(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.asarray(w, jnp.float32).astype(jnp.bfloat16), jnp.uint16)
+
+
+def widen(values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """float32 weights from a block of stored ones (``values [..., n]``, ``scale [...]``)."""
+    if kind == "bfloat16":
+        return jax.lax.bitcast_convert_type(values.astype(jnp.uint32) << 16, jnp.float32)
+    return values.astype(jnp.float32) * scale[..., None]
+
+
+def quantize(w: jax.Array, kind: str) -> QuantizedTensor:
+    """``w [..., n]`` (float) -> its :class:`QuantizedTensor` of ``kind`` (``int8``, ``bfloat16``)."""
+    w = jnp.asarray(w, jnp.float32)
+    if kind == "bfloat16":
+        return QuantizedTensor(_bfloat16_bits(w), jnp.ones((), jnp.float32), kind)
+    if kind != "int8":
+        raise ConfigError(f"cannot quantize to '{kind}'; weights_dtype is one of {', '.join(WEIGHTS_DTYPES)}.")
+    peak = jnp.max(jnp.abs(w), axis=-1)
+    scale = jnp.where(peak > 0, peak / INT8_MAX, 1.0).astype(jnp.float32)
+    values = jnp.clip(jnp.round(w / scale[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return QuantizedTensor(values, scale, kind)
+
+
+def dequantize(q: QuantizedTensor) -> jax.Array:
+    """The float32 tensor ``q`` stands for."""
+    return widen(q.values, q.scale, q.kind)
+
+
+def _is_weight(path, leaf: Any) -> bool:
+    """A matrix or higher that is not a bias: what a decode step streams. Biases (of any rank, e.g.
+    ``[heads, d_head]``) and vectors (norm scales) stay float32: a negligible share of the bytes,
+    added rather than multiplied, so their rounding would not be spread over a row."""
+    name = str(getattr(path[-1], "key", path[-1])) if path else ""
+    floating = hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+    return floating and np.ndim(leaf) >= 2 and "bias" not in name
+
+
+def quantize_params(params: Any, weights_dtype: str) -> Any:
+    """A trained float32 parameter tree -> the decode tree of ``weights_dtype``: every weight
+    matrix a :class:`QuantizedTensor`, everything else unchanged (``float32`` returns ``params``)."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ConfigError(f"weights_dtype '{weights_dtype}' is not one of {', '.join(WEIGHTS_DTYPES)}.")
+    if weights_dtype == "float32":
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: quantize(leaf, weights_dtype) if _is_weight(path, leaf) else leaf, params
+    )
+
+
+def dequantize_params(params: Any) -> Any:
+    """A decode tree -> float32 (each :class:`QuantizedTensor` replaced by what it stands for)."""
+    return jax.tree.map(
+        lambda leaf: dequantize(leaf) if isinstance(leaf, QuantizedTensor) else leaf,
+        params,
+        is_leaf=lambda leaf: isinstance(leaf, QuantizedTensor),
+    )

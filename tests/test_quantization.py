@@ -1,0 +1,99 @@
+"""Weight-only quantization for decoding (terra/quantization): the int8 and bfloat16 stores, their
+error bounds, and the products that read them equal float32 products of the dequantized weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from terra.errors import ConfigError
+from terra.layers.dense import Dense
+from terra.quantization import QuantizedTensor, dequantize, dequantize_params, products, quantize, quantize_params
+
+
+def _weights(shape, seed=0):
+    w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w[..., 0] *= 40  # an outlier per row: the scale must follow each row's own range
+    return jnp.asarray(w)
+
+
+def test_int8_dequantization_error_is_at_most_half_a_step_per_row():
+    w = _weights((5, 7, 33))
+    q = quantize(w, "int8")
+    assert q.values.dtype == jnp.int8 and q.scale.shape == (5, 7)
+    step = np.asarray(q.scale)[..., None]
+    error = np.abs(np.asarray(dequantize(q)) - np.asarray(w))
+    assert np.all(error <= step / 2 * (1 + 1e-6))
+    np.testing.assert_allclose(np.asarray(q.scale), np.max(np.abs(np.asarray(w)), axis=-1) / 127, rtol=1e-6)
+
+
+def test_bfloat16_store_is_bfloat16_rounding_kept_as_its_bits():
+    w = _weights((9, 17))
+    q = quantize(w, "bfloat16")
+    assert q.values.dtype == jnp.uint16
+    expected = np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), expected)
+    assert np.all(np.abs(expected - np.asarray(w)) <= np.abs(np.asarray(w)) * 2.0**-8)
+
+
+def test_an_all_zero_row_quantizes_to_zero():
+    q = quantize(jnp.zeros((2, 8)), "int8")
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a tail
+def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(kind, block_elements, monkeypatch):
+    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    q = quantize(_weights((37, 24)), kind)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 24)).astype(np.float32))
+    got = jax.jit(products.output_major_product)(x, q)
+    want = x @ dequantize(q).T
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("features, n_contract, in_shape", [(19, 1, (24,)), ((3, 5), 1, (16,)), (11, 2, (4, 6))])
+def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel(
+    kind, features, n_contract, in_shape, monkeypatch
+):
+    monkeypatch.setattr(products, "BLOCK_ELEMENTS", 4 * 24)
+    n_out = 1 if isinstance(features, int) else len(features)
+    layer = Dense(features, kernel_axes=("a",) * n_out + ("b",) * n_contract, n_contract=n_contract)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3) + in_shape).astype(np.float32))
+    params = layer.init(jax.random.key(0), x)["params"]
+    params = jax.tree.map(
+        lambda p: p.value if hasattr(p, "value") else p, params, is_leaf=lambda p: hasattr(p, "value")
+    )
+    narrow = quantize_params(params, kind)
+    assert isinstance(narrow["kernel"], QuantizedTensor) and not isinstance(narrow["bias"], QuantizedTensor)
+    want = layer.apply({"params": dequantize_params(narrow)}, x)
+
+    def in_a_loop(p, x):  # as the decode loop reads it: under jit, inside a while_loop
+        return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, layer.apply({"params": p}, x)), (0, want * 0))[1]
+
+    got = jax.jit(in_a_loop)(narrow, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_gathered_rows_are_widened_with_their_own_scales(kind):
+    q = quantize(_weights((12, 4, 10)), kind)
+    rows = jnp.array([0, 11, 5, 5])
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(products.take_rows)(q, rows)), np.asarray(dequantize(q))[np.asarray(rows)], rtol=1e-6
+    )
+
+
+def test_quantize_params_converts_matrices_keeps_vectors_and_rejects_unknown_dtypes():
+    params = {
+        "layer": {"kernel": _weights((4, 6)), "bias": jnp.ones(4), "scale": jnp.ones(6)},
+        "table": _weights((8, 6)),
+    }
+    assert quantize_params(params, "float32") is params
+    narrow = quantize_params(params, "int8")
+    assert isinstance(narrow["table"], QuantizedTensor) and narrow["layer"]["bias"] is params["layer"]["bias"]
+    assert sum(x.nbytes for x in jax.tree.leaves(narrow)) < sum(x.nbytes for x in jax.tree.leaves(params)) / 2
+    with pytest.raises(ConfigError, match="int4.*float32, bfloat16, int8"):
+        quantize_params(params, "int4")
