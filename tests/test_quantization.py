@@ -9,6 +9,7 @@ from jax import lax
 
 from terra.errors import ConfigError
 from terra.layers.dense import Dense
+from terra.layers.embedding import TokenEmbedding
 from terra.quantization import QuantizedTensor, dequantize, dequantize_params, products, quantize, quantize_params
 
 
@@ -97,3 +98,20 @@ def test_quantize_params_converts_matrices_keeps_vectors_and_rejects_unknown_dty
     assert sum(x.nbytes for x in jax.tree.leaves(narrow)) < sum(x.nbytes for x in jax.tree.leaves(params)) / 2
     with pytest.raises(ConfigError, match="int4.*float32, bfloat16, int8"):
         quantize_params(params, "int4")
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_token_embedding_reading_a_quantized_table_equals_the_dequantized_table(kind):
+    layer = TokenEmbedding(vocab_size=13, d_model=10)
+    tokens = jnp.array([[0, 12, 3], [3, 3, 7]])
+    params = jax.tree.map(
+        lambda p: p.value if hasattr(p, "value") else p,
+        layer.init(jax.random.key(0), tokens)["params"],
+        is_leaf=lambda p: hasattr(p, "value"),
+    )
+    narrow = quantize_params(params, kind)
+    assert isinstance(narrow["embedding"], QuantizedTensor)
+    got = jax.jit(layer.apply)({"params": narrow}, tokens)
+    want = layer.apply({"params": dequantize_params(narrow)}, tokens)
+    assert got.shape == (2, 3, 10)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from terra.layers import axes
+from terra.quantization import products
+from terra.quantization.quantized import QuantizedTensor
 
 
 class TokenEmbedding(nn.Module):
@@ -30,4 +32,6 @@ class TokenEmbedding(nn.Module):
             nn.with_logical_partitioning(init, (axes.VOCAB, axes.EMBED)),
             (self.vocab_size, self.d_model),
         )
+        if isinstance(table, QuantizedTensor):  # a decode tree: each row widened with its own scale
+            return products.take_rows(table, tokens).astype(self.dtype)
         return jnp.take(jnp.asarray(table, self.dtype), tokens, axis=0)
