@@ -1,6 +1,8 @@
 """Weight-only quantization for decoding (terra/quantization): the int8 and bfloat16 stores, their
 error bounds, and the products that read them equal float32 products of the dequantized weights."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,23 @@ def test_token_embedding_reading_a_quantized_table_equals_the_dequantized_table(
     want = layer.apply({"params": dequantize_params(narrow)}, tokens)
     assert got.shape == (2, 3, 10)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_sparse_feedforward_reading_quantized_weights_equals_the_dequantized_weights(kind):
+    from terra.layers import SparseFeedForward
+
+    layer = SparseFeedForward(d_model=12, d_ff=32, ff_sparsity=4, d_lowrank=4)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 1, 12)).astype(np.float32))
+    params = jax.tree.map(
+        lambda p: p.value if hasattr(p, "value") else p,
+        layer.init(jax.random.key(0), x)["params"],
+        is_leaf=lambda p: hasattr(p, "value"),
+    )
+    narrow = quantize_params(params, kind)
+    assert isinstance(narrow["wi"], QuantizedTensor) and isinstance(narrow["wo"], QuantizedTensor)
+    wide = dequantize_params(narrow)
+    for decode in (True, False):  # the gathered rows (decode) and the masked product (eval)
+        got = jax.jit(functools.partial(layer.apply, decode=decode))({"params": narrow}, x)
+        want = layer.apply({"params": wide}, x, decode=decode)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

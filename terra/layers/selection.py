@@ -6,6 +6,9 @@ with a straight-through estimator, and read only the chosen rows when decoding.
 import jax
 import jax.numpy as jnp
 
+from terra.quantization import products
+from terra.quantization.quantized import QuantizedTensor
+
 
 def block_argmax(x: jax.Array) -> jax.Array:
     """First index of the maximum along the last axis (``jnp.argmax``'s result), computed as a
@@ -36,4 +39,6 @@ def straight_through_mask(logits: jax.Array, indices: jax.Array, hard_prob: floa
 def take_rows(matrix: jax.Array, rows: jax.Array) -> jax.Array:
     """``matrix[rows]`` along axis 0. ``mode='clip'``: the rows are in range by construction, and
     the default bounds handling ('fill') makes XLA:CPU's gather about twice as slow."""
+    if isinstance(matrix, QuantizedTensor):  # a decode tree: the rows widened with their scales
+        return products.take_rows(matrix, rows)
     return jnp.take(matrix, rows, axis=0, mode="clip")

@@ -26,6 +26,7 @@ from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense, output_major_product
 from terra.layers.initializers import glorot_uniform
 from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask, take_rows
+from terra.quantization.quantized import as_float
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
@@ -101,7 +102,7 @@ class SparseFeedForward(nn.Module):
     def controller_logits(self, x: jax.Array) -> jax.Array:
         """``[..., d_model] -> [..., d_ff/N, N]`` float32."""
         low = self.controller_down(x)
-        up = jnp.asarray(self.controller_up, self.dtype)
+        up = as_float(self.controller_up, self.dtype)  # small; input-major, so widened whole
         logits = (low @ up.reshape(up.shape[0], -1)).reshape(low.shape[:-1] + up.shape[1:])
         return (logits + self.controller_bias).astype(jnp.float32)
 
@@ -138,7 +139,7 @@ class SparseFeedForward(nn.Module):
         else:
             mask = jax.nn.one_hot(indices, self.ff_sparsity, dtype=jnp.float32)
         # 2-D products over the row-major [d_ff, d_model] views (free reshapes; see dense.py).
-        wi = jnp.asarray(self.wi, self.dtype).reshape(self.d_ff, self.d_model)
+        wi = as_float(self.wi, self.dtype).reshape(self.d_ff, self.d_model)
         mid = output_major_product(x.astype(self.dtype), wi)
         mid = mid.reshape(mid.shape[:-1] + mask.shape[-2:])
         if self.paper_formula:
@@ -147,7 +148,7 @@ class SparseFeedForward(nn.Module):
             h = nn.relu(mid * mask.astype(self.dtype))
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP, axes.SPARSE_ELEMENTS))
         h = h.reshape(h.shape[:-2] + (self.d_ff,))
-        return h @ jnp.asarray(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
+        return h @ as_float(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
 
     def _gathered(self, x, indices):
         """Decode: read only the selected row of every block of W1 and W2."""

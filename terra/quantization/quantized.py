@@ -93,6 +93,12 @@ def dequantize(q: QuantizedTensor) -> jax.Array:
     return widen(q.values, q.scale, q.kind)
 
 
+def as_float(w, dtype=jnp.float32) -> jax.Array:
+    """``w`` as a ``dtype`` array, dequantizing a :class:`QuantizedTensor` whole: for small weights
+    and for paths that are not the decode step's hot loop (training, eval, prefill)."""
+    return dequantize(w).astype(dtype) if isinstance(w, QuantizedTensor) else jnp.asarray(w, dtype)
+
+
 def _is_weight(path, leaf: Any) -> bool:
     """A matrix or higher that is not a bias: what a decode step streams. Biases (of any rank, e.g.
     ``[heads, d_head]``) and vectors (norm scales) stay float32: a negligible share of the bytes,
