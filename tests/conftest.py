@@ -20,6 +20,17 @@ from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, Transfo
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# A tiny encoder-decoder for the copy task's byte vocabulary (259 ids), as gin bindings.
+TINY_COPY_MODEL = [
+    "TransformerConfig.vocab_size = 259",
+    "TransformerConfig.d_model = 32",
+    "TransformerConfig.d_ff = 64",
+    "TransformerConfig.n_heads = 4",
+    "TransformerConfig.n_encoder_layers = 1",
+    "TransformerConfig.n_decoder_layers = 1",
+    "TransformerConfig.max_len = 64",
+]
+
 
 @pytest.fixture(autouse=True)
 def clean_gin():

@@ -24,20 +24,11 @@ from terra.models import (
     TransformerConfig,
 )
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, TINY_COPY_MODEL, tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-TINY_COPY = [
-    "TransformerConfig.vocab_size = 259",
-    "TransformerConfig.d_model = 32",
-    "TransformerConfig.d_ff = 64",
-    "TransformerConfig.n_heads = 4",
-    "TransformerConfig.n_encoder_layers = 1",
-    "TransformerConfig.n_decoder_layers = 1",
-    "TransformerConfig.max_len = 64",
-    "TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 16}",
-]
+TINY_COPY = TINY_COPY_MODEL + ["TASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': 16}"]
 
 
 @pytest.fixture(scope="module")

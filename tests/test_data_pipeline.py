@@ -152,18 +152,23 @@ def test_each_host_reads_a_disjoint_shard():
     assert len(host0) + len(host1) == total and not set(host0) & set(host1)
 
 
-def test_length_concat_moves_the_input_padding_after_the_targets():
-    gin_utils.parse_gin([], [])
+def _first_addition_batch(batch_size, converter):
+    """The first validation batch of the addition task at lengths 302/216, in order."""
     ds = pipeline.get_dataset(
         "synthetic_addition",
         split="validation",
         feature_lengths={"inputs": 302, "targets": 216},
-        batch_size=2,
+        batch_size=batch_size,
         shuffle=False,
         num_epochs=1,
-        feature_converter=feature_converters.length_concat_converter(),
+        feature_converter=converter,
     )
-    b = next(pipeline.BatchIterator(ds))
+    return next(pipeline.BatchIterator(ds))
+
+
+def test_length_concat_moves_the_input_padding_after_the_targets():
+    gin_utils.parse_gin([], [])
+    b = _first_addition_batch(2, feature_converters.length_concat_converter())
     for i in range(2):
         n = int(b["encoder_lengths"][i])
         assert n == int((b["encoder_input_tokens"][i] != 0).sum())
@@ -177,16 +182,7 @@ def test_length_concat_moves_the_input_padding_after_the_targets():
 
 
 def test_lm_format_puts_the_loss_on_the_answer_only():
-    ds = pipeline.get_dataset(
-        "synthetic_addition",
-        split="validation",
-        feature_lengths={"inputs": 302, "targets": 216},
-        batch_size=1,
-        shuffle=False,
-        num_epochs=1,
-        feature_converter=feature_converters.prefix_lm_converter(),
-    )
-    b = next(pipeline.BatchIterator(ds))
+    b = _first_addition_batch(1, feature_converters.prefix_lm_converter())
     tokens, weights = b["decoder_target_tokens"][0], b["decoder_loss_weights"][0]
     vocab = tasks.get_task("synthetic_addition").output_features["targets"].vocabulary
     question = vocab.decode([int(t) for t in tokens[weights == 0] if t != 0])

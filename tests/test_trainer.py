@@ -23,17 +23,10 @@ from terra.errors import ConfigError, UsageError
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TINY_COPY_MODEL
 
 # A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
-TINY = [
-    "TransformerConfig.vocab_size = 259",
-    "TransformerConfig.d_model = 32",
-    "TransformerConfig.d_ff = 64",
-    "TransformerConfig.n_heads = 4",
-    "TransformerConfig.n_encoder_layers = 1",
-    "TransformerConfig.n_decoder_layers = 1",
-    "TransformerConfig.max_len = 64",
+TINY = TINY_COPY_MODEL + [
     "TASK_FEATURE_LENGTHS = {'inputs': 24, 'targets': 24}",
     "terra.data.copy_dataset.train_length = 20",
     "terra.training.LoggingSettings.every = 1",

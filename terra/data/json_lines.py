@@ -152,7 +152,7 @@ class JsonLinesReader:
         with self._lock:
             self.skipped[reason] += 1
             self._consecutive_skips += 1
-            if self._first_skip is None or self._consecutive_skips == 1:
+            if self._consecutive_skips == 1:
                 self._first_skip = f"{path}, line {number}"
             first_of_kind = (path, reason) not in self._logged
             self._logged.add((path, reason))

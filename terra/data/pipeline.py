@@ -87,12 +87,8 @@ def batch_iterator(provider, split: str, **get_dataset_kwargs) -> "BatchIterator
     the split and the task's files, its skip counts those of the task's readers."""
     provider = tasks.get_task(provider) if isinstance(provider, str) else provider
     ds = get_dataset(provider, split=split, **get_dataset_kwargs)
-    local = tasks.local_sources(provider)
     return BatchIterator(
-        ds,
-        description=f"task '{provider.name}', split '{split}',",
-        files=[f for source in local for f in source.list_shards(split)],
-        readers=[source.reader for source in local],
+        ds, description=f"task '{provider.name}', split '{split}',", **tasks.read_checks(provider, split)
     )
 
 

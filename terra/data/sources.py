@@ -270,8 +270,11 @@ def c4_json_files(
         if any(m for _, m in named):
             files = {s: [f for f, m in named if m and m.group(1) == s] for s in ("train", "validation")}
         else:
-            validation = [f for f in found if _VALIDATION_WORD.search(os.path.relpath(f, folder))]
-            files = {"train": [f for f in found if f not in validation], "validation": validation}
+            is_validation = {f: bool(_VALIDATION_WORD.search(os.path.relpath(f, folder))) for f in found}
+            files = {
+                "train": [f for f in found if not is_validation[f]],
+                "validation": [f for f in found if is_validation[f]],
+            }
     else:
         files = {"train": _expand(path), "validation": []}
     if validation_path is not None:
@@ -290,6 +293,20 @@ def _c4_features(record: dict) -> Tuple[str, str, str]:
     return text, str(record.get("url") or ""), str(record.get("timestamp") or "")
 
 
+def _looked_for(path: Union[str, Sequence[str]], split: str) -> str:
+    """What :func:`c4_json_files` searched for ``split``, for the error when it found nothing."""
+    if not isinstance(path, str):
+        return f"{len(path)} listed files"
+    if "{split}" in path:
+        return path.format(split=split)
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        return f"c4-{split}.* or *.json[l][.gz] files below {expanded}"
+    if any(c in path for c in _GLOB_CHARACTERS) or os.path.exists(expanded):
+        return path
+    return f"{path}: no such file or folder"
+
+
 def c4_json_source(
     *, path: Union[str, Sequence[str]], validation_path: Union[str, Sequence[str], None] = None
 ) -> LocalFileSource:
@@ -297,15 +314,8 @@ def c4_json_source(
     present, every other field ignored) from the files :func:`c4_json_files` finds. A record
     without text is skipped and counted; a damaged file is an error naming it and the line
     (``terra/data/json_lines.py``)."""
-    shown = path if isinstance(path, str) else f"{len(path)} listed files"
-    description = f"C4 JSON under {shown}"
-    tried = {"train": str(shown), "validation": str(validation_path or shown)}
-    if isinstance(path, str) and not any(c in path for c in _GLOB_CHARACTERS + ("{",)):
-        if not os.path.exists(os.path.expanduser(path)):
-            tried = {s: f"{path}: no such file or folder" for s in tried}
-    if isinstance(path, str) and "{split}" not in path and os.path.isdir(os.path.expanduser(path)):
-        folder = os.path.expanduser(path)
-        tried = {s: f"c4-{s}.* or *.json[l][.gz] files below {folder}" for s in ("train", "validation")}
+    description = f"C4 JSON under {path if isinstance(path, str) else f'{len(path)} listed files'}"
+    tried = {"train": _looked_for(path, "train"), "validation": _looked_for(validation_path or path, "validation")}
     return LocalFileSource(
         json_lines.JsonLinesReader(description, ("text", "url", "timestamp"), _c4_features),
         c4_json_files(path, validation_path),

@@ -280,17 +280,14 @@ def check_vocabulary_and_lengths(
         )
 
 
-def local_sources(name_or_task) -> list:
-    """The :class:`~terra.data.sources.LocalFileSource` of a task (or of a mixture's members):
-    their files and readers name what a damaged-data error or a skip count is about."""
+def read_checks(name_or_task, split: str) -> dict:
+    """``{"files", "readers"}`` of the local files ``split`` of a task (or mixture) reads and the
+    readers that check them (none for TFDS or generated data): what a damaged-data error or a skip
+    count is about (:func:`terra.data.json_lines.checked`, :class:`terra.data.pipeline.BatchIterator`)."""
     provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
     members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-    return [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
-
-
-def split_files(name_or_task, split: str) -> list:
-    """The local files ``split`` of a task (or mixture) reads; none for TFDS or generated data."""
-    return [f for source in local_sources(name_or_task) for f in source.list_shards(split)]
+    local = [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
+    return {"files": [f for source in local for f in source.list_shards(split)], "readers": [s.reader for s in local]}
 
 
 def check_task_data(name_or_task, split: str = "train") -> None:

@@ -36,6 +36,6 @@ def task_texts(name: str, *, split: str = "train", max_documents: int = 1_000_00
     for task in members:
         sources.check_available(task.source, split)
         examples = task.source.get_dataset(split, shuffle=True, seed=0).take(max_documents).as_numpy_iterator()
-        for example in json_lines.checked(examples, files=tasks.split_files(task, split)):
+        for example in json_lines.checked(examples, **tasks.read_checks(task, split)):
             texts += [example[k].decode("utf-8") for k in TASK_TEXT_FEATURES if k in example and example[k]]
     return texts

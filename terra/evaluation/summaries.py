@@ -56,7 +56,7 @@ def read_examples(
             target_text=_text(ex.get("targets_pretokenized", b"")),
             id=_text(ex["id"]) if ex.get("id") else str(i),
         )
-        for i, ex in enumerate(json_lines.checked(ds.as_numpy_iterator(), files=tasks.split_files(provider, split)))
+        for i, ex in enumerate(json_lines.checked(ds.as_numpy_iterator(), **tasks.read_checks(provider, split)))
     ]
 
 

@@ -13,21 +13,14 @@ from typing import Sequence, Tuple, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from terra.quantization import products
+from terra.quantization.products import output_major_product
 from terra.quantization.quantized import QuantizedTensor
 
 Features = Union[int, Sequence[int]]
 
 # The reference initialises biases with N(0, 1e-6) (trax Dense default).
 BIAS_INIT = nn.initializers.normal(stddev=1e-6)
-
-
-def output_major_product(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x [..., in]`` times a 2-D output-major ``kernel [out, in]`` -> ``[..., out]``, read in
-    place (no transpose of the kernel; see the module docstring)."""
-    return lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def _as_tuple(features: Features) -> Tuple[int, ...]:
@@ -89,11 +82,9 @@ class Dense(nn.Module):
         # it on every call, which dominates batch-1 decoding (docs/architecture.md).
         n_features, n_inputs = math.prod(features), math.prod(in_shape)
         x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (n_inputs,))
-        if isinstance(kernel, QuantizedTensor):  # a decode tree (terra.quantization): read narrow
-            y = products.output_major_product(x2, kernel)
-        else:
-            y = output_major_product(x2, jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs))
-        y = y.reshape(x.shape[: x.ndim - n_in] + features)
+        if not isinstance(kernel, QuantizedTensor):  # a decode tree's kernel is read narrow, unreshaped
+            kernel = jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs)
+        y = output_major_product(x2, kernel).reshape(x.shape[: x.ndim - n_in] + features)
         if self.use_bias:
             bias = self.param(
                 "bias",

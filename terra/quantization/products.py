@@ -33,44 +33,44 @@ def _rows(q: QuantizedTensor, n_rows: int):
     return values, scale
 
 
-def _widened_rows(values, scale, kind) -> jax.Array:
-    """``[rows, *in]`` stored -> ``[rows, prod(in)]`` float32."""
-    wide = widen(values, scale, kind)
-    return wide.reshape(wide.shape[0], -1)
+def _dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in]`` times a 2-D output-major ``kernel [out, in]`` -> ``[..., out]``, read in
+    place: XLA:CPU reads this layout faster than ``[in, out]`` and no transpose is ever
+    materialised (``terra/layers/dense.py``)."""
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def output_major_product(x: jax.Array, kernel) -> jax.Array:
-    """``x [..., in]`` times ``kernel [out, *in_axes]`` (``prod(in_axes) == in``), float32 or a
-    :class:`QuantizedTensor` with ``out`` rows -> ``[..., out]``. A float32 kernel must already be
-    2-D ``[out, in]``."""
+    """``x [..., in]`` times ``kernel [out, *in_axes]`` (``prod(in_axes) == in``) -> ``[..., out]``:
+    a float32 kernel (already 2-D ``[out, in]``) read in place, or a :class:`QuantizedTensor`
+    widened block by block of ``BLOCK_ELEMENTS``, the last block possibly shorter."""
     if not isinstance(kernel, QuantizedTensor):
-        return lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+        return _dot(x, kernel)
     n_in = x.shape[-1]
     n_out = kernel.values.size // n_in
     values, scale = _rows(kernel, n_out)
     block = max(1, min(n_out, BLOCK_ELEMENTS // n_in))
     n_blocks, tail = divmod(n_out, block)
+    per_row = kernel.kind == "int8"  # bfloat16 has one unused scale, passed whole to every block
 
     def product(v, s):
-        w = _widened_rows(v, s, kernel.kind)
-        return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+        return _dot(x, widen(v, s, kernel.kind).reshape(v.shape[0], -1))
 
-    if n_blocks <= 1 and not tail:
+    if n_blocks == 1 and not tail:
         return product(values, scale)
-    parts = []
-    if n_blocks:
-        head_v = values[: n_blocks * block].reshape((n_blocks, block) + values.shape[1:])
-        if kernel.kind == "bfloat16":
-            ys = lax.map(lambda v: product(v, scale), head_v)
-        else:
-            head_s = scale[: n_blocks * block].reshape((n_blocks, block) + scale.shape[1:])
-            ys = lax.map(lambda vs: product(*vs), (head_v, head_s))
-        # [n_blocks, ..., block] -> [..., n_blocks * block]
-        parts.append(jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n_blocks * block,)))
-    if tail:
-        tail_s = scale if kernel.kind == "bfloat16" else scale[n_blocks * block :]
-        parts.append(product(values[n_blocks * block :], tail_s))
-    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    head = n_blocks * block
+
+    def split(a):
+        return a[:head].reshape((n_blocks, block) + a.shape[1:])
+
+    if per_row:
+        ys = lax.map(lambda vs: product(*vs), (split(values), split(scale)))
+    else:
+        ys = lax.map(lambda v: product(v, scale), split(values))
+    y = jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (head,))  # [n_blocks, ..., block] -> [..., head]
+    if not tail:
+        return y
+    return jnp.concatenate([y, product(values[head:], scale[head:] if per_row else scale)], axis=-1)
 
 
 def take_rows(matrix, rows: jax.Array) -> jax.Array:

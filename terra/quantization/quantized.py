@@ -48,16 +48,11 @@ class QuantizedTensor(flax.struct.PyTreeNode):
         return self.values.shape
 
     @property
-    def ndim(self) -> int:
-        return self.values.ndim
-
-    @property
     def nbytes(self) -> int:
         return int(self.values.size * self.values.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
-    def reshape(self, *rows_and_n) -> "QuantizedTensor":
+    def reshape(self, *shape: int) -> "QuantizedTensor":
         """The same weights as ``[*rows, n]``: only the row axes may change (scales follow them)."""
-        shape = tuple(rows_and_n[0]) if len(rows_and_n) == 1 and not isinstance(rows_and_n[0], int) else rows_and_n
         if shape[-1] != self.values.shape[-1]:
             raise ValueError(f"a QuantizedTensor keeps its last axis: {self.values.shape} -> {shape}")
         scale = self.scale if self.kind == "bfloat16" else self.scale.reshape(shape[:-1])
