@@ -1,6 +1,7 @@
 # terra: `make run` and `make test` set up .venv on first use (pinned requirements plus the
 # package in editable mode, which installs the terra-* commands into .venv/bin) and reuse it
-# afterwards; a changed requirements.txt, setup.cfg or pyproject.toml triggers a reinstall.
+# afterwards; a changed requirements.txt, setup.cfg, setup.py, pyproject.toml or native kernel
+# source triggers a reinstall (the editable install also builds the kernels, see setup.py).
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.cfg pyproject.toml
+$(STAMP): requirements.txt setup.cfg setup.py pyproject.toml terra/quantization/native/narrow_products.cc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check --quiet --upgrade pip
 	$(PY) -m pip install --disable-pip-version-check --quiet -r requirements.txt

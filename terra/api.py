@@ -6,6 +6,7 @@
     run.generate(["A long document ..."], max_new_tokens=32, num_beams=4)
     run.score(["A long document ..."], ["its summary"])   # log-likelihood per example
     fresh = terra.build(["models/tiny.gin", "tasks/embedded_lm.gin"])
+    fast = terra.load("runs/quickstart/finetune", weights_dtype="int8")  # narrow weights for decoding
 
 ``load`` reads the run's own ``config.gin`` (the model, task, vocabulary and lengths it trained
 with) and its latest checkpoint; ``build`` parses gin files and initialises parameters from a
@@ -29,6 +30,7 @@ from terra import gin_utils
 from terra.data import tasks
 from terra.errors import ConfigError
 from terra.models.protocol import Model
+from terra.quantization import check_weights_dtype, quantize_params
 from terra.text_encoding import encode_text
 from terra.training import checkpointing
 
@@ -65,6 +67,8 @@ class InteractiveModel:
       feature_lengths: ``{"inputs": ..., "targets": ...}``: texts are truncated to these.
       step: the checkpoint step (None for a fresh model).
       model_dir: the run's directory (None for a fresh model).
+      weights_dtype: how ``params`` store the weights: 'float32', or 'int8' / 'bfloat16' (a decode
+        tree of ``terra.quantization``: generation, scores and logits read the narrow weights).
     """
 
     model: Model
@@ -74,15 +78,29 @@ class InteractiveModel:
     feature_lengths: Dict[str, int] = dataclasses.field(default_factory=dict)
     step: Optional[int] = None
     model_dir: Optional[str] = None
+    weights_dtype: str = "float32"
 
     @property
     def config(self):
         return self.model.config
 
+    def quantized(self, weights_dtype: str) -> "InteractiveModel":
+        """The same model with its float32 weights stored as ``weights_dtype`` ('int8',
+        'bfloat16'; 'float32' returns ``self``), e.g. to compare a run's outputs at both widths."""
+        if check_weights_dtype(weights_dtype) == self.weights_dtype:
+            return self
+        if self.weights_dtype != "float32":
+            raise ConfigError(
+                f"these weights are already {self.weights_dtype}; quantize from the float32 run (terra.load) instead."
+            )
+        params = quantize_params(self.params, weights_dtype)
+        return dataclasses.replace(self, params=params, weights_dtype=weights_dtype)
+
     def __repr__(self) -> str:
         where = f"{self.model_dir} step {self.step}" if self.model_dir else "fresh parameters"
         task = getattr(self.task, "name", None)
-        return f"InteractiveModel({self.model!r}, task={task}, {where})"
+        narrow = "" if self.weights_dtype == "float32" else f", {self.weights_dtype} weights"
+        return f"InteractiveModel({self.model!r}, task={task}, {where}{narrow})"
 
     # ----- inputs ----------------------------------------------------------------------------
     def _length(self, feature: str) -> int:
@@ -245,23 +263,35 @@ def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_su
 
 
 def load(
-    model_dir: str, step: Optional[int] = None, bindings: Sequence[str] = (), *, require_summarization: bool = False
+    model_dir: str,
+    step: Optional[int] = None,
+    bindings: Sequence[str] = (),
+    *,
+    require_summarization: bool = False,
+    weights_dtype: str = "float32",
 ) -> InteractiveModel:
     """A training run's model, parameters (checkpoint ``step``, default the latest), task and
     vocabulary, configured by the run's own ``config.gin`` plus ``bindings`` (gin binding
     strings, e.g. data locations: ``"terra.data.arxiv_source.tfds_data_dir = '/data/tfds'"``).
     ``require_summarization``: refuse, before reading the checkpoint, a run whose task is not
-    a summarization task."""
+    a summarization task. ``weights_dtype``: 'int8' or 'bfloat16' stores the weights narrow
+    for decoding (``InteractiveModel.quantized``)."""
+    check_weights_dtype(weights_dtype)
     gin_utils.parse_gin(
         [run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings], finalize=False
     )
-    return _from_parsed_config(
+    run = _from_parsed_config(
         lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
     )
+    return run.quantized(weights_dtype)
 
 
-def build(gin_files: Sequence[str], bindings: Sequence[str] = (), seed: int = 0) -> InteractiveModel:
+def build(
+    gin_files: Sequence[str], bindings: Sequence[str] = (), seed: int = 0, *, weights_dtype: str = "float32"
+) -> InteractiveModel:
     """A freshly initialised model from gin files (a model config, optionally a task config for
-    the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed``."""
+    the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed`` (and stored as
+    ``weights_dtype``)."""
+    check_weights_dtype(weights_dtype)
     gin_utils.parse_gin(list(gin_files), list(bindings), finalize=False)
-    return _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None))
+    return _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None)).quantized(weights_dtype)

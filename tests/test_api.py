@@ -1,6 +1,7 @@
 """The model protocol and the Python API: plain constructors, families, pad-aware metrics,
 ``terra.build`` with generate / score / logits / summarize, and the gin registry's promises."""
 
+import dataclasses
 import importlib
 import os
 import re
@@ -23,6 +24,7 @@ from terra.models import (
     TerraformerModel,
     TransformerConfig,
 )
+from terra.quantization import dequantize_params
 
 from conftest import REPO_ROOT, TINY_COPY_MODEL, tiny_config
 
@@ -108,6 +110,25 @@ def test_bad_token_inputs_fail_clearly(copy_model):
 def test_generate_rejects_sampling_options_with_beams(copy_model):
     with pytest.raises(ValueError, match="beam search is deterministic"):
         copy_model.generate(["abc"], num_beams=2, temperature=0.5)
+
+
+def test_quantized_weights_generate_score_and_beam_search_as_their_dequantized_float32_weights(copy_model):
+    narrow = copy_model.quantized("int8")
+    assert narrow.weights_dtype == "int8" and "int8 weights" in repr(narrow)
+    wide = dataclasses.replace(copy_model, params=dequantize_params(narrow.params))
+    np.testing.assert_allclose(
+        narrow.score(["abc", "xyz"], ["abc", "xy"]), wide.score(["abc", "xyz"], ["abc", "xy"]), rtol=1e-5
+    )
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    for options in ({}, {"num_beams": 2}):
+        np.testing.assert_array_equal(
+            narrow.generate(tokens, max_new_tokens=6, **options), wide.generate(tokens, max_new_tokens=6, **options)
+        )
+    assert copy_model.quantized("float32") is copy_model
+    with pytest.raises(ConfigError, match="already int8"):
+        narrow.quantized("bfloat16")
+    with pytest.raises(ConfigError, match="weights_dtype 'int4' is not one of float32, bfloat16, int8"):
+        terra.build(["models/tiny.gin"], weights_dtype="int4")
 
 
 def _registered_terra_configurables():

@@ -172,6 +172,13 @@ def test_help_imports_neither_jax_nor_tensorflow_nor_seqio():
     assert json.loads(result.stdout) == []
 
 
+def test_the_weights_dtype_flag_offers_exactly_the_stores_quantization_has():
+    from terra.cli import flag_groups
+    from terra.quantization import WEIGHTS_DTYPES
+
+    assert flag_groups.WEIGHTS_DTYPES == WEIGHTS_DTYPES
+
+
 def test_a_console_command_answers_help_within_seconds():
     command = os.path.join(os.path.dirname(sys.executable), "terra-bench")
     start = time.perf_counter()

@@ -51,6 +51,11 @@ def test_tiny_preset_writes_the_table_json_and_plot(tmp_path):
     else:
         assert saved[0]["speedup_vs_dense_loop"] is None and "In loop —" in (tmp_path / "decode_speed.md").read_text()
     assert saved[0]["bytes_per_token"] > saved[2]["bytes_per_token"]  # the fully sparse row reads less
+    # Its int8 row stores every weight in one byte plus a scale per row; the caches stay float32.
+    sparse, narrow = saved[2], saved[3]
+    assert (narrow["weights_dtype"], sparse["weights_dtype"]) == ("int8", "float32")
+    assert narrow["cache_bytes_per_token"] == sparse["cache_bytes_per_token"]
+    assert narrow["weight_bytes_per_token"] == int(sparse["weight_bytes_per_token"] / 4 * (1 + 4 / 64))  # d_model 64
     assert "| baseline Transf. |" in (tmp_path / "decode_speed.md").read_text()
     assert os.path.getsize(tmp_path / "decode_speed.png") > 1000
     assert "bandwidth_gbps" in json.loads((tmp_path / "machine.json").read_text())
@@ -145,7 +150,7 @@ def test_the_plots_draw_a_sweep_in_panels_and_bars_per_baseline_and_redraw_from_
         r["series"], r["sparsity"], r["paper_seconds"] = (
             ("ff_sparsity", 0, 0.16) if i < 2 else ("loss_sparsity", 1, 0.0)
         )
-        r["sparsity"] = [0, 64, 1, 4][i]
+        r["sparsity"] = [0, 64, 1, 2, 4][i]
     report.plot(rows, str(tmp_path / "sweep.png"), "sweep")
     assert is_png(str(tmp_path / "sweep.png"))
     (tmp_path / "decode_speed.png").unlink()

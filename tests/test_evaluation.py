@@ -15,7 +15,7 @@ from terra import gin_utils
 from terra.cli import evaluate as evaluate_cli
 from terra.cli import summarize
 from terra.data import fixtures
-from terra.errors import ConfigError, InputError
+from terra.errors import ConfigError, InputError, UsageError
 from terra.evaluation import evaluator, rouge, summaries
 from terra.training import checkpointing, trainer
 
@@ -167,6 +167,30 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     # The predictions are the model's greedy decode: a rerun with the same settings agrees.
     assert evaluate_cli.call(argv + ["--output_dir", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
+
+
+def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(finetuned, tmp_path, capsys):
+    model_dir, cohan = finetuned
+    common = ["--checkpoint", model_dir, "--batch_size", "5", "--max_decode_length", "4", f"--arxiv_cohan={cohan}"]
+    assert evaluate_cli.call(common + ["--output_dir", str(tmp_path / "float32")]) == 0
+    assert evaluate_cli.call(common + ["--weights_dtype", "int8"]) == 0
+    wide = json.loads((tmp_path / "float32" / "metrics.json").read_text())
+    with open(os.path.join(model_dir, "eval", "validation_step4_int8", "metrics.json")) as f:
+        narrow = json.load(f)  # the default output folder is named by the weights, beside float32's
+    assert wide["weights_dtype"] == "float32" and narrow["weights_dtype"] == "int8"
+    assert abs(narrow["log_perplexity"] - wide["log_perplexity"]) < 0.01
+    text = tmp_path / "doc.txt"
+    text.write_text("we study sparse layers in a model .\n")
+    capsys.readouterr()
+    assert (
+        summarize.call(
+            ["--checkpoint", model_dir, "--max_decode_length", "4", "--weights_dtype", "bfloat16", str(text)]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.count("== ") == 1
+    with pytest.raises(UsageError, match="--weights_dtype=int4: value should be one of <float32|bfloat16|int8>"):
+        evaluate_cli.call(common + ["--weights_dtype", "int4"])
 
 
 def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetuned, tmp_path, monkeypatch, capsys):

@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 from jax import lax
 
+from terra import gin_utils
 from terra.errors import ConfigError
 from terra.layers.dense import Dense
 from terra.layers.embedding import TokenEmbedding
-from terra.quantization import QuantizedTensor, dequantize, dequantize_params, products, quantize, quantize_params
+from terra.quantization import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_params,
+    kernels,
+    products,
+    quantize,
+    quantize_params,
+)
 
 
 def _weights(shape, seed=0):
@@ -51,9 +60,20 @@ def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(k
     monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
     q = quantize(_weights((37, 24)), kind)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 24)).astype(np.float32))
-    got = jax.jit(products.output_major_product)(x, q)
+    with kernels.disabled():  # the XLA path (the native kernel has its own tests)
+        got = jax.jit(products.output_major_product)(x, q)
     want = x @ dequantize(q).T
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("block_elements", [1 << 20, 4 * 19])  # one block; 4-row blocks and a tail
+def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, monkeypatch):
+    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    q = quantize(_weights((30, 19)), kind)  # [in, out]: one scale per input row
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 30)).astype(np.float32))
+    got = jax.jit(products.input_major_product)(x, q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(q)), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
@@ -137,3 +157,53 @@ def test_sparse_feedforward_reading_quantized_weights_equals_the_dequantized_wei
         got = jax.jit(functools.partial(layer.apply, decode=decode))({"params": narrow}, x)
         want = layer.apply({"params": wide}, x, decode=decode)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# Every layer kind a decode step reads: dense attention and logits, sparse FF rows and controller,
+# the multiplicative layer and Q/K/V convolutions, the sparse loss, MoE experts, the Terraformer's
+# SRU branch and LSH attention, the encoder and encoder-decoder attention, the positional table.
+MODEL_FAMILIES = [
+    "models/tiny.gin",
+    "models/tiny_fully_sparse.gin",
+    "models/tiny_moe_ff.gin",
+    "models/tiny_terraformer.gin",
+    "models/tiny_terraformer_lsh.gin",
+]
+
+
+def _tiny_family(gin_file):
+    sizes = ["vocab_size = 96", "max_len = 32", "n_decoder_layers = 1"]
+    gin_utils.parse_gin([gin_file], [f"TransformerConfig.{size}" for size in sizes])
+    model = gin_utils.build_model()
+    rng = np.random.default_rng(0)
+    inputs = jnp.asarray(rng.integers(2, 96, size=(2, 9)), jnp.int32).at[1, -3:].set(0)
+    targets = jnp.asarray(rng.integers(2, 96, size=(2, 6)), jnp.int32)
+    return model, {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
+
+
+def _decode_logits(model, params, batch):
+    decoder = model.decoder(8)
+    cache = decoder.prefill(params, batch["encoder_input_tokens"])
+    steps = []
+    for token in np.asarray(model.decoder_input_tokens(batch)).T:
+        logits, cache = decoder.step(params, cache, jnp.asarray(token))
+        steps.append(logits)
+    return jnp.stack(steps, axis=1)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
+def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_file, kind, clean_gin):
+    model, batch = _tiny_family(gin_file)
+    narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
+    wide = dequantize_params(narrow)
+    quantized_leaves = [leaf for leaf in jax.tree.leaves(narrow, is_leaf=_is_quantized) if _is_quantized(leaf)]
+    assert len(quantized_leaves) >= 8
+    reference = _decode_logits(model, wide, batch)
+    np.testing.assert_allclose(_decode_logits(model, narrow, batch), reference, atol=1e-5, rtol=1e-5)
+    # The teacher-forced pass (evaluation) reads the same narrow tree.
+    np.testing.assert_allclose(model.logits(narrow, batch), model.logits(wide, batch), atol=1e-5, rtol=1e-5)
+
+
+def _is_quantized(leaf):
+    return isinstance(leaf, QuantizedTensor)

@@ -34,6 +34,7 @@ from terra import gin_utils
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
+from terra.quantization import check_weights_dtype, quantize_leaf
 
 
 def measured_difference(long_s: Sequence[float], short_s: Sequence[float], steps: int) -> Optional[float]:
@@ -138,39 +139,50 @@ def measure_decode(
     return timing
 
 
-def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: int = 4) -> dict:
+def bytes_per_weight(weights_dtype: str, d_model: int) -> float:
+    """Bytes a decode step reads per weight stored as ``weights_dtype``: 4, 2, or for int8 one
+    byte plus its row's float32 scale shared by a row of about ``d_model`` weights (rows of the
+    small multiplicative kernels are shorter, the logits' and FF rows as long; biases and norm
+    scales stay float32 but are under 1% of the weights)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / d_model}[check_weights_dtype(weights_dtype)]
+
+
+def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: float = 4) -> dict:
     """What one batch-1 decode step costs, from shapes alone (nothing is compiled):
 
-    - ``weights``, ``caches``, ``total``: bytes read — the parameters the step touches and every
-      cache array (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows);
-    - ``flops``: XLA's cost analysis of the lowered ``step`` (2 per multiply-add of every
-      product, 1 per elementwise op; a gather counts none).
+    - ``weights``, ``caches``, ``total``: bytes read — the parameters the step touches at
+      ``weights_itemsize`` bytes each (``bytes_per_weight``) and every cache array
+      (self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows);
+    - ``flops``: XLA's cost analysis of the lowered float32 ``step`` (2 per multiply-add of every
+      product, 1 per elementwise op; a gather counts none): the arithmetic is the same whatever
+      width the weights are stored at, and a native kernel's custom call has no count.
     """
     unboxed = model.abstract_params()
     cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
-    weights = model.params_read_per_token()["total"] * weights_itemsize
+    weights = int(model.params_read_per_token()["total"] * weights_itemsize)
     caches = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
     analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     return {"weights": weights, "caches": caches, "total": weights + caches, "flops": float(analysis["flops"])}
 
 
-def random_params(model, seed: int):
+def random_params(model, seed: int, weights_dtype: str = "float32"):
     """Random weights for timing, one leaf at a time: uniform with the variance of N(0, 1/fan_in),
-    drawn by numpy. Timing does not depend on the distribution (the in-loop times agree with
-    the real initialisers' within noise); the real initialisers are one large jitted program,
-    slow to compile at the 800M widths and, at the 17B widths, larger than the machine's
-    memory (docs/architecture.md)."""
+    drawn by numpy, each weight matrix stored as ``weights_dtype`` as soon as it is drawn (so a
+    17B-wide block never holds both widths). Timing does not depend on the distribution (the
+    in-loop times agree with the real initialisers' within noise); the real initialisers are one
+    large jitted program, slow to compile at the 800M widths and, at the 17B widths, larger than
+    the machine's memory (docs/architecture.md)."""
     rng = np.random.default_rng(seed)
 
-    def leaf(spec):
+    def leaf(path, spec):
         limit = math.sqrt(3.0 / spec.shape[-1]) if spec.shape else 1.0
         values = rng.random(spec.shape, dtype=np.float32)
         values *= 2 * limit
         values -= limit
-        return jnp.asarray(values, spec.dtype)
+        return quantize_leaf(path, jnp.asarray(values, spec.dtype), weights_dtype)
 
-    return jax.tree.map(leaf, model.abstract_params())
+    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params())
 
 
 def _build(gin_files, bindings):
@@ -178,14 +190,12 @@ def _build(gin_files, bindings):
     return gin_utils.build_model()
 
 
-def _time_model(gin_files, bindings, config, seed: int = 0):
-    """Builds one model with random weights, times it, frees it."""
+def _time_model(gin_files, bindings, config, weights_dtype: str, seed: int = 0):
+    """Builds one model with random weights stored as ``weights_dtype``, times it, frees it."""
     model = _build(gin_files, bindings)
     cfg = model.config
-    params = random_params(model, seed)
-    if config.weights_dtype != "float32":
-        params = jax.tree.map(lambda x: x.astype(config.weights_dtype), params)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    params = random_params(model, seed, weights_dtype)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params()))
     inputs = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=(1, config.input_length))
     decoder = IncrementalDecoder(model.module, max(2 * config.input_length, config.tokens))
     timing = measure_decode(
@@ -197,7 +207,7 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
         n_warmup=config.warmup,
         repeats=config.repeats,
     )
-    itemsize = jnp.dtype(config.weights_dtype).itemsize
+    itemsize = bytes_per_weight(weights_dtype, cfg.d_model)
     reads = decode_cost_per_token(model, decoder, config.input_length, itemsize)
     n_layers = cfg.n_decoder_layers
     del params, decoder
@@ -207,13 +217,12 @@ def _time_model(gin_files, bindings, config, seed: int = 0):
 
 def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
     bindings = list(config.common_bindings) + list(row.bindings)
-    if config.weights_dtype != "float32":
-        bindings.append(f"TransformerConfig.dtype = '{config.weights_dtype}'")
+    # Weights stored narrow for decoding (terra.quantization); activations and caches stay float32.
+    weights_dtype = row.get("weights_dtype") or config.weights_dtype
     if config.block_mode == "difference":
-        t1, r1, _, _ = _time_model(row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 1"], config)
-        timing, reads, n_params, _ = _time_model(
-            row.gin_files, bindings + ["TransformerConfig.n_decoder_layers = 2"], config
-        )
+        one, two = (bindings + [f"TransformerConfig.n_decoder_layers = {n}"] for n in (1, 2))
+        t1, r1, _, _ = _time_model(row.gin_files, one, config, weights_dtype)
+        timing, reads, n_params, _ = _time_model(row.gin_files, two, config, weights_dtype)
         per_block = timing.median_token_s - t1.median_token_s
         # The 2-block model's loops against the 1-block model's, repetition by repetition.
         per_block_loop = measured_difference(
@@ -229,7 +238,7 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         achieved = block_bytes / max(per_block, 1e-9)
         floor = block_bytes / bandwidth
     else:
-        timing, reads, n_params, n_layers = _time_model(row.gin_files, bindings, config)
+        timing, reads, n_params, n_layers = _time_model(row.gin_files, bindings, config, weights_dtype)
         per_block = timing.median_token_s / n_layers
         loop_token = timing.median_loop_token_s
         per_block_loop = None if loop_token is None else loop_token / n_layers
@@ -244,6 +253,7 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         "paper_note": row.paper_note,
         "gin_files": list(row.gin_files),
         "bindings": bindings,
+        "weights_dtype": weights_dtype,
         "series": row.series,
         "sparsity": row.sparsity,
         "block_mode": config.block_mode,

@@ -26,10 +26,12 @@ def make_row(
     baseline: str = "",
     paper: float = 0.0,
     paper_note: str = "",
+    weights_dtype: str = "",
 ):
     """One model to time. ``baseline``: the name of the row its speed-up is measured against
     (default: the preset's ``dense_row``); ``paper``: the paper's seconds for the same row on
-    the paper's CPU (0: the paper has none), ``paper_note`` where that figure comes from."""
+    the paper's CPU (0: the paper has none), ``paper_note`` where that figure comes from;
+    ``weights_dtype``: how its weights are stored (default: the preset's ``weights_dtype``)."""
     return ml_collections.ConfigDict(
         {
             "name": name,
@@ -40,6 +42,7 @@ def make_row(
             "baseline": baseline,
             "paper": paper,
             "paper_note": paper_note,
+            "weights_dtype": weights_dtype,
         }
     )
 
@@ -56,7 +59,7 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
             "repeats": 3,
             "warmup": 4,
             "block_mode": "divide",  # 'divide': time / decoder layers; 'difference': see paper_17b_block
-            "weights_dtype": "float32",
+            "weights_dtype": "float32",  # or 'bfloat16', 'int8': rows without their own (terra.quantization)
             "bandwidth_buffer_mb": 1024,
             "dense_row": 0,  # the row speed-ups are relative to (unless a row names its baseline)
             "title": "",  # the table's and plot's title (default: the preset's name)
@@ -161,6 +164,51 @@ def paper_17b_block() -> ml_collections.ConfigDict:
     )
 
 
+QUANTIZED_WIDTHS = ("float32", "bfloat16", "int8")
+
+
+def _at_each_width(name: str, *gin_files: str, bindings=(), baseline: str = ""):
+    """One model's rows at every weight store, one run so the ratios compare."""
+    return [
+        make_row(f"{name} · {dtype}", *gin_files, bindings=bindings, weights_dtype=dtype, baseline=baseline)
+        for dtype in QUANTIZED_WIDTHS
+    ]
+
+
+def quantized_800m() -> ml_collections.ConfigDict:
+    """Quantized decoding (the paper's §7 future work) at the 800M widths, 2+24-layer timing
+    shape: dense, Sparse FF+QKV+loss, fully sparse and Terraformer with float32, bfloat16 and
+    int8 weights; speed-ups against dense float32."""
+    m = "models/{}_800m.gin".format
+    return timing_config(
+        _at_each_width("baseline Transf.", m("dense"))
+        + _at_each_width("+ Sparse FF+QKV+loss 4", m("sparse_ff_qkv_loss4"))
+        + _at_each_width("fully sparse", m("fully_sparse"))
+        + _at_each_width("Terraformer", m("terraformer")),
+        title="Quantized decoding at the 800M widths, 2+24-layer timing shape (batch 1, float32 activations)",
+    )
+
+
+def quantized_17b_block() -> ml_collections.ConfigDict:
+    """Quantized decoding per decoder block at the 17B widths: the dense and fully sparse
+    blocks and the Terraformer blocks (as ``paper_17b_block``) at each weight store."""
+    base = paper_17b_block()
+    rows = {row.name: row for row in base.rows}
+    picked = []
+    for name in (
+        "baseline Transf.",
+        "fully sparse (+ sparse enc-dec attn)",
+        "Terraformer dense",
+        "Terraformer Sparse FF+QKV",
+    ):
+        row = rows[name]
+        baseline = "Terraformer dense · float32" if name.startswith("Terraformer") else ""
+        picked += _at_each_width(name, *row.gin_files, bindings=row.bindings, baseline=baseline)
+    base.rows = picked
+    base.title = "Quantized decoding per decoder block at the 17B widths (d_model 9216; batch 1, float32 activations)"
+    return base
+
+
 def sparsity_sweep() -> ml_collections.ConfigDict:
     """Decode time against FF sparsity N (Figure 3's axis) and loss sparsity S."""
     table_2 = {64: 0.093, 128: 0.089}  # paper Table 2 (and 0.160 dense)
@@ -205,6 +253,7 @@ def tiny() -> ml_collections.ConfigDict:
             make_row("baseline Transf.", "models/tiny.gin"),
             make_row("+ Sparse FF", "models/tiny_sparse_ff.gin", series="ff_sparsity", sparsity=16),
             make_row("fully sparse", "models/tiny_fully_sparse.gin"),
+            make_row("fully sparse · int8", "models/tiny_fully_sparse.gin", weights_dtype="int8"),
             make_row("Terraformer", "models/tiny_terraformer.gin"),
         ],
         common_bindings=[],
@@ -223,6 +272,8 @@ def single_model(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> ml_c
 PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "paper_800m": paper_800m,
     "paper_17b_block": paper_17b_block,
+    "quantized_800m": quantized_800m,
+    "quantized_17b_block": quantized_17b_block,
     "sparsity_sweep": sparsity_sweep,
     "tiny": tiny,
 }

@@ -17,7 +17,17 @@ from absl import flags
 from terra.cli import app, flag_groups
 
 # Flags passed on to terra.evaluation.evaluate when given.
-OVERRIDES = ("step", "split", "num_examples", "batch_size", "max_decode_length", "temperature", "seed", "output_dir")
+OVERRIDES = (
+    "step",
+    "split",
+    "num_examples",
+    "batch_size",
+    "max_decode_length",
+    "temperature",
+    "seed",
+    "output_dir",
+    "weights_dtype",
+)
 
 
 def define_flags(flag_values: flags.FlagValues, argv) -> None:
@@ -47,6 +57,7 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_bool(
         "force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values
     )
+    flag_groups.define_weights_dtype_flag(flag_values, default=None)
 
 
 def run(flag_values: flags.FlagValues, _) -> int:

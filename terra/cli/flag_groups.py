@@ -122,3 +122,20 @@ def define_config_flag(flag_values: flags.FlagValues, config, argv: Sequence[str
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_dict("config", config, help_text, flag_values=flag_values, sys_argv=["terra", *argv])
+
+
+# terra.quantization.WEIGHTS_DTYPES, spelled out here so that flag parsing imports no JAX
+# (tests/test_cli.py checks they agree).
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def define_weights_dtype_flag(flag_values: flags.FlagValues, default: Optional[str] = "float32") -> None:
+    """``--weights_dtype``: how the decode step stores the weights it reads."""
+    flags.DEFINE_enum(
+        "weights_dtype",
+        default,
+        list(WEIGHTS_DTYPES),
+        "weights as stored for decoding: int8 (per-row scales) or bfloat16 read a quarter or half of float32's "
+        "bytes; activations and caches stay float32 (docs/decode_speed.md, 'Quantized decoding')",
+        flag_values=flag_values,
+    )

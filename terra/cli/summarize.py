@@ -36,6 +36,7 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_bool(
         "force", False, "summarize with a run whose task is not a summarization task anyway", flag_values=flag_values
     )
+    flag_groups.define_weights_dtype_flag(flag_values)
     flags.DEFINE_multi_string(
         "gin_bindings",
         [],
@@ -59,6 +60,7 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         flag_values.step,
         [*flag_groups.data_bindings(flag_values), *flag_values.gin_bindings],
         require_summarization=not flag_values.force,
+        weights_dtype=flag_values.weights_dtype,
     )
     lengths = run.feature_lengths
     encoded = []

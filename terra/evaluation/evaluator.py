@@ -26,6 +26,7 @@ from terra.errors import ConfigError
 from terra.evaluation import rouge as rouge_lib
 from terra.evaluation import summaries
 from terra.files import write_atomically
+from terra.quantization import check_weights_dtype, quantize_params
 from terra.training import checkpointing
 
 
@@ -87,6 +88,7 @@ def evaluate(
     bootstrap_samples: int = 1000,
     excerpt_chars: int = 300,
     force: bool = False,
+    weights_dtype: str = "float32",
     log=print,
 ) -> EvaluationResult:
     """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
@@ -99,9 +101,13 @@ def evaluate(
       max_decode_length: most tokens per summary (default: ``feature_lengths['targets']``).
       temperature, seed: 0 is greedy; otherwise sampling, reproducible for a seed.
       num_examples: evaluate only the first ones (default: the whole split).
-      output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``).
+      output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``, with
+        ``_<weights_dtype>`` appended for narrow weights).
       force: score a task that is not a summarization task anyway (its ROUGE means little).
+      weights_dtype: 'float32', or 'int8' / 'bfloat16' to decode and score with the weights stored
+        narrow (``terra.quantization``; activations and caches stay float32).
     """
+    check_weights_dtype(weights_dtype)
     if batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size} must be positive.")
     if temperature < 0:
@@ -120,14 +126,17 @@ def evaluate(
     )
     max_decode_length = max_decode_length or feature_lengths["targets"]
     params, step = checkpointing.load_params(model, model_dir, step)  # fails before anything is written
+    params = quantize_params(params, weights_dtype)
     examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
     if not examples:
         raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")
-    output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}")
+    narrow = "" if weights_dtype == "float32" else f"_{weights_dtype}"  # beside, not over, the float32 results
+    output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}{narrow}")
     vocabulary = provider.output_features["targets"].vocabulary
 
     log(
         f"evaluate: {len(examples)} examples of {provider.name}/{split}, checkpoint step {step}, "
+        f"{weights_dtype} weights, "
         f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}"
     )
     start = time.perf_counter()
@@ -166,6 +175,7 @@ def evaluate(
         "temperature": temperature,
         "seed": seed,
         "max_decode_length": max_decode_length,
+        "weights_dtype": weights_dtype,
         "feature_lengths": dict(feature_lengths),
         "rouge": rouge,
         "log_perplexity": log_ppl,

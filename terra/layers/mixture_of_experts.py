@@ -24,6 +24,7 @@ from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense, output_major_product
 from terra.layers.initializers import glorot_uniform
 from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask, take_rows
+from terra.quantization.quantized import as_float
 
 
 class MixtureOfExpertsFeedForward(nn.Module):
@@ -72,10 +73,10 @@ class MixtureOfExpertsFeedForward(nn.Module):
                 mask = straight_through_mask(logits, index, self.hard_prob, self.make_rng("dropout"))
             else:
                 mask = jax.nn.one_hot(index, self.n_experts, dtype=jnp.float32)
-            mid = output_major_product(x, jnp.asarray(wi, self.dtype).reshape(self.d_ff, self.d_model))
+            mid = output_major_product(x, as_float(wi, self.dtype).reshape(self.d_ff, self.d_model))
             mid = mid.reshape(mid.shape[:-1] + (self.n_experts, block)) * mask[..., None].astype(self.dtype)
             h = nn.relu(mid).reshape(mid.shape[:-2] + (self.d_ff,))
-            y = h @ jnp.asarray(wo, self.dtype).reshape(self.d_ff, self.d_model) + wo_bias
+            y = h @ as_float(wo, self.dtype).reshape(self.d_ff, self.d_model) + wo_bias
         y = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
         return y.astype(self.dtype)
 

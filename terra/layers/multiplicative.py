@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT
+from terra.quantization.products import input_major_product
+from terra.quantization.quantized import as_float
 
 
 class MultiplicativeDense(nn.Module):
@@ -64,8 +66,8 @@ class MultiplicativeDense(nn.Module):
             (d_in, size),
         )
         x = x.astype(self.dtype)
-        gated = x[..., None, :] * jnp.asarray(gate, self.dtype)  # [..., S, d_in]
-        y = gated @ jnp.asarray(kernel, self.dtype)  # [..., S, M]
+        gated = x[..., None, :] * as_float(gate, self.dtype)  # [..., S, d_in]
+        y = input_major_product(gated, kernel)  # [..., S, M]
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (self.kernel_axes[1],)), (self.features,))
             y = y + jnp.asarray(bias, self.dtype).reshape(self.n_modules, size)

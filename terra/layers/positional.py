@@ -12,6 +12,8 @@ import numpy as np
 from jax import lax
 
 from terra.layers import axes
+from terra.quantization.products import slice_rows
+from terra.quantization.quantized import as_float
 
 
 def sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
@@ -64,8 +66,8 @@ class TrainablePositionalEmbedding(nn.Module):
             nn.with_logical_partitioning(init, (axes.POSITIONS, axes.EMBED)),
             (self.max_len, d_model),
         )
-        table = jnp.asarray(table, self.dtype)
         if not decode:
+            table = as_float(table, self.dtype)
             if length > self.max_len:
                 raise ValueError(
                     f"Sequence length {length} exceeds the positional table (max_len="
@@ -77,7 +79,8 @@ class TrainablePositionalEmbedding(nn.Module):
         position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
         if not initialized:
             # Cache-creating call: the output is discarded by the caller.
-            return x + table[None, :length]
+            return x + slice_rows(table, 0, length).astype(self.dtype)[None]
         pos = position.value
         position.value = pos + length
-        return x + lax.dynamic_slice_in_dim(table, pos, length, axis=0)[None]
+        # A decode tree's table may be narrow: only the rows read are widened.
+        return x + slice_rows(table, pos, length).astype(self.dtype)[None]

@@ -27,6 +27,8 @@ from terra.layers import axes
 from terra.layers.attention import AttentionBase
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
+from terra.quantization.products import input_major_product
+from terra.quantization.quantized import as_float
 
 VARIANTS = ("multconv", "mult", "conv")
 
@@ -64,20 +66,21 @@ class ModuleConvolution(nn.Module):
             (f, k, m_in, self.features),
         )
         bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (axes.KV,)), (self.features,))
-        kernel = jnp.asarray(kernel, self.dtype)
         u = jnp.pad(
             u.astype(self.dtype), ((0, 0), (f - 1 if causal_pad else 0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0))
         )
         if causal_pad:
+            kernel = as_float(kernel, self.dtype)
             y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         else:
             y = self._unfolded(u, kernel)
         return y + jnp.asarray(bias, self.dtype)
 
-    def _unfolded(self, u: jax.Array, kernel: jax.Array) -> jax.Array:
+    def _unfolded(self, u: jax.Array, kernel) -> jax.Array:
         """The same convolution as one matrix product over unfolded windows. Used in decode,
         where the input is a few rows and XLA:CPU runs this faster than its convolution op
-        (figures in ``docs/architecture.md``, "Decisions taken from measurements")."""
+        (figures in ``docs/architecture.md``, "Decisions taken from measurements"); a decode
+        tree's narrow kernel is read by the input-major product."""
         f, k, m_in, m_out = kernel.shape
         batch, length, padded_modules, _ = u.shape
         n_modules, out_length = padded_modules - (k - 1), length - (f - 1)
@@ -86,7 +89,7 @@ class ModuleConvolution(nn.Module):
             axis=3,
         )  # [batch, out_length, S, F, k, M_in]
         windows = windows.reshape(batch, out_length, n_modules, f * k * m_in)
-        return windows @ kernel.reshape(f * k * m_in, m_out)
+        return input_major_product(windows, kernel.reshape(f * k * m_in, m_out))
 
 
 def attention_sparsity_modules(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:

@@ -5,17 +5,21 @@ block in cache. Training is unchanged; see ``docs/decode_speed.md``."""
 from terra.quantization.quantized import (
     WEIGHTS_DTYPES,
     QuantizedTensor,
+    check_weights_dtype,
     dequantize,
     dequantize_params,
     quantize,
+    quantize_leaf,
     quantize_params,
 )
 
 __all__ = [
     "WEIGHTS_DTYPES",
     "QuantizedTensor",
+    "check_weights_dtype",
     "dequantize",
     "dequantize_params",
     "quantize",
+    "quantize_leaf",
     "quantize_params",
 ]

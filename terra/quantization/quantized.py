@@ -103,16 +103,30 @@ def _is_weight(path, leaf: Any) -> bool:
     return floating and np.ndim(leaf) >= 2 and "bias" not in name
 
 
+def check_weights_dtype(weights_dtype: str) -> str:
+    """``weights_dtype`` if it names a decode store, else a :class:`ConfigError` listing them."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ConfigError(
+            f"weights_dtype '{weights_dtype}' is not one of {', '.join(WEIGHTS_DTYPES)} "
+            "(int8 and bfloat16 store the weights narrow for decoding; training stays float32)."
+        )
+    return weights_dtype
+
+
+def quantize_leaf(path, leaf: Any, weights_dtype: str) -> Any:
+    """One leaf of a parameter tree (``path`` as ``jax.tree_util`` gives it) as the decode tree
+    stores it: a weight matrix quantized, anything else unchanged."""
+    if weights_dtype == "float32" or not _is_weight(path, leaf):
+        return leaf
+    return quantize(leaf, weights_dtype)
+
+
 def quantize_params(params: Any, weights_dtype: str) -> Any:
     """A trained float32 parameter tree -> the decode tree of ``weights_dtype``: every weight
     matrix a :class:`QuantizedTensor`, everything else unchanged (``float32`` returns ``params``)."""
-    if weights_dtype not in WEIGHTS_DTYPES:
-        raise ConfigError(f"weights_dtype '{weights_dtype}' is not one of {', '.join(WEIGHTS_DTYPES)}.")
-    if weights_dtype == "float32":
+    if check_weights_dtype(weights_dtype) == "float32":
         return params
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: quantize(leaf, weights_dtype) if _is_weight(path, leaf) else leaf, params
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: quantize_leaf(path, leaf, weights_dtype), params)
 
 
 def dequantize_params(params: Any) -> Any:

@@ -171,3 +171,29 @@ SPARSITY_PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
 LENGTH_PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
     name: (lambda name=name: length_generalization_config(name)) for name in ("small", "smoke", "paper")
 }
+
+
+# --- the quality cost of quantized weights (docs/decode_speed.md) ---
+
+
+def quantization_config(preset: str = "default") -> ml_collections.ConfigDict:
+    """Settings of ``terra-reproduce quantization``: how much of each run's validation split is
+    scored teacher-forced and how many of its inputs are decoded greedily; ``smoke`` is the tests'."""
+    if preset not in ("default", "smoke"):
+        raise ConfigError(f"unknown quantization preset {preset!r}; use 'default' or 'smoke'.")
+    smoke = preset == "smoke"
+    return ml_collections.ConfigDict(
+        {
+            "weights": "float32,bfloat16,int8",
+            "split": "validation",
+            "eval_batches": 1 if smoke else 16,
+            "eval_batch_size": 0,  # 0: the run's BATCH_SIZE, as its trainer evaluated
+            "decode_examples": 4 if smoke else 32,
+            "max_new_tokens": 4 if smoke else 32,
+        }
+    )
+
+
+QUANTIZATION_PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
+    name: (lambda name=name: quantization_config(name)) for name in ("default", "smoke")
+}

@@ -1,0 +1,132 @@
+"""The native narrow-weight products (``terra/quantization/native/narrow_products.cc``) as XLA FFI
+custom calls on the CPU.
+
+The shared library is built by the package's install (``setup.py``, an optional extension placed
+next to its source). It is loaded with ctypes on first use and its handlers registered with
+``jax.ffi``; when it is missing or cannot be loaded, one warning says so and :func:`available`
+is false, so ``terra/quantization/products.py`` keeps its XLA path. ``TERRA_NATIVE_KERNELS=0``
+turns the kernels off without a warning (to compare both paths, or to rule the kernels out).
+
+The kernels take at most :data:`MAX_ROWS` rows of activations per call (batch-1 decoding, small
+batches and beams): each weight is widened once and multiplied into every row, so their arithmetic
+grows with the rows (int8 turns compute-bound from about 4 rows, yet at 8 rows still measured 2.5x
+faster than XLA's blocked product); larger products, prefill and training keep XLA's products,
+which are real matrix products (``terra/benchmarks/quantized_products.py --rows 8``).
+"""
+
+import contextlib
+import ctypes
+import functools
+import importlib.machinery
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+ENV_SWITCH = "TERRA_NATIVE_KERNELS"
+MAX_ROWS = 8
+LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+LIBRARY_STEM = "_narrow_products"  # the extension module setup.py builds: terra.quantization.native._narrow_products
+REBUILD = (
+    "rebuild it with `make install` (after `rm .venv/.terra-installed`) or "
+    "`.venv/bin/python -m pip install --no-deps --no-build-isolation -e .` (needs a C++17 compiler)"
+)
+# The instruction sets the library chooses between, in its numbering.
+ISAS = ("portable", "avx2", "avx512")
+TARGETS = {"int8": "terra_output_major_int8", "bfloat16": "terra_output_major_bf16"}
+
+
+def library_path():
+    """The built library next to its source, or ``None`` when the install did not build it."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(LIBRARY_DIR, LIBRARY_STEM + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+@functools.cache
+def _library():
+    """The loaded library with its targets registered, or ``None`` (after one warning when the
+    kernels were wanted but could not be had)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    path = library_path()
+    if path is None:
+        reason = f"terra's native kernels are not built (no {LIBRARY_STEM}*.so in {LIBRARY_DIR})"
+    else:
+        try:
+            library = ctypes.CDLL(path)
+            for target in TARGETS.values():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+            library.terra_narrow_products_isa.argtypes = [ctypes.c_int]
+            library.terra_narrow_products_isa.restype = ctypes.c_int
+            return library
+        except Exception as error:  # an optional speed-up: whatever fails, the XLA path remains
+            reason = f"terra's native kernels could not be loaded from {path} ({error})"
+    warnings.warn(
+        f"{reason}: int8/bfloat16 decoding uses the slower XLA products; {REBUILD}. "
+        f"Set {ENV_SWITCH}=0 to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
+
+
+_disabled = 0  # depth of `disabled()` blocks being traced
+
+
+def available() -> bool:
+    """Whether the native products can be used (built, loaded, and not turned off)."""
+    return not _disabled and _library() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Products traced inside this block use the XLA path (to compare both in one process); the
+    choice is made when a function is traced, so a function jitted inside keeps it."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: ``avx512``, ``avx2`` or ``portable``."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("terra's native kernels are not available")
+    return ISAS[library.terra_narrow_products_isa(-1)]
+
+
+def use_isa(name: str) -> str:
+    """Run the kernels with instruction set ``name`` (or the best this CPU has below it), e.g. to
+    check every variant on one machine; takes effect at the next call, traced or not. Returns the
+    set in use before."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("terra's native kernels are not available")
+    before = ISAS[library.terra_narrow_products_isa(-1)]
+    library.terra_narrow_products_isa(ISAS.index(name))
+    return before
+
+
+def output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """``x f32 [rows, in]`` times output-major narrow weights -> ``f32 [rows, out]``, ``rows`` <=
+    :data:`MAX_ROWS`.
+
+    ``values``: ``int8 [out, in]`` with ``scale f32 [out]`` or ``f32 [out, groups]`` (``groups``
+    dividing ``in``: each run of ``in / groups`` consecutive inputs has its own scale per output,
+    as a kernel ``[out, heads, d_head]`` stores it); or ``uint16 [out, in]`` bfloat16 bits
+    (``scale`` unused).
+    """
+    if _library() is None:  # loads and registers the targets on first use
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
+    # "sequential": under vmap, one call per batch element, each the unbatched product; correct
+    # whichever operands are batched. Nothing in terra vmaps these products.
+    call = jax.ffi.ffi_call(TARGETS[kind], out, vmap_method="sequential")
+    return call(x, values, scale) if kind == "int8" else call(x, values)

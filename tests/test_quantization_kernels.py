@@ -1,0 +1,250 @@
+"""The native narrow-weight products (terra/quantization/kernels.py and its C++ library): built and
+loaded wherever a compiler is, equal to the XLA product of the same stored weights on odd shapes in
+every instruction set this CPU has, chosen by ``output_major_product`` only where they apply, and
+replaced by the XLA path, with one warning, when the library cannot be loaded."""
+
+import functools
+import importlib.machinery
+import os
+import shutil
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from terra.quantization import dequantize, kernels, products, quantize
+
+KINDS = ("int8", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def kernels_switched_on(monkeypatch):
+    """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets
+    (the switch is honoured again after each test)."""
+    switched = kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    if switched:
+        kernels._library.cache_clear()
+    yield
+    if switched:
+        kernels._library.cache_clear()
+
+
+@pytest.fixture
+def reloaded():
+    """The library state loaded afresh for the test, and again (the real library) after it."""
+    kernels._library.cache_clear()
+    yield
+    kernels._library.cache_clear()
+
+
+def _weights(shape, seed=0):
+    w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w[..., 0] *= 40  # an outlier per row, as trained weights have
+    return jnp.asarray(w)
+
+
+def _inputs(rows, n_in, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(rows, n_in)).astype(np.float32))
+
+
+ODD_SHAPES = [(n_out, n_in, rows) for n_out in (1, 7, 33, 1000) for n_in in (1, 3, 17, 1025) for rows in (1, 3)]
+
+
+@functools.cache
+def _odd_cases(kind):
+    """``[(x, q, the XLA product)]`` for every odd shape, shared by the instruction sets' tests
+    (quantized and multiplied by XLA in one compiled function each: one per shape takes seconds)."""
+    inputs = [_inputs(rows, n_in) for _, n_in, rows in ODD_SHAPES]
+    weights = [_weights((n_out, n_in)) for n_out, n_in, _ in ODD_SHAPES]
+    narrow = jax.jit(lambda ws: [quantize(w, kind) for w in ws])(weights)
+    with kernels.disabled():
+        xla = jax.jit(lambda xs, qs: [products.output_major_product(x, q) for x, q in zip(xs, qs)])(inputs, narrow)
+    return list(zip(inputs, narrow, xla))
+
+
+def _xla(x, q):
+    """The XLA product of the same stored weights (the kernels off while it is traced)."""
+    with kernels.disabled():
+        return jax.jit(lambda x, q: products.output_major_product(x, q))(x, q)
+
+
+def _assert_close(got, x, q, want=None):
+    """``got`` equals ``want`` (by default the float64 product of the stored weights) within
+    1e-6 of the size of each sum, ``sum_i |x_i w_i|``: what float32 rounding in any summation
+    order leaves, so a wrong weight, scale or tail element fails."""
+    values = np.asarray(q.values)
+    if q.kind == "int8":
+        w = values.astype(np.float64) * np.asarray(q.scale, np.float64)[..., None]
+    else:  # bfloat16 bits are the high half of a float32
+        w = (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    w = w.reshape(values.shape[0], -1)
+    x = np.asarray(x, np.float64).reshape(-1, w.shape[1])
+    want = x @ w.T if want is None else np.asarray(want, np.float64).reshape(x.shape[0], w.shape[0])
+    got = np.asarray(got).reshape(x.shape[0], w.shape[0])
+    bound = 1e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30
+    worst = np.max(np.abs(got - want) / bound)
+    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+
+
+def _product():
+    """A jitted ``output_major_product`` of its own: jit's trace cache is keyed by the function, and
+    the path is chosen when tracing, so each test traces its products afresh."""
+    return jax.jit(lambda x, q: products.output_major_product(x, q))
+
+
+def _uses_kernel(x, q) -> bool:
+    return "terra_output_major" in str(jax.make_jaxpr(lambda x, q: products.output_major_product(x, q))(x, q))
+
+
+def _use_isa(isa):
+    if not kernels.available():
+        pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
+    kernels.use_isa(isa)
+    if kernels.isa() != isa:
+        kernels.use_isa(kernels.ISAS[-1])
+        pytest.skip(f"this CPU has no {isa}")
+
+
+def test_the_kernels_are_built_and_load_where_there_is_a_compiler(reloaded):
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the install skips the native kernels by design")
+    assert kernels.library_path() is not None, f"not built: {kernels.REBUILD}"
+    assert kernels.available()
+    assert kernels.isa() in kernels.ISAS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("isa", kernels.ISAS)
+def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(kind, isa):
+    _use_isa(isa)
+    product = _product()
+    try:
+        for x, q, xla in _odd_cases(kind):
+            _assert_close(product(x, q), x, q, want=xla)
+    finally:
+        kernels.use_isa(kernels.ISAS[-1])
+
+
+@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
+    # The kernels read 4 (or 2) output rows at a time: 3, 37 and 301 outputs leave a remainder, in
+    # the last chunk of the threads' split for 301 x 1024 (above the size run on one thread);
+    # 4100 and 1029 inputs leave a tail shorter than a vector.
+    _use_isa(isa)
+    try:
+        for n_out, n_in in ((3, 4100), (37, 1029), (301, 1024)):
+            for kind in KINDS:
+                q = quantize(_weights((n_out, n_in)), kind)
+                x = _inputs(rows, n_in)
+                _assert_close(kernels.output_major(x, q.values, q.scale, kind), x, q)
+    finally:
+        kernels.use_isa(kernels.ISAS[-1])
+
+
+def test_a_large_product_split_between_threads_equals_the_xla_product():
+    # 2 MiB of int8 weights: above the size the kernel runs on the calling thread alone.
+    q = quantize(_weights((2048, 1024)), "int8")
+    x = _inputs(2, 1024)
+    assert _uses_kernel(x, q)
+    _assert_close(_product()(x, q), x, q, want=_xla(x, q))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("isa", kernels.ISAS)
+def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
+    # [out, heads, d_head]: int8 keeps a scale per (output, head), which the kernel applies per group
+    # of d_head inputs; short rows and long (interleaved) ones, groups not a multiple of a vector.
+    _use_isa(isa)
+    try:
+        for shape in ((33, 3, 17), (9, 4, 1100)):
+            q = quantize(_weights(shape), kind)
+            x = _inputs(2, shape[1] * shape[2]).reshape(2, 1, -1)
+            assert _uses_kernel(x, q)
+            got = _product()(x, q)
+            assert got.shape == (2, 1, shape[0])
+            _assert_close(got, x, q, want=_xla(x, q))
+    finally:
+        kernels.use_isa(kernels.ISAS[-1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a 2-row tail
+def test_the_xla_path_equals_the_stored_product_in_blocks_with_a_tail(kind, block_elements, monkeypatch):
+    # The path the kernels fall back to, and the one for more than MAX_ROWS rows.
+    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    for shape in ((37, 24), (37, 2, 12)):
+        q = quantize(_weights(shape), kind)
+        for x in (_inputs(3, 24), _inputs(12, 24).reshape(3, 4, 24)):
+            _assert_close(_xla(x, q), x, q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_runs_under_jit_inside_a_while_loop_as_decoding_does(kind):
+    q = quantize(_weights((40, 24)), kind)
+    x = _inputs(3, 24)
+
+    def decode(q, x):  # three dependent steps, the output feeding the next input
+        def step(carry):
+            i, x = carry
+            return i + 1, x + 1e-3 * products.output_major_product(x, q)[:, :24]
+
+        return lax.while_loop(lambda c: c[0] < 3, step, (0, x))[1]
+
+    assert "terra_output_major" in str(jax.make_jaxpr(decode)(q, x))
+    got = jax.jit(decode)(q, x)
+    with kernels.disabled():
+        want = jax.jit(lambda q, x: decode(q, x))(q, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_the_kernel_is_used_only_where_it_applies():
+    q = quantize(_weights((16, 8)), "int8")
+    assert _uses_kernel(jnp.ones((2, 4, 8)), q)  # 8 rows
+    assert not _uses_kernel(jnp.ones((9, 8)), q)  # beyond MAX_ROWS
+    assert not _uses_kernel(jnp.ones((2, 8), jnp.bfloat16), q)
+    assert not _uses_kernel(jnp.ones((2, 8)), dequantize(q))  # a float32 kernel
+    _assert_close(_product()(_inputs(9, 8), q), _inputs(9, 8), q)  # the XLA path
+
+
+def test_vmap_over_the_rows_gives_the_unbatched_products():
+    q = quantize(_weights((21, 10)), "int8")
+    xs = _inputs(12, 10).reshape(4, 3, 10)
+    assert "terra_output_major" in str(jax.make_jaxpr(jax.vmap(lambda x: products.output_major_product(x, q)))(xs))
+    got = jax.jit(jax.vmap(lambda x: products.output_major_product(x, q)))(xs)
+    _assert_close(got, xs, q, want=_xla(xs, q))
+
+
+def test_the_switch_turns_the_kernels_off_without_a_warning(reloaded, monkeypatch):
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    q = quantize(_weights((33, 17)), "int8")
+    x = _inputs(1, 17)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernels.available()
+        assert not _uses_kernel(x, q)
+        got = _product()(x, q)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["missing", "unloadable"])
+def test_a_library_that_cannot_be_loaded_falls_back_with_one_warning(broken, reloaded, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "LIBRARY_DIR", str(tmp_path))
+    if broken:  # a file where the library should be that is not one
+        (tmp_path / (kernels.LIBRARY_STEM + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not ELF")
+    q = quantize(_weights((7, 3)), "bfloat16")
+    x = _inputs(3, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert not kernels.available()
+            got = _product()(x, q)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert ("could not be loaded" if broken else "not built") in message
+    assert "XLA" in message and "make install" in message and kernels.ENV_SWITCH in message
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
