@@ -87,5 +87,5 @@ def test_the_readme_python_api_example_runs_verbatim_on_the_quickstart_run(quick
     monkeypatch.chdir(out.parent.parent)
     exec(compile(_readme_python_api_block(), "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 7 and printed[-1].endswith("parameters read per decoded token"), printed
+    assert len(printed) == 8 and printed[-1].endswith("parameters read per decoded token"), printed
     assert printed[0].startswith("['") and printed[3].startswith("[-") and printed[4].startswith("(1, ")

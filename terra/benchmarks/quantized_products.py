@@ -11,10 +11,9 @@ timed hot instead, :data:`LOOP_CALLS` products in one jitted loop: its time is t
 overhead of the path. Each product depends on the previous one (a scalar of its output is added
 to the next input), so none overlaps another.
 
-Run: ``python -m terra.benchmarks.quantized_products [--rows 1] [--repeats 15]``.
+Run: ``terra-bench products [--rows 1] [--repeats 15]``.
 """
 
-import argparse
 import math
 import time
 from typing import Callable, List, Optional, Sequence
@@ -157,23 +156,14 @@ def format_table(results: List[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None, print_fn: Callable[[str], None] = print) -> List[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--rows", type=int, default=1, help="rows of x (1 = batch-1 decoding; at most 8 for the kernel)"
-    )
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls per product (the median is reported)")
-    args = parser.parse_args(argv)
+def run(rows: int = 1, repeats: int = 15, print_fn: Callable[[str], None] = print) -> List[dict]:
+    """Measures every shape (``rows`` rows of x, the median of ``repeats`` calls) and prints the table."""
     machine = describe_machine()
     print_fn(f"{machine['cpu']}, {machine['usable_cores']} cores, jax {machine['jax']}, {machine['backend']}")
     if kernels.available():
         print_fn(f"native kernels: {kernels.isa()}")
     else:
         print_fn("native kernels: not available (kernel rows skipped)")
-    results, bandwidth = measure(args.rows, args.repeats)
+    results, bandwidth = measure(rows, repeats)
     print_fn(format_table(results, bandwidth))
     return results
-
-
-if __name__ == "__main__":
-    main()

@@ -179,6 +179,30 @@ def run_memory(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
+PRODUCTS_DOC = """Narrow-weight matrix-vector products (float32, int8, bfloat16; XLA and the native kernels)
+at the decode step's shapes, beside the read bandwidth measured in the same run.
+
+  terra-bench products
+  terra-bench products --rows 8        # beams: up to 8 rows take the native kernel
+"""
+
+
+def define_products_flags(flag_values: flags.FlagValues, argv) -> None:
+    flags.DEFINE_integer(
+        "rows", 1, "rows of x (1 = batch-1 decoding; at most 8 take the kernel)", lower_bound=1, flag_values=flag_values
+    )
+    flags.DEFINE_integer(
+        "repeats", 15, "timed calls per product (the median is reported)", lower_bound=1, flag_values=flag_values
+    )
+
+
+def run_products(flag_values: flags.FlagValues, _) -> int:
+    from terra.benchmarks import quantized_products
+
+    quantized_products.run(flag_values.rows, flag_values.repeats)
+    return 0
+
+
 def _sub(name, doc, define, run, **kwargs):
     return app.command(f"terra-bench {name}", "terra.cli.bench", doc, define_flags=define, run=run, **kwargs)
 
@@ -192,6 +216,7 @@ COMMAND = app.group(
         "train": _sub("train", TRAIN_DOC, define_train_flags, run_train),
         "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
         "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),
+        "products": _sub("products", PRODUCTS_DOC, define_products_flags, run_products),
     },
 )
 main, call = COMMAND.main, COMMAND.call

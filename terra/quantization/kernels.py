@@ -11,7 +11,7 @@ The kernels take at most :data:`MAX_ROWS` rows of activations per call (batch-1 
 batches and beams): each weight is widened once and multiplied into every row, so their arithmetic
 grows with the rows (int8 turns compute-bound from about 4 rows, yet at 8 rows still measured 2.5x
 faster than XLA's blocked product); larger products, prefill and training keep XLA's products,
-which are real matrix products (``terra/benchmarks/quantized_products.py --rows 8``).
+which are real matrix products (``terra-bench products --rows 8``).
 """
 
 import contextlib
