@@ -21,7 +21,6 @@ import functools
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,13 +45,6 @@ def run_config_path(model_dir: str) -> str:
             "or name the run's experiment with --gin_file."
         )
     return config
-
-
-def _macro(name: str, default: Any = None) -> Any:
-    try:
-        return gin.query_parameter(f"%{name}")
-    except ValueError:
-        return default
 
 
 @dataclasses.dataclass
@@ -240,11 +232,11 @@ def _summarization_required(task) -> None:
 
 def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_summarization: bool = False):
     model = gin_utils.build_model()
-    task_name = _macro("TASK")
+    task_name = gin_utils.bound_value("%TASK")
     task = tasks.get_task(task_name) if task_name else None
     if require_summarization and (task is None or not tasks.is_summarization(task)):
         _summarization_required(task)
-    lengths = dict(_macro("TASK_FEATURE_LENGTHS", {}) or {})
+    lengths = dict(gin_utils.bound_value("%TASK_FEATURE_LENGTHS", {}) or {})
     vocabulary = task.output_features["targets"].vocabulary if task is not None else None
     if task is not None and lengths:
         tasks.check_vocabulary_and_lengths(

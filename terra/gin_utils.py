@@ -388,17 +388,35 @@ def build(selector_or_fn, where: str = "building the configured object"):
         raise explain_gin_error(e, where) from None
 
 
+def bound_value(name: str, default: Any = None) -> Any:
+    """The parsed config's value of ``name`` (a parameter such as ``'terra.training.Trainer.seed'``
+    or a macro ``'%TASK'``), or ``default`` where it is not bound."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
+
+
+def build_macro(name: str, where: str):
+    """The object the parsed config's ``%name`` macro names (e.g. ``MODEL``, ``FEATURE_CONVERTER``),
+    constructed as gin constructs it for a configurable that takes it; None where the config
+    defines no such macro. Configuration errors are ``GinConfigError``."""
+    reference = bound_value(f"%{name}")
+    if reference is None:
+        return None
+    # gin evaluates ``%NAME`` inside the scope ``NAME`` (a macro is a scoped configurable), so a
+    # run's operative config records its bindings as ``NAME/...``: build it in that scope too
+    # (unscoped bindings still apply there).
+    with gin.config_scope(name):
+        return build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
+
+
 def build_model(where: str = "building the model"):
     """The model the parsed config's ``MODEL`` macro names (every ``models/*.gin``
     defines it), constructed, with configuration errors as ``GinConfigError``."""
-    try:
-        reference = gin.query_parameter("%MODEL")
-    except ValueError:
+    model = build_macro("MODEL", where)
+    if model is None:
         raise GinConfigError(
             "the gin config defines no MODEL; include a model config (e.g. --gin_file=models/tiny.gin)."
-        ) from None
-    # gin evaluates ``%MODEL`` inside the scope ``MODEL`` (a macro is a scoped configurable),
-    # so a run's operative config records the model's bindings as ``MODEL/...``: build it in
-    # that scope too (unscoped bindings still apply there).
-    with gin.config_scope("MODEL"):
-        return build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
+        )
+    return model

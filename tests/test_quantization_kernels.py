@@ -104,14 +104,16 @@ def _use_isa(isa):
     if not kernels.available():
         pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
     kernels.use_isa(isa)
-    if kernels.isa() != isa:
-        kernels.use_isa(kernels.ISAS[-1])
-        pytest.skip(f"this CPU has no {isa}")
+    # A CPU without ``isa`` runs the best set below it, and the test checks that one.
+    assert kernels.ISAS.index(kernels.isa()) <= kernels.ISAS.index(isa)
 
 
 def test_the_kernels_are_built_and_load_where_there_is_a_compiler(reloaded):
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the install skips the native kernels by design")
+        # The install skips the kernels without a compiler: no library, and the XLA path is used.
+        with pytest.warns(RuntimeWarning, match="not built"):
+            assert kernels.library_path() is None and not kernels.available()
+        return
     assert kernels.library_path() is not None, f"not built: {kernels.REBUILD}"
     assert kernels.available()
     assert kernels.isa() in kernels.ISAS

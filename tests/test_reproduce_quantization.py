@@ -61,7 +61,6 @@ def test_the_study_measures_every_width_against_float32_and_writes_json_and_mark
     assert wide["eval_log_perplexity"] == pytest.approx(wide["run_final_eval_loss"], rel=1e-5)
     assert wide["delta_vs_float32"] == 0 and wide["token_agreement"] == wide["sequence_agreement"] == 1.0
     assert wide["agreement_tokens"] > 0 and wide["agreement_sequences"] == 4
-    assert 1 <= wide["float32_distinct_outputs"] <= 4
     for row in (bf16, int8):
         assert row["delta_vs_float32"] == pytest.approx(row["eval_log_perplexity"] - wide["eval_log_perplexity"])
         assert abs(row["delta_vs_float32"]) < 0.05
@@ -72,6 +71,7 @@ def test_the_study_measures_every_width_against_float32_and_writes_json_and_mark
     table = open(os.path.join(out, "quantization.md")).read()
     assert "| run | weights | eval log-ppl | Δ vs float32 |" in table
     assert f"| {os.path.join('dense', 'seed1')} | int8 | {int8['eval_log_perplexity']:.4f} |" in table
+    assert f"4 decoded ({wide['float32_distinct_outputs']} distinct float32 outputs)" in table
 
 
 def test_agreement_compares_each_row_up_to_the_first_eos_of_either_output():

@@ -35,20 +35,22 @@ whole-sequence accuracy at 2x the training length, next to the paper's figures.
 """
 
 
+def _define_out_gin_and_data_flags(flag_values: flags.FlagValues, out_help: str, gin_help: str) -> None:
+    """``--out`` (required), ``--gin_bindings`` (``--gin.NAME=VALUE``) and the data flags."""
+    flags.DEFINE_string("out", None, out_help, flag_values=flag_values)
+    flags.mark_flag_as_required("out", flag_values=flag_values)
+    flags.DEFINE_multi_string(
+        "gin_bindings", [], f"{gin_help} (--gin.NAME=VALUE is the short form)", flag_values=flag_values
+    )
+    flag_groups.define_data_flags(flag_values)
+
+
 def _define(study_presets, what):
     def define_flags(flag_values: flags.FlagValues, argv) -> None:
         flag_groups.define_preset_flags(flag_values, argv, study_presets, "small", what)
-        flags.DEFINE_string(
-            "out", None, "directory for the study's JSON, Markdown, PNG and runs/", flag_values=flag_values
+        _define_out_gin_and_data_flags(
+            flag_values, "directory for the study's JSON, Markdown, PNG and runs/", "a gin binding added to every run"
         )
-        flags.mark_flag_as_required("out", flag_values=flag_values)
-        flags.DEFINE_multi_string(
-            "gin_bindings",
-            [],
-            "a gin binding added to every run (--gin.NAME=VALUE is the short form)",
-            flag_values=flag_values,
-        )
-        flag_groups.define_data_flags(flag_values)
 
     return define_flags
 
@@ -146,15 +148,11 @@ def define_quantization_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_string(
         "study", None, "a study's --out folder: measure every runs/<variant>/seed<k> in it", flag_values=flag_values
     )
-    flags.DEFINE_string("out", None, "directory for quantization.json and quantization.md", flag_values=flag_values)
-    flags.mark_flag_as_required("out", flag_values=flag_values)
-    flags.DEFINE_multi_string(
-        "gin_bindings",
-        [],
-        "a gin binding added to every run's config.gin (--gin.NAME=VALUE is the short form)",
-        flag_values=flag_values,
+    _define_out_gin_and_data_flags(
+        flag_values,
+        "directory for quantization.json and quantization.md",
+        "a gin binding added to every run's config.gin",
     )
-    flag_groups.define_data_flags(flag_values)
 
 
 def run_quantization(flag_values: flags.FlagValues, _) -> int:

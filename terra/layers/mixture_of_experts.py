@@ -21,9 +21,10 @@ import jax.numpy as jnp
 
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.dense import BIAS_INIT, Dense, output_major_product
+from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
-from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask, take_rows
+from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
+from terra.quantization.products import output_major_product, take_rows
 from terra.quantization.quantized import as_float
 
 

@@ -1,13 +1,11 @@
 """Discrete block selection shared by the sparse feed-forward layers (the Scaling Transformer's
 controller and the mixture-of-experts router): choose one entry per block, train the choice
-with a straight-through estimator, and read only the chosen rows when decoding.
+with a straight-through estimator. Decoding reads only the chosen rows
+(``terra.quantization.products.take_rows``, for float32 and narrow weights alike).
 """
 
 import jax
 import jax.numpy as jnp
-
-from terra.quantization import products
-from terra.quantization.quantized import QuantizedTensor
 
 
 def block_argmax(x: jax.Array) -> jax.Array:
@@ -34,11 +32,3 @@ def straight_through_mask(logits: jax.Array, indices: jax.Array, hard_prob: floa
     hard = jax.nn.one_hot(indices, logits.shape[-1], dtype=soft.dtype)
     hard = jax.lax.stop_gradient(hard) + soft - jax.lax.stop_gradient(soft)
     return jnp.where(jax.random.uniform(rng, ()) < hard_prob, hard, soft)
-
-
-def take_rows(matrix: jax.Array, rows: jax.Array) -> jax.Array:
-    """``matrix[rows]`` along axis 0. ``mode='clip'``: the rows are in range by construction, and
-    the default bounds handling ('fill') makes XLA:CPU's gather about twice as slow."""
-    if isinstance(matrix, QuantizedTensor):  # a decode tree: the rows widened with their scales
-        return products.take_rows(matrix, rows)
-    return jnp.take(matrix, rows, axis=0, mode="clip")

@@ -8,7 +8,7 @@ block by block inside a loop keeps each widened block in cache, so memory traffi
 bytes alone; that still runs at about half the bandwidth. Decoding's products (at most
 ``kernels.MAX_ROWS`` rows of float32 activations, on the CPU) therefore go to the native kernel of
 ``terra/quantization/kernels.py``, which widens 16 weights at a time in registers and streams int8
-weights about twice as fast as the blocked product (``terra/benchmarks/quantized_products.py``).
+weights about twice as fast as the blocked product (``terra-bench products``).
 """
 
 import math
@@ -81,10 +81,7 @@ def _widened_product(x: jax.Array, values: jax.Array, scale: jax.Array, kind: st
     The blocks are dynamic slices of ``values`` in a ``fori_loop``: a ``lax.map`` over
     ``values[:head].reshape(blocks, ...)`` (``head`` short of ``out`` when a shorter last block
     remains) measured 5x slower on XLA:CPU ([32000, 1024] int8: 14.9 ms against 2.4 ms)."""
-    n_in = x.shape[-1]
     n_out = values.shape[0]
-    block = max(1, min(n_out, BLOCK_ELEMENTS // n_in))
-    n_blocks, tail = divmod(n_out, block)
     per_row = kind == "int8"  # bfloat16 has one unused scale, passed whole to every block
 
     def product(start, size):
@@ -92,18 +89,34 @@ def _widened_product(x: jax.Array, values: jax.Array, scale: jax.Array, kind: st
         s = lax.dynamic_slice_in_dim(scale, start, size) if per_row else scale
         return _dot(x, widen(v, s, kind).reshape(size, -1))
 
+    def place(y, start, part):  # each block is its own slice of the output
+        return lax.dynamic_update_slice_in_dim(y, part, start, axis=-1)
+
+    return _over_blocks(n_out, x.shape[-1], product, place, x.shape[:-1] + (n_out,))
+
+
+def _over_blocks(n_rows: int, row_elements: int, product, add, out_shape):
+    """``product(start, size)`` over blocks of ``BLOCK_ELEMENTS // row_elements`` weight rows, in
+    a ``fori_loop`` of dynamic slices (slicing ``values[:head]`` up front copies the matrix), and a
+    shorter last block; ``add(y, start, part)`` folds each block's product into the float32
+    ``y`` of ``out_shape``."""
+    block = max(1, min(n_rows, BLOCK_ELEMENTS // row_elements))
+    n_blocks, tail = divmod(n_rows, block)
     if n_blocks == 1 and not tail:
-        return product(0, n_out)
-
-    def accumulate(k, y):
-        return lax.dynamic_update_slice_in_dim(y, product(k * block, block), k * block, axis=-1)
-
-    y = jnp.zeros(x.shape[:-1] + (n_out,), jnp.result_type(x.dtype, jnp.float32))
-    y = lax.fori_loop(0, n_blocks, accumulate, y)
-    if not tail:
-        return y
+        return product(0, n_rows)
+    y = jnp.zeros(out_shape, jnp.float32)
+    y = lax.fori_loop(0, n_blocks, lambda k, y: add(y, k * block, product(k * block, block)), y)
     head = n_blocks * block
-    return lax.dynamic_update_slice_in_dim(y, product(head, tail), head, axis=-1)
+    return add(y, head, product(head, tail)) if tail else y
+
+
+def _read_rows(matrix, select) -> jax.Array:
+    """``select(matrix)`` (a selection along axis 0) as float32: of a float32 array, or of a
+    :class:`QuantizedTensor`'s values and their row scales, then only those rows widened."""
+    if not isinstance(matrix, QuantizedTensor):
+        return select(matrix)
+    scale = matrix.scale if matrix.kind == "bfloat16" else select(matrix.scale)
+    return widen(select(matrix.values), scale, matrix.kind)
 
 
 def take_rows(matrix, rows: jax.Array) -> jax.Array:
@@ -111,11 +124,7 @@ def take_rows(matrix, rows: jax.Array) -> jax.Array:
     (the gathered rows are widened with their own scales: a few rows, in cache).
     ``mode='clip'``: the rows are in range by construction, and the default bounds handling
     ('fill') makes XLA:CPU's gather about twice as slow."""
-    if not isinstance(matrix, QuantizedTensor):
-        return jnp.take(matrix, rows, axis=0, mode="clip")
-    values = jnp.take(matrix.values, rows, axis=0, mode="clip")
-    scale = matrix.scale if matrix.kind == "bfloat16" else jnp.take(matrix.scale, rows, axis=0, mode="clip")
-    return widen(values, scale, matrix.kind)
+    return _read_rows(matrix, lambda a: jnp.take(a, rows, axis=0, mode="clip"))
 
 
 def input_major_product(x: jax.Array, kernel) -> jax.Array:
@@ -132,24 +141,16 @@ def input_major_product(x: jax.Array, kernel) -> jax.Array:
     unscaled = jnp.ones((), jnp.float32)  # int8's scales are in x; bfloat16 has none
 
     def product(start, size):
-        # Dynamic slices in a fori_loop, as _widened_product: slicing values[:head] up front copies it.
         x_block = lax.dynamic_slice_in_dim(x, start, size, axis=-1)
         return x_block @ widen(lax.dynamic_slice_in_dim(kernel.values, start, size), unscaled, kernel.kind)
 
-    block = max(1, min(n_in, BLOCK_ELEMENTS // n_out))
-    n_blocks, tail = divmod(n_in, block)
-    if n_blocks == 1 and not tail:
-        return product(0, n_in)
-    y = jnp.zeros(x.shape[:-1] + (n_out,), jnp.result_type(x.dtype, jnp.float32))
-    y = lax.fori_loop(0, n_blocks, lambda k, y: y + product(k * block, block), y)
-    return y + product(n_blocks * block, tail) if tail else y
+    def accumulate(y, start, part):  # each block of input rows adds its partial product
+        return y + part
+
+    return _over_blocks(n_in, n_out, product, accumulate, x.shape[:-1] + (n_out,))
 
 
 def slice_rows(matrix, start: jax.Array, length: int) -> jax.Array:
     """``matrix[start : start + length]`` along axis 0 as float32 (a dynamic start), for a float32
     array or a :class:`QuantizedTensor` (only the sliced rows widened)."""
-    if not isinstance(matrix, QuantizedTensor):
-        return lax.dynamic_slice_in_dim(matrix, start, length, axis=0)
-    values = lax.dynamic_slice_in_dim(matrix.values, start, length, axis=0)
-    scale = matrix.scale if matrix.kind == "bfloat16" else lax.dynamic_slice_in_dim(matrix.scale, start, length, axis=0)
-    return widen(values, scale, matrix.kind)
+    return _read_rows(matrix, lambda a: lax.dynamic_slice_in_dim(a, start, length, axis=0))

@@ -24,17 +24,14 @@ within 0.002.
 """
 
 import glob
-import itertools
 import os
 from typing import Dict, List, Optional, Sequence
 
-import gin
 import jax
 import ml_collections
 import numpy as np
 
-from terra import api
-from terra.data import pipeline
+from terra import api, gin_utils
 from terra.errors import ConfigError
 from terra.files import write_atomically
 from terra.quantization import QuantizedTensor, check_weights_dtype
@@ -115,52 +112,24 @@ def tree_bytes(params) -> int:
     return int(sum(x.nbytes if isinstance(x, QuantizedTensor) else np.asarray(x).nbytes for x in leaves))
 
 
-def _bound(name: str, default=None):
-    """A binding of the run's parsed ``config.gin`` (a parameter or ``%MACRO``), or ``default``."""
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
-
-
-def _feature_converter():
-    """The run's ``FEATURE_CONVERTER``, built in its macro's scope as gin built it for the trainer
-    (None, the pipeline's default encoder-decoder converter, where the config names none)."""
-    reference = _bound("%FEATURE_CONVERTER")
-    if reference is None:
-        return None
-    with gin.config_scope("FEATURE_CONVERTER"):
-        return reference.scoped_configurable_fn() if hasattr(reference, "scoped_configurable_fn") else reference
-
-
 def _read_batches(run: api.InteractiveModel, cfg, count: int):
     """The first ``count`` batches of ``cfg.split`` as the run's trainer reads its eval batches
-    (``Trainer.read_eval_batches``): unshuffled, its evaluation lengths, batch size and data seed.
-    Must be called while the run's config is the parsed gin config (right after ``api.load``)."""
-    lengths = dict(_bound("terra.training.EvaluationSettings.feature_lengths") or run.feature_lengths)
-    batch_size = cfg.eval_batch_size or int(_bound("%BATCH_SIZE"))
-    seed = _bound("terra.training.Trainer.data_seed")
-    seed = _bound("terra.training.Trainer.seed", 0) if seed is None else seed
-    batches = pipeline.batch_iterator(
-        run.task,
-        cfg.split,
-        feature_lengths=lengths,
-        batch_size=batch_size,
-        feature_converter=_feature_converter(),
-        seed=seed,
-        shuffle=False,
-        num_epochs=1,
-    )
-    batches = list(itertools.islice(batches, count))
-    if not batches:
-        raise ConfigError(f"the {cfg.split!r} split of {run.task.name!r} gave no batch of {batch_size} examples.")
+    (``Trainer.read_eval_batches``): unshuffled, its evaluation lengths, batch size, feature
+    converter and data seed. Must be called while the run's config is the parsed gin config
+    (right after ``api.load``)."""
+    lengths = dict(gin_utils.bound_value("terra.training.EvaluationSettings.feature_lengths") or run.feature_lengths)
+    batch_size = cfg.eval_batch_size or int(gin_utils.bound_value("%BATCH_SIZE"))
+    seed = gin_utils.bound_value("terra.training.Trainer.data_seed")
+    seed = gin_utils.bound_value("terra.training.Trainer.seed", 0) if seed is None else seed
+    converter = gin_utils.build_macro("FEATURE_CONVERTER", "building the run's feature converter")
+    batches = runs.read_split_batches(run.task, cfg.split, lengths, batch_size, count, converter, seed)
     return batches, {"feature_lengths": lengths, "batch_size": batch_size, "data_seed": seed}
 
 
 def measure_run(label: str, model_dir: str, cfg, weights: Sequence[str], bindings: Sequence[str] = (), log=print):
     """One row per width of ``weights`` (float32 first) for the run in ``model_dir``."""
     wide = api.load(model_dir, bindings=bindings)
-    decode_batches = -(-cfg.decode_examples // (cfg.eval_batch_size or int(_bound("%BATCH_SIZE"))))
+    decode_batches = -(-cfg.decode_examples // (cfg.eval_batch_size or int(gin_utils.bound_value("%BATCH_SIZE"))))
     batches, reading = _read_batches(wide, cfg, max(cfg.eval_batches, decode_batches))
     eval_batches = batches[: cfg.eval_batches]
     inputs = np.concatenate([b["encoder_input_tokens"] for b in batches])[: cfg.decode_examples]  # [N, inputs]

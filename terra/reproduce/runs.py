@@ -94,6 +94,35 @@ def train_run(
     return RunResult(name, seed, model_dir, result.params, params_count, curves, seconds)
 
 
+def read_split_batches(
+    task,
+    split: str,
+    feature_lengths: Dict[str, int],
+    batch_size: int,
+    num_batches: int,
+    feature_converter=None,
+    seed: int = 0,
+) -> List[dict]:
+    """The first ``num_batches`` batches of ``split`` of ``task`` (a name or a seqio task) as the
+    trainer reads its eval batches: unshuffled from the split's start, so the same examples every
+    time; a split with no full batch is a ``ConfigError``."""
+    provider = tasks.get_task(task) if isinstance(task, str) else task
+    batches = pipeline.batch_iterator(
+        provider,
+        split,
+        feature_lengths=feature_lengths,
+        batch_size=batch_size,
+        feature_converter=feature_converter,
+        seed=seed,
+        shuffle=False,
+        num_epochs=1 if split != "train" else None,
+    )
+    batches = list(itertools.islice(batches, num_batches))
+    if not batches:
+        raise ConfigError(f"the {split!r} split of {provider.name!r} gave no batch of {batch_size} examples.")
+    return batches
+
+
 def evaluate_split(
     model,
     params,
@@ -106,23 +135,9 @@ def evaluate_split(
     seed: int = 0,
 ) -> Dict[str, float]:
     """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's evaluation)
-    on the first ``num_batches`` batches of ``split``; the train split is read unshuffled from
-    its start, so it is the same examples every time."""
-    batches = pipeline.batch_iterator(
-        tasks.get_task(task),
-        split,
-        feature_lengths=feature_lengths,
-        batch_size=batch_size,
-        feature_converter=feature_converter,
-        seed=seed,
-        shuffle=False,
-        num_epochs=1 if split != "train" else None,
-    )
-    batches = itertools.islice(batches, num_batches)
-    metrics = evaluate_batches(jax.jit(model.eval_metrics), params, batches)
-    if not metrics:
-        raise ConfigError(f"the {split!r} split of {task!r} gave no batch of {batch_size} examples.")
-    return metrics
+    on the first ``num_batches`` batches of ``split`` (:func:`read_split_batches`)."""
+    batches = read_split_batches(task, split, feature_lengths, batch_size, num_batches, feature_converter, seed)
+    return evaluate_batches(jax.jit(model.eval_metrics), params, batches)
 
 
 def mean_and_spread(values: Sequence[float]) -> Dict[str, float]:
