@@ -21,7 +21,20 @@ from absl import flags
 import terra
 from terra import errors
 from terra.benchmarks import presets as bench_presets
-from terra.cli import app, bench, data, evaluate, gin_checks, params, quickstart, reproduce, summarize, train, vocab
+from terra.cli import (
+    app,
+    bench,
+    convert,
+    data,
+    evaluate,
+    gin_checks,
+    params,
+    quickstart,
+    reproduce,
+    summarize,
+    train,
+    vocab,
+)
 from terra.gin_utils import GinConfigError
 from terra.reproduce import presets as study_presets
 
@@ -37,6 +50,7 @@ COMMANDS = {
     "terra-params": params,
     "terra-vocab": vocab,
     "terra-quickstart": quickstart,
+    "terra-convert": convert,
 }
 # Every command line that has flags of its own: (module, subcommand or None).
 LEAVES = [(m, None) for m in COMMANDS.values() if not m.COMMAND.subcommands] + [

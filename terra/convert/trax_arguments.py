@@ -1,0 +1,334 @@
+"""Trax constructor arguments -> the terra gin config of the same architecture.
+
+``ARGS.json`` holds the keyword arguments of ``trax.models.ConfigurableTransformer`` or
+``ConfigurableTerraformer`` in JSON form, as the test fixtures' ``config.json`` does
+(``{"trax_constructor": ..., "constructor_kwargs": {...}}``), or the arguments alone with a
+``"model"`` key naming the constructor. A layer argument such as
+``encoder_decoder_attention_type=functools.partial(tl.MultiplicativeConvCausalAttention,
+sparsity=4)`` is written ``{"trax_layer": "MultiplicativeConvCausalAttention",
+"partial_kwargs": {"sparsity": 4}}``.
+
+Every argument is either mapped onto a terra binding or checked to have the value terra
+implements; anything else is an error that names the argument (terra never silently converts
+a model it would compute differently). Omitted arguments take Trax's defaults.
+"""
+
+import json
+import os
+from typing import Any, Dict, List, Tuple
+
+from terra.errors import ConfigError
+
+TRANSFORMER = "ConfigurableTransformer"
+TERRAFORMER = "ConfigurableTerraformer"
+
+# Trax's defaults (trax/models/research/configurable_transformer.py and terraformer.py at the
+# paper's commit) for the arguments a file may omit.
+_COMMON_DEFAULTS: Dict[str, Any] = {
+    "output_vocab_size": None,
+    "d_model": 512,
+    "d_ff": 2048,
+    "n_encoder_layers": 6,
+    "n_decoder_layers": 6,
+    "n_heads": 8,
+    "max_len": 2048,
+    "dropout": 0.1,
+    "ff_activation": {"trax_layer": "Relu", "partial_kwargs": {}},
+    "ff_dropout": 0.1,
+    "ff_chunk_size": 0,
+    "ff_use_sru": 0,
+    "ff_sparsity": 0,
+    "loss_sparsity_type": "mult",
+    "loss_sparsity": 0,
+    "loss_d_lowrank": 0,
+    "loss_sparsity_prob": None,
+    "attention_chunk_size": 0,
+    "pos_axial_shape": None,
+    "pos_d_axial_embs": None,
+    "pos_start_from_zero_prob": 1.0,
+    "pos_max_offset_to_add": 0,
+    "mode": "train",
+}
+DEFAULTS: Dict[str, Dict[str, Any]] = {
+    TRANSFORMER: {
+        **_COMMON_DEFAULTS,
+        "dropout_shared_axes": None,
+        "ff_sparsity_type": "1inN",
+        "encoder_attention_type": {"trax_layer": "Attention", "partial_kwargs": {}},
+        "encoder_decoder_attention_type": {"trax_layer": "CausalAttention", "partial_kwargs": {}},
+        "pos_type": None,
+        "enc_dec_attention_sparsity": 0,
+    },
+    TERRAFORMER: {
+        **_COMMON_DEFAULTS,
+        "d_attention_key": None,
+        "d_attention_value": None,
+        "encoder_attention_type": {"trax_layer": "SelfAttention", "partial_kwargs": {}},
+        "encoder_decoder_attention_type": {"trax_layer": "SelfAttention", "partial_kwargs": {}},
+        "pos_type": "fixed-base",
+        "n_layers_forget": 0,
+        "forget_dense": True,
+        "n_decoder_attention_layers": 2,
+        "use_bfloat16": False,
+        "reversible_encoder": False,
+        "use_two_swaps_per_encoder_block": True,
+        "center_layernorm": True,
+        "half_before_layer": None,
+        "double_after_layer": None,
+    },
+}
+BASE_CONFIG = {TRANSFORMER: "models/dense_800m.gin", TERRAFORMER: "models/terraformer_800m.gin"}
+# Trax's MultiplicativeConvCausalAttention defaults.
+_MULTCONV_DEFAULTS = {"sparsity": 16, "length_kernel_size": 3}
+
+
+def read_trax_arguments(path: str) -> Tuple[str, Dict[str, Any]]:
+    """``(constructor name, keyword arguments)`` from an ``ARGS.json`` file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} does not exist: give the JSON file of the Trax model's constructor arguments.")
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON: {e}") from e
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path} holds a {type(content).__name__}; expected a JSON object of constructor arguments.")
+    if "constructor_kwargs" in content:
+        name, kwargs = content.get("trax_constructor", ""), dict(content["constructor_kwargs"])
+    else:
+        kwargs = dict(content)
+        name = kwargs.pop("model", "")
+    name = str(name).rsplit(".", 1)[-1]
+    if name not in DEFAULTS:
+        raise ConfigError(
+            f'{path}: the Trax model is {name or "not named"}; name it with "trax_constructor" (or "model"): '
+            f"one of {sorted(DEFAULTS)}."
+        )
+    return name, kwargs
+
+
+def _layer(value: Any, argument: str) -> Tuple[str, Dict[str, Any]]:
+    if isinstance(value, str):
+        return value.rsplit(".", 1)[-1], {}
+    if isinstance(value, dict) and "trax_layer" in value:
+        return str(value["trax_layer"]).rsplit(".", 1)[-1], dict(value.get("partial_kwargs") or {})
+    raise ConfigError(f"{argument}={value!r}: expected a layer name or {{'trax_layer': ..., 'partial_kwargs': ...}}.")
+
+
+class _Arguments:
+    """The arguments with defaults filled in; ``take`` marks each one as handled."""
+
+    def __init__(self, constructor: str, kwargs: Dict[str, Any]):
+        self.constructor = constructor
+        unknown = sorted(set(kwargs) - set(DEFAULTS[constructor]) - {"input_vocab_size"})
+        if unknown:
+            raise ConfigError(
+                f"{constructor} has no argument(s) {unknown} (terra maps the arguments of the paper's Trax code, "
+                "commit 7c189c2); remove them or check the spelling."
+            )
+        if "input_vocab_size" not in kwargs:
+            raise ConfigError(f"{constructor}: input_vocab_size is required (Trax has no default for it).")
+        self.values = {**DEFAULTS[constructor], **kwargs}
+        self.unhandled = set(self.values)
+
+    def take(self, name: str) -> Any:
+        self.unhandled.discard(name)
+        return self.values[name]
+
+    def require(self, name: str, allowed, why: str) -> Any:
+        value = self.take(name)
+        if value not in allowed:
+            raise ConfigError(f"{self.constructor}({name}={value!r}): {why}")
+        return value
+
+
+def _positive_int(args: _Arguments, name: str) -> int:
+    value = args.take(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{args.constructor}({name}={value!r}) must be a positive integer.")
+    return value
+
+
+def _sizes(args: _Arguments) -> List[str]:
+    vocab = _positive_int(args, "input_vocab_size")
+    output_vocab = args.take("output_vocab_size")
+    if output_vocab not in (None, vocab):
+        raise ConfigError(
+            f"{args.constructor}(output_vocab_size={output_vocab}) differs from input_vocab_size={vocab}: terra "
+            "shares one vocabulary between inputs and outputs (Trax does too when output_vocab_size is None)."
+        )
+    bindings = [f"TransformerConfig.vocab_size = {vocab}"]
+    for name in ("d_model", "d_ff", "n_heads", "max_len"):
+        bindings.append(f"TransformerConfig.{name} = {_positive_int(args, name)}")
+    for name in ("n_encoder_layers", "n_decoder_layers"):
+        bindings.append(f"TransformerConfig.{name} = {int(args.take(name))}")
+    dropout = float(args.take("dropout"))
+    bindings += [
+        f"TransformerConfig.dropout = {dropout}",
+        f"TransformerConfig.attention_dropout = {dropout}",  # Trax passes `dropout` to the attention layers
+        f"TransformerConfig.ff_dropout = {float(args.take('ff_dropout'))}",
+        "TransformerConfig.dtype = 'float32'",
+    ]
+    activation, _ = _layer(args.take("ff_activation"), "ff_activation")
+    if activation != "Relu":
+        raise ConfigError(f"{args.constructor}(ff_activation={activation}): terra's feed-forward layers use ReLU only.")
+    args.require("ff_chunk_size", (0,), "terra computes the feed-forward layer unchunked; use ff_chunk_size=0.")
+    args.require("attention_chunk_size", (0,), "terra has no chunked dense attention; use attention_chunk_size=0.")
+    args.require(
+        "pos_type", (None,), "terra's positional table is Trax's default trainable sinusoid table (pos_type=None)."
+    )
+    args.require("pos_axial_shape", (None, [], ()), "terra has no axial positional embeddings.")
+    args.require("pos_d_axial_embs", (None,), "terra has no axial positional embeddings.")
+    start = float(args.take("pos_start_from_zero_prob"))
+    offset = int(args.take("pos_max_offset_to_add"))
+    bindings += [
+        f"TransformerConfig.position_start_from_zero_prob = {start}",
+        f"TransformerConfig.position_max_offset = {offset}",
+    ]
+    args.take("mode")  # eval/predict/train: terra picks the mode per call
+    return bindings
+
+
+def _feed_forward(args: _Arguments, selector: str) -> List[str]:
+    sparsity = args.take("ff_sparsity")
+    if sparsity in (0, None):
+        return [f"{selector}.feed_forward = @FeedForward"]
+    if isinstance(sparsity, int) and not isinstance(sparsity, bool):
+        n, rest = sparsity, []
+    elif isinstance(sparsity, (list, tuple)) and 2 <= len(sparsity) <= 4:
+        n, rest = sparsity[0], list(sparsity[1:])
+    else:
+        raise ConfigError(
+            f"{args.constructor}(ff_sparsity={sparsity!r}): expected 0, N, or "
+            "(N, d_lowrank[, temperature, quant_prob])."
+        )
+    bindings = [f"{selector}.feed_forward = @SparseFeedForward", f"SparseFeedForward.ff_sparsity = {int(n)}"]
+    names = ("d_lowrank", "temperature", "quant_prob")
+    bindings.append(f"SparseFeedForward.d_lowrank = {int(rest[0]) if rest else None}")
+    for name, value in zip(names[1:], rest[1:]):
+        bindings.append(f"SparseFeedForward.{name} = {float(value)}")
+    return bindings
+
+
+def _logits(args: _Arguments, selector: str) -> List[str]:
+    sparsity = args.take("loss_sparsity")
+    kind = args.take("loss_sparsity_type")
+    args.require("loss_d_lowrank", (0, None), "terra's sparse loss is the multiplicative layer (loss_d_lowrank=0).")
+    args.require("loss_sparsity_prob", (None,), "terra's sparse loss has no mixing probability.")
+    if not sparsity:
+        return [f"{selector}.logits_layer = @DenseLogits"]
+    if kind != "mult":
+        raise ConfigError(
+            f"{args.constructor}(loss_sparsity_type={kind!r}): terra's sparse loss is the multiplicative "
+            "layer ('mult')."
+        )
+    return [f"{selector}.logits_layer = @SparseLossLogits", f"SparseLossLogits.loss_sparsity = {int(sparsity)}"]
+
+
+def _decoder_attention(args: _Arguments, name: str, selector: str) -> List[str]:
+    layer, options = _layer(args.take(name), name)
+    options.pop("max_inference_length", None)  # the decode cache length; terra sizes it per call
+    if layer == "CausalAttention":
+        options.pop("dropout", None)
+        if options:
+            raise ConfigError(f"{name}: CausalAttention options {sorted(options)} have no terra counterpart.")
+        return [f"{selector} = @CausalSelfAttention"]
+    if layer == "MultiplicativeConvCausalAttention":
+        options = {**_MULTCONV_DEFAULTS, **options}
+        options.pop("dropout", None)
+        sparsity, length_kernel = options.pop("sparsity"), options.pop("length_kernel_size")
+        if options:
+            raise ConfigError(
+                f"{name}: MultiplicativeConvCausalAttention options {sorted(options)} have no terra counterpart."
+            )
+        return [
+            f"{selector} = @SparseQKVAttention",
+            f"SparseQKVAttention.attention_sparsity = {int(sparsity)}",
+            f"SparseQKVAttention.length_kernel_size = {int(length_kernel)}",
+            "SparseQKVAttention.variant = 'multconv'",
+        ]
+    raise ConfigError(
+        f"{args.constructor}({name}={layer}): terra converts CausalAttention (dense) and "
+        "MultiplicativeConvCausalAttention (Sparse QKV) decoder attention."
+    )
+
+
+def _encoder_attention(args: _Arguments, selector: str) -> List[str]:
+    layer, options = _layer(args.take("encoder_attention_type"), "encoder_attention_type")
+    options.pop("dropout", None)
+    if layer != "Attention" or options:
+        raise ConfigError(
+            f"{args.constructor}(encoder_attention_type={layer}{options or ''}): terra converts the dense encoder "
+            "attention tl.Attention (the paper's configs use it)."
+        )
+    return [f"{selector} = @SelfAttention"]
+
+
+def _transformer(args: _Arguments) -> List[str]:
+    bindings = _sizes(args)
+    args.require("ff_sparsity_type", ("1inN",), "terra's Sparse FF is the paper's '1inN' controller.")
+    args.require("ff_use_sru", (0, None), "terra's encoder-decoder Transformer has no SRU; use ff_use_sru=0.")
+    args.require("enc_dec_attention_sparsity", (0,), "terra converts the dense encoder-decoder attention (sparsity 0).")
+    args.take("dropout_shared_axes")  # training-time dropout masks only
+    bindings += _feed_forward(args, "EncoderDecoderTransformer")
+    bindings += _encoder_attention(args, "EncoderDecoderTransformer.encoder_attention")
+    bindings += _decoder_attention(
+        args, "encoder_decoder_attention_type", "EncoderDecoderTransformer.decoder_self_attention"
+    )
+    bindings += ["EncoderDecoderTransformer.encoder_decoder_attention = @CrossAttention"]
+    bindings += _logits(args, "EncoderDecoderTransformer")
+    return bindings
+
+
+def _terraformer(args: _Arguments) -> List[str]:
+    bindings = _sizes(args)
+    values = args.values
+    d_head = values["d_model"] // values["n_heads"]
+    for name in ("d_attention_key", "d_attention_value"):
+        args.require(name, (None, d_head), f"terra's attention heads are d_model / n_heads = {d_head} wide.")
+    sru = args.take("ff_use_sru")
+    if isinstance(sru, (list, tuple)) and len(sru) == 2:
+        sru_layers, sru_units = int(sru[0]), int(sru[1])
+    elif isinstance(sru, int) and not isinstance(sru, bool):
+        sru_layers, sru_units = sru, 32  # Trax: an int n means (n, 32)
+    else:
+        raise ConfigError(f"{args.constructor}(ff_use_sru={sru!r}): expected 0, n or (n_layers, n_units).")
+    bindings += [
+        f"Terraformer.sru_units = {sru_units if sru_layers else 0}",
+        f"Terraformer.sru_layers = {max(sru_layers, 1)}",
+    ]
+    bindings += _feed_forward(args, "Terraformer")
+    bindings += _encoder_attention(args, "Terraformer.encoder_attention")
+    bindings += _decoder_attention(args, "encoder_decoder_attention_type", "Terraformer.decoder_attention")
+    bindings += _logits(args, "Terraformer")
+    bindings += [
+        f"Terraformer.n_decoder_attention_layers = {int(args.take('n_decoder_attention_layers'))}",
+        f"Terraformer.reversible_encoder = {bool(args.take('reversible_encoder'))}",
+        f"Terraformer.center_layernorm = {bool(args.take('center_layernorm'))}",
+    ]
+    args.require("n_layers_forget", (0,), "terra's Terraformer has no 'forget' layers; use n_layers_forget=0.")
+    args.take("forget_dense")  # only read when n_layers_forget > 0
+    args.require(
+        "use_two_swaps_per_encoder_block",
+        (True,),
+        "terra's encoder block swaps the two streams twice (the C4 configs' choice).",
+    )
+    args.require("half_before_layer", (None,), "terra keeps d_model through the stack.")
+    args.require("double_after_layer", (None,), "terra keeps d_model through the stack.")
+    args.take("use_bfloat16")  # the weights are converted to float32; TransformerConfig.dtype picks the compute
+    return bindings
+
+
+def trax_gin(constructor: str, kwargs: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+    """``(gin files, gin bindings)`` of the terra model computing what
+    ``trax.models.<constructor>(**kwargs)`` computes.
+
+    Raises:
+      ConfigError: an unknown argument, or a value terra does not implement (named).
+    """
+    if constructor not in DEFAULTS:
+        raise ConfigError(f"unknown Trax model {constructor!r}; terra converts {sorted(DEFAULTS)}.")
+    args = _Arguments(constructor, kwargs)
+    bindings = _transformer(args) if constructor == TRANSFORMER else _terraformer(args)
+    assert not args.unhandled, f"arguments not mapped: {sorted(args.unhandled)}"
+    return [BASE_CONFIG[constructor]], bindings
