@@ -12,6 +12,7 @@ if "TERRA_CACHE_DIR" not in os.environ:
 
     os.environ["TERRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="terra-test-cache-")
 
+import flax.linen as nn  # noqa: E402
 import gin  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -54,6 +55,22 @@ def tiny_config(**overrides) -> TransformerConfig:
     )
     values.update(overrides)
     return TransformerConfig(**values)
+
+
+def dropout_calls(apply, *args) -> set:
+    """``(parent module class name, rate, broadcast_dims)`` of every ``nn.Dropout`` with a
+    non-zero rate that ``apply(*args)`` calls; traced with abstract ``args``, not run."""
+    calls = set()
+
+    def record(next_fun, fn_args, fn_kwargs, context):
+        module = context.module
+        if isinstance(module, nn.Dropout) and context.method_name == "__call__" and module.rate > 0:
+            calls.add((type(module.parent).__name__, module.rate, tuple(module.broadcast_dims)))
+        return next_fun(*fn_args, **fn_kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(apply, *args)
+    return calls
 
 
 @pytest.fixture(scope="module")

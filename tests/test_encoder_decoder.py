@@ -11,7 +11,7 @@ import pytest
 
 from terra.models import shift_right
 
-from conftest import tiny_config
+from conftest import dropout_calls, tiny_config
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -142,6 +142,34 @@ def test_dropout_is_active_only_with_a_dropout_rng():
     train_a = logits(params, batch, dropout_rng=jax.random.key(1))
     train_b = logits(params, batch, dropout_rng=jax.random.key(2))
     assert not np.allclose(train_a, eval_a) and not np.allclose(train_a, train_b)
+
+
+@pytest.mark.parametrize("share", [None, True, False])
+def test_encoder_decoder_dropout_masks_follow_the_reference_configurable_transformer(share):
+    from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
+
+    config = tiny_config(dropout=0.1, ff_dropout=0.2, attention_dropout=0.3, share_dropout_over_length=share)
+    model = EncoderDecoderModel(EncoderDecoderTransformer(config))
+    inputs, targets = _padded_batch(2, 6, 5, model.config.vocab_size)
+    batch = {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
+    calls = dropout_calls(lambda p: model.logits(p, batch, dropout_rng=jax.random.key(1)), model.abstract_params())
+    # None: ConfigurableTransformer's default dropout_shared_axes=None, one mask per position.
+    shared = (-2,) if share else ()
+    sites = {"EncoderDecoderTransformer", "EncoderLayer", "DecoderLayer", "FeedForward"}  # embedding, residuals
+    assert {c for c in calls if c[1] == 0.1} == {(site, 0.1, shared) for site in sites}
+    assert {c for c in calls if c[1] == 0.2} == {("FeedForward", 0.2, (-2,))}  # ff_dropout: always shared
+    assert all(dims == () for _, rate, dims in calls if rate == 0.3)  # attention probabilities
+
+
+@pytest.mark.parametrize(
+    "gin_file", ["models/dense_800m.gin", "models/fully_sparse_800m.gin", "models/moe_ff_800m.gin"]
+)
+def test_encoder_decoder_configs_draw_dropout_masks_per_position_as_the_reference(gin_file):
+    from terra import gin_utils
+
+    # sparse_c4_pretrain_16gb_adafactor.gin keeps ConfigurableTransformer's dropout_shared_axes=None.
+    gin_utils.parse_gin([gin_file, "sizes/tiny.gin"])
+    assert gin_utils.build_model().config.share_dropout_over_length is False
 
 
 def test_bfloat16_compute_tracks_float32_and_decodes_consistently(tiny_model):

@@ -6,8 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra.layers import Dense, FeedForward, LayerNorm, TrainablePositionalEmbedding, axes
+from terra.layers import (
+    Dense,
+    FeedForward,
+    HalfResidual,
+    LayerNorm,
+    MixtureOfExpertsFeedForward,
+    SparseFeedForward,
+    TrainablePositionalEmbedding,
+    axes,
+)
 from terra.layers.positional import sinusoid_table
+from terra.layers.sparse_feedforward import chunk_layout, to_chunks
 
 
 def test_dense_contracts_trailing_axes_with_output_major_kernel():
@@ -74,10 +84,70 @@ def test_positional_offsets_shift_the_table_in_training_only():
     )
 
 
-def test_feed_forward_dropout_masks_are_shared_over_length():
-    ff = FeedForward(d_model=8, d_ff=32, dropout_rate=0.5, ff_dropout_rate=0.5)
+# Every layer whose output dropout TransformerConfig.share_dropout_over_length governs; the
+# sparse layers choose deterministically (temperature 0, always the hard mask), so that dropout
+# is the only thing that can tell identical tokens apart.
+DROPOUT_SITES = {
+    "feed_forward": lambda share: FeedForward(8, 32, dropout_rate=0.5, share_dropout_over_length=share),
+    "sparse_feed_forward": lambda share: SparseFeedForward(
+        8, 32, dropout_rate=0.5, ff_sparsity=4, temperature=0.0, quant_prob=1.0, share_dropout_over_length=share
+    ),
+    "sparse_feed_forward_chunked": lambda share: SparseFeedForward(
+        8,
+        32,
+        dropout_rate=0.5,
+        ff_sparsity=4,
+        temperature=0.0,
+        quant_prob=1.0,
+        share_dropout_over_length=share,
+        ff_chunk_size=3,
+    ),
+    "mixture_of_experts": lambda share: MixtureOfExpertsFeedForward(
+        8, 32, dropout_rate=0.5, n_experts=4, temperature=0.0, hard_prob=1.0, share_dropout_over_length=share
+    ),
+    "half_residual": lambda share: HalfResidual(
+        FeedForward(8, 32), pre_norm=False, dropout_rate=0.5, share_dropout_over_length=share
+    ),
+}
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("site", sorted(DROPOUT_SITES))
+def test_dropout_mask_shared_over_length_only_when_configured(site, share):
+    layer = DROPOUT_SITES[site](share)
     row = jax.random.normal(jax.random.key(0), (1, 1, 8))
-    x = jnp.tile(row, (1, 6, 1))  # identical tokens at every position
+    x = jnp.tile(row, (2, 6, 1))  # two examples, identical tokens at every position
+    variables = layer.init(jax.random.key(0), x)
+
+    def run(deterministic):
+        out = layer.apply(variables, x, deterministic=deterministic, rngs={"dropout": jax.random.key(3)})
+        return out[0] if isinstance(out, tuple) else out
+
+    train, eval_out = run(False), run(True)
+    assert not np.allclose(train, eval_out)  # dropout is on
+    kept = np.asarray(train != 0).reshape(12, 8)  # the mask of each of the 12 tokens
+    if site == "sparse_feed_forward_chunked":
+        # As the reference's Dropout(shared_axes=[-2]) on each flattened [chunk, d] chunk: with
+        # sharing, one mask per chunk of 3 tokens (to_chunks' strided layout), 4 chunks.
+        groups = np.asarray(to_chunks(jnp.arange(12), *chunk_layout(12, 3)))
+    elif site == "sparse_feed_forward":
+        groups = np.arange(12)[None]  # unchunked: one mask for all the tokens of the call
+    else:
+        groups = np.arange(12).reshape(2, 6)  # one mask per example
+    same = [np.all(kept[g] == kept[g[0]]) for g in groups]
+    if share:
+        assert all(same)
+        values = np.asarray(train).reshape(12, 8)[groups[0]]  # identical tokens, one mask: equal outputs
+        np.testing.assert_allclose(values, np.broadcast_to(values[:1], values.shape), rtol=1e-6)
+        assert len({kept[g[0]].tobytes() for g in groups}) == len(groups)  # a mask of its own per group
+    else:  # one mask per position: identical tokens come out different
+        assert not any(same)
+
+
+def test_dense_feed_forward_inner_dropout_is_shared_over_length_either_way():
+    # The reference's _FeedForward hard-codes shared_axes=[-2] for ff_dropout.
+    ff = FeedForward(d_model=8, d_ff=32, ff_dropout_rate=0.5, share_dropout_over_length=False)
+    x = jnp.tile(jax.random.normal(jax.random.key(0), (1, 1, 8)), (1, 6, 1))
     variables = ff.init(jax.random.key(0), x)
     train = ff.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
     np.testing.assert_allclose(train, jnp.tile(train[:, :1], (1, 6, 1)), rtol=1e-6)

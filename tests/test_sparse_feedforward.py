@@ -10,6 +10,7 @@ import pytest
 from terra.errors import ConfigError
 from terra.layers import MixtureOfExpertsFeedForward, SparseFeedForward
 from terra.layers.selection import block_argmax
+from terra.layers.sparse_feedforward import chunk_layout, to_chunks
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -158,6 +159,90 @@ def test_paper_formula_option_adds_the_first_layer_bias_and_decodes_the_same():
 def test_d_ff_not_divisible_by_n_is_a_config_error():
     with pytest.raises(ConfigError, match="d_ff=64 is not divisible by ff_sparsity=12"):
         SparseFeedForward(d_model=D_MODEL, d_ff=D_FF, ff_sparsity=12).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
+
+
+def test_ff_chunk_size_draws_one_coin_per_chunk(layer_and_vars):
+    _, variables, x = layer_and_vars  # 3 x 5 = 15 tokens
+    n_tokens = 15
+    n_chunks, chunk_len = chunk_layout(n_tokens, 4)
+    assert (n_chunks, chunk_len) == (4, 4)  # equal chunks of at most 4, one padding token
+    eval_out = _layer().apply(variables, x)
+
+    def hard_tokens(ff_chunk_size):
+        """Per key, which tokens took the hard branch: with temperature 0 and no dropout the
+        hard straight-through mask reproduces the eval output, the soft one does not."""
+        layer = _layer(temperature=0.0, quant_prob=0.5, ff_chunk_size=ff_chunk_size)
+
+        @jax.jit
+        def hard(key):
+            out = layer.apply(variables, x, deterministic=False, rngs={"dropout": key})
+            return jnp.max(jnp.abs(out - eval_out), axis=-1).reshape(-1) < 1e-5
+
+        return np.asarray(jax.vmap(hard)(jax.random.split(jax.random.key(0), 400)))
+
+    chunked = hard_tokens(4)
+    # Every chunk is all hard or all soft (the padding token of the last chunk dropped) ...
+    by_chunk = np.stack([np.asarray(to_chunks(jnp.asarray(row), n_chunks, chunk_len)) for row in chunked])
+    real = np.asarray(to_chunks(jnp.ones(n_tokens, bool), n_chunks, chunk_len))
+    for j in range(n_chunks):
+        values = by_chunk[:, j][:, real[j]]
+        assert np.all(values == values[:, :1])
+    # ... each chunk with its own coin: with 4 independent fair coins, 7/8 of the calls mix
+    # hard and soft chunks; each chunk is hard on about half of the calls.
+    mixed = np.mean(chunked.any(axis=1) & ~chunked.all(axis=1))
+    assert 0.75 < mixed < 0.97, mixed
+    np.testing.assert_allclose(by_chunk[:, :, 0].mean(axis=0), 0.5, atol=0.1)
+    # Without chunks, one coin for the whole call.
+    whole = hard_tokens(0)
+    assert np.all(whole == whole[:, :1]) and 0.4 < whole[:, 0].mean() < 0.6
+
+
+@pytest.mark.parametrize("ff_chunk_size", [1, 4, 6, 15, 100])
+def test_ff_chunk_size_leaves_eval_output_unchanged(layer_and_vars, ff_chunk_size):
+    layer, variables, x = layer_and_vars
+    chunked = _layer(ff_chunk_size=ff_chunk_size)
+    assert jax.tree.structure(chunked.init(jax.random.key(1), x)) == jax.tree.structure(variables)
+    np.testing.assert_allclose(chunked.apply(variables, x), layer.apply(variables, x), atol=1e-6)
+    np.testing.assert_array_equal(_indices(chunked, variables, x), _indices(layer, variables, x))
+    np.testing.assert_allclose(chunked.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+    # Given indices (a reversible layer's replay) are used chunk by chunk too.
+    forced = jnp.zeros((3, 5, D_FF // N), jnp.int32)
+    np.testing.assert_allclose(
+        chunked.apply(variables, x, indices=forced), layer.apply(variables, x, indices=forced), atol=1e-6
+    )
+    np.testing.assert_array_equal(_indices(chunked, variables, x, indices=forced), forced)
+
+
+def test_ff_chunk_size_bounds_the_training_memory():
+    d_model, d_ff = 16, 512
+
+    def temp_bytes(n_tokens, ff_chunk_size):
+        """XLA's scratch memory for the gradient of a training call on ``n_tokens`` tokens."""
+        x = jax.ShapeDtypeStruct((2, n_tokens // 2, d_model), jnp.float32)
+        layer = SparseFeedForward(d_model=d_model, d_ff=d_ff, ff_sparsity=8, ff_chunk_size=ff_chunk_size)
+        variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+        def loss(params, x, key):
+            return jnp.sum(layer.apply({"params": params}, x, deterministic=False, rngs={"dropout": key}) ** 2)
+
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(variables["params"], x, key).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    extra_hidden = (2048 - 512) * d_ff * 4  # the [tokens, d_ff] activation of the extra tokens
+    whole_growth = temp_bytes(2048, 0) - temp_bytes(512, 0)
+    chunked_small, chunked_large = temp_bytes(512, 64), temp_bytes(2048, 64)
+    # Measured on XLA:CPU: the whole call keeps ~15 [tokens, d_ff] buffers for its backward pass
+    # (+33 MB for 1536 more tokens); the rematerialised scan holds one 64-token chunk's worth
+    # whatever the token count (+0.2 MB: the [tokens, d_model] inputs, outputs and gradients).
+    assert whole_growth > 4 * extra_hidden
+    assert chunked_large - chunked_small < extra_hidden / 4
+    assert chunked_large * 4 < temp_bytes(512, 0)
+
+
+def test_bad_ff_chunk_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="ff_chunk_size=-1"):
+        _layer(ff_chunk_size=-1).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
 
 
 def test_moe_baseline_decode_equals_eval_and_reads_one_block():

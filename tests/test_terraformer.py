@@ -2,11 +2,13 @@
 
 import functools
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from terra import gin_utils
 from terra.benchmarks import reversible_memory
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.errors import ConfigError
@@ -15,12 +17,13 @@ from terra.layers.length_concat import concat_with_padding, strip_to_decoder
 from terra.models import Terraformer, TerraformerModel
 from terra.models.terraformer import shared_qk_from_dense_attention
 
-from conftest import tiny_config
+from conftest import dropout_calls, tiny_config
 
 VOCAB = 64
 
 SPARSE = dict(
-    feed_forward=functools.partial(SparseFeedForward, ff_sparsity=8),
+    # Chunks of 8 tokens, as the shipped configs' 512 (every call here has more than 8 tokens).
+    feed_forward=functools.partial(SparseFeedForward, ff_sparsity=8, ff_chunk_size=8),
     decoder_attention=functools.partial(SparseQKVAttention, attention_sparsity=4),
     logits_layer=functools.partial(SparseLossLogits, loss_sparsity=4),
 )
@@ -140,6 +143,52 @@ def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
     plain_growth = by[(2, False)] - by[(1, False)]
     assert plain_growth > 0
     assert reversible_growth < plain_growth / 4
+
+
+def test_terraformer_has_no_attention_output_dropout_by_default():
+    # Residual dropout 0.5, attention-probability dropout 0: an attention half-residual is
+    # random in training only through an output dropout.
+    config = tiny_config(vocab_size=VOCAB, dropout=0.5)
+    x = jax.random.normal(jax.random.key(0), (2, 5, config.d_model))
+    mask = jnp.ones((2, 5), bool)
+
+    def attention_halves(**kwargs):
+        module = Terraformer(config, **SPARSE, **kwargs)
+        params = TerraformerModel(module).init_params(jax.random.key(1))
+        bound = module.bind({"params": params}, rngs={"dropout": jax.random.key(2)})
+        return [(bound.encoder_stack.layers[0], (x, mask)), (bound.decoder_stack.layers[0], (x,))]
+
+    for half, args in attention_halves():  # the reference: no output dropout after attention
+        np.testing.assert_array_equal(half(*args, deterministic=False)[0], half(*args, deterministic=True)[0])
+    for half, args in attention_halves(attention_output_dropout=True):  # the option: dropout 0.5
+        train, eval_out = half(*args, deterministic=False)[0], half(*args, deterministic=True)[0]
+        assert 0.3 < float(jnp.mean(train == 0)) < 0.7
+        np.testing.assert_allclose(jnp.where(train == 0, 0.0, eval_out * 2), train, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("share", [None, True, False])
+@pytest.mark.parametrize("attention_output_dropout", [False, True])
+def test_terraformer_dropouts_follow_the_reference_configurable_terraformer(share, attention_output_dropout):
+    config = tiny_config(vocab_size=VOCAB, dropout=0.1, attention_dropout=0.3, share_dropout_over_length=share)
+    model = TerraformerModel(Terraformer(config, attention_output_dropout=attention_output_dropout, **SPARSE))
+    batch = _batch()
+    calls = dropout_calls(lambda p: model.logits(p, batch, dropout_rng=jax.random.key(1)), model.abstract_params())
+    shared = (-2,) if share in (None, True) else ()  # None: the family's reference choice, shared
+    expected = {("Terraformer", 0.1, shared), ("SparseFeedForward", 0.1, shared)}  # embedding, FF output
+    if attention_output_dropout:
+        expected.add(("HalfResidual", 0.1, shared))
+    assert {c for c in calls if c[1] == 0.1} == expected
+    assert all(dims == () for _, rate, dims in calls if rate == 0.3)  # attention probabilities
+
+
+@pytest.mark.parametrize("gin_file", ["models/terraformer_800m.gin", "models/terraformer_lsh_800m.gin"])
+def test_terraformer_configs_chunk_the_feed_forward_and_share_dropout_as_the_reference(gin_file):
+    # terraformer_c4_medium.gin: ff_chunk_size=512; ConfigurableTerraformer: dropout_shared_axes=[-2].
+    gin_utils.parse_gin([gin_file, "sizes/tiny.gin"])
+    model = gin_utils.build_model()
+    assert gin.query_parameter("SparseFeedForward.ff_chunk_size") == 512
+    assert model.config.share_dropout_over_length is True
+    assert model.module.attention_output_dropout is False
 
 
 def test_bad_block_counts_fail_when_the_model_is_configured():

@@ -39,6 +39,9 @@ class MixtureOfExpertsFeedForward(nn.Module):
     d_ff: int
     dropout_rate: float = 0.0
     ff_dropout_rate: float = 0.0  # unused, as in the reference
+    # The output dropout the reference appends after BlockSparseFF (dropout_shared_axes): one
+    # mask per example shared over positions, or one per position (FeedForward's contract).
+    share_dropout_over_length: bool = False
     dtype: jnp.dtype = jnp.float32
     n_experts: int = 64
     temperature: float = 0.7
@@ -78,7 +81,8 @@ class MixtureOfExpertsFeedForward(nn.Module):
             mid = mid.reshape(mid.shape[:-1] + (self.n_experts, block)) * mask[..., None].astype(self.dtype)
             h = nn.relu(mid).reshape(mid.shape[:-2] + (self.d_ff,))
             y = h @ as_float(wo, self.dtype).reshape(self.d_ff, self.d_model) + wo_bias
-        y = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        shared = (-2,) if self.share_dropout_over_length else ()
+        y = nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
         return y.astype(self.dtype)
 
     @staticmethod

@@ -85,7 +85,9 @@ class HalfResidual(nn.Module):
       pre_norm: apply a LayerNorm first (the reference's ``ReversibleHalfResidual(LayerNorm,
         attention)``; a feed-forward with its own norm leaves this off).
       center_layernorm: LayerNorm (True) or RMSNorm (False).
-      dropout_rate: output dropout, shared over the length axis (``broadcast_dims=(-2,)``).
+      dropout_rate: output dropout (0 = none).
+      share_dropout_over_length: one output-dropout mask per example shared over positions
+        (``broadcast_dims=(-2,)``, default) or one per position.
       decisions_kwarg: the keyword the layer replays its decisions with and the name it sows
         them under in ``intermediates`` (``"indices"`` for ``SparseFeedForward``); None for a
         layer without discrete decisions.
@@ -98,6 +100,7 @@ class HalfResidual(nn.Module):
     pre_norm: bool = True
     center_layernorm: bool = True
     dropout_rate: float = 0.0
+    share_dropout_over_length: bool = True
     decisions_kwarg: Optional[str] = None
     pass_context: bool = False
     pass_kwargs: Tuple[str, ...] = ("deterministic",)
@@ -116,7 +119,8 @@ class HalfResidual(nn.Module):
             # stack guarantees on its reversible path (elsewhere nobody replays them).
             sown = self.layer.variables.get("intermediates", {}).get(self.decisions_kwarg)
             decisions = None if sown is None else sown[-1]
-        y = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        shared = (-2,) if self.share_dropout_over_length else ()
+        y = nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
         return y, decisions
 
 

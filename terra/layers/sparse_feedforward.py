@@ -12,8 +12,16 @@ A low-rank controller picks one unit in every block of ``N`` feed-forward units;
 
 W1 and W2 are both stored as ``[d_ff/N, N, d_model]``: unit ``(block i, element j)`` is row
 ``(i, j)`` of each, so a decode gather reads ``d_ff/N`` contiguous rows of ``d_model`` floats.
+
+``ff_chunk_size`` (the reference's, §1.1; 512 in its Terraformer configs, §5.2) cuts the
+flattened tokens into chunks of at most that many and runs them one after another in a scan
+whose body is rematerialised, so the ``[tokens, d_ff]`` activations exist one chunk at a time
+in the forward and the backward pass (what bounds memory on 16k-token inputs). Each chunk
+draws its own Gumbel noise, its own hard/soft straight-through coin and its own dropout mask;
+evaluation and decoding compute the same per-token function either way.
 """
 
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -45,6 +53,31 @@ def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
     return n_blocks, d_lowrank
 
 
+def chunk_layout(n_tokens: int, ff_chunk_size: int):
+    """``(n_chunks, chunk_len)`` for ``n_tokens`` flattened tokens: ``ceil(n_tokens /
+    ff_chunk_size)`` chunks of equal length (at most ``ff_chunk_size``; the tokens are padded by
+    fewer than ``n_chunks`` to fill them). The reference runs the whole call as one chunk when
+    the size does not divide the tokens; equal padded chunks keep the memory bound instead."""
+    n_chunks = max(1, math.ceil(n_tokens / ff_chunk_size))
+    return n_chunks, max(1, math.ceil(n_tokens / n_chunks))
+
+
+def to_chunks(a: jax.Array, n_chunks: int, chunk_len: int) -> jax.Array:
+    """``[tokens, ...] -> [n_chunks, chunk_len, ...]``, zero-padded; chunk ``j`` holds tokens
+    ``j, j + n_chunks, j + 2·n_chunks, ...``. Striding (rather than cutting contiguous runs)
+    keeps the batch's data-parallel shards on the within-chunk axis, so every device works on
+    every chunk instead of the scan walking over one device's tokens at a time."""
+    pad = n_chunks * chunk_len - a.shape[0]
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    return a.reshape((chunk_len, n_chunks) + a.shape[1:]).swapaxes(0, 1)
+
+
+def from_chunks(a: jax.Array, n_tokens: int) -> jax.Array:
+    """Inverse of :func:`to_chunks`: ``[n_chunks, chunk_len, ...] -> [n_tokens, ...]``."""
+    a = a.swapaxes(0, 1)
+    return a.reshape((-1,) + a.shape[2:])[:n_tokens]
+
+
 class SparseFeedForward(nn.Module):
     """``[batch, length, d_model] -> [batch, length, d_model]`` (the feed-forward swap point).
 
@@ -55,6 +88,15 @@ class SparseFeedForward(nn.Module):
       quant_prob: probability that a training call uses the hard straight-through mask.
       paper_formula: use the paper's ``max(0, x·W1 + b1) ⊙ m`` (first-layer bias, mask after
         the ReLU) instead of the reference's ``relu(x·W1 ⊙ m)``.
+      ff_chunk_size: 0 (default) computes the whole call at once with one straight-through
+        coin; ``C > 0`` scans over chunks of at most ``C`` flattened tokens, each with its own
+        coin, Gumbel noise and dropout mask, its activations rematerialised in the backward
+        pass (the reference's ``ff_chunk_size``; the Terraformer configs use 512). Evaluation
+        and decoding give the same outputs for any value.
+      share_dropout_over_length: the output dropout draws one mask for all the tokens of a
+        chunk (of the call when ``ff_chunk_size`` is 0) if True, as the reference's
+        ``Dropout(shared_axes=[-2])`` over the flattened ``[tokens, d_model]`` chunk, or one
+        mask per token if False (the reference layer's default ``dropout_shared_axes=None``).
 
     ``__call__(x, *, deterministic, decode, indices=None)``: ``indices`` ``[batch, length,
     d_ff/N]`` forces the block choices (a reversible layer replays its forward decisions);
@@ -71,9 +113,16 @@ class SparseFeedForward(nn.Module):
     temperature: float = 0.1
     quant_prob: float = 0.3
     paper_formula: bool = False
+    ff_chunk_size: int = 0
+    share_dropout_over_length: bool = False
 
     def setup(self):
         n_blocks, d_lowrank = sparse_ff_sizes(self.d_ff, self.ff_sparsity, self.d_lowrank)
+        if not isinstance(self.ff_chunk_size, int) or self.ff_chunk_size < 0:
+            raise ConfigError(
+                f"SparseFeedForward: ff_chunk_size={self.ff_chunk_size!r} must be a non-negative integer "
+                "(0 = the whole call at once; the reference's Terraformer uses 512)."
+            )
         shape = (n_blocks, self.ff_sparsity, self.d_model)
         names = (axes.MLP, axes.SPARSE_ELEMENTS, axes.EMBED)
         self.controller_down = Dense(
@@ -98,7 +147,9 @@ class SparseFeedForward(nn.Module):
         self.wo_bias = self.param("wo_bias", nn.with_logical_partitioning(BIAS_INIT, (axes.EMBED,)), (self.d_model,))
         if self.paper_formula:
             self.wi_bias = self.param("wi_bias", nn.with_logical_partitioning(BIAS_INIT, names[:2]), shape[:2])
-        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))
+        # Applied to the flattened [tokens, d_model] chunk as the reference, so a shared mask
+        # serves every token of the chunk.
+        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,) if self.share_dropout_over_length else ())
 
     def controller_logits(self, x: jax.Array) -> jax.Array:
         """``[..., d_model] -> [..., d_ff/N, N]`` float32."""
@@ -115,8 +166,27 @@ class SparseFeedForward(nn.Module):
         decode: bool = False,
         indices: Optional[jax.Array] = None,
     ) -> jax.Array:
-        logits = self.controller_logits(x)
         train = not deterministic
+        if decode:  # one token per row: nothing to chunk
+            y, indices = self.forward_tokens(x, indices, train, decode=True)
+        else:
+            # The reference flattens the tokens (BatchLeadingAxes) before chunking and dropout.
+            tokens = x.reshape(-1, x.shape[-1])
+            given = None if indices is None else indices.reshape(tokens.shape[0], -1)
+            if self.ff_chunk_size:
+                y, indices = self._chunked(tokens, given, train)
+            else:
+                y, indices = self.forward_tokens(tokens, given, train)
+            y = y.reshape(x.shape[:-1] + y.shape[-1:])
+            indices = indices.reshape(x.shape[:-1] + indices.shape[-1:])
+        self.sow("intermediates", "indices", indices)
+        return y
+
+    def forward_tokens(self, x, indices, train: bool, decode: bool = False):
+        """``[tokens, d_model]`` (``[..., d_model]`` in decode) -> (output after dropout, block
+        choices ``[tokens, d_ff/N]``): one call's (or one chunk's) worth, with one
+        straight-through coin."""
+        logits = self.controller_logits(x)
         # The Gumbel key is drawn even when indices are given, so that the later draws (the
         # straight-through coin, dropout) see the same keys in a reversible layer's recomputation
         # with stored indices as in its forward pass.
@@ -126,12 +196,34 @@ class SparseFeedForward(nn.Module):
                 indices = gumbel_block_argmax(logits, self.temperature, gumbel_rng)
             else:
                 indices = block_argmax(logits)
-        self.sow("intermediates", "indices", indices)
         if decode:
             y = self._gathered(x, indices)
         else:
             y = self._masked(x, logits, indices, train)
-        return self.dropout(y.astype(self.dtype), deterministic=deterministic)
+        return self.dropout(y.astype(self.dtype), deterministic=not train), indices
+
+    def _chunked(self, x, indices, train: bool):
+        """``forward_tokens`` over chunks of at most ``ff_chunk_size`` tokens (see :func:`to_chunks`),
+        in a scan whose body is rematerialised: one chunk's ``[chunk, d_ff]`` activations live
+        at a time, forward and backward (the reference's ``tl.Chunk``: a ``Scan`` with
+        ``remat=True``). The parameters are shared by the chunks; the ``dropout`` rng is split
+        per chunk, so each draws its own noise, coin and mask."""
+        n_tokens = x.shape[0]
+        n_chunks, chunk_len = chunk_layout(n_tokens, self.ff_chunk_size)
+        xs = nn.with_logical_constraint(to_chunks(x, n_chunks, chunk_len), (None, axes.BATCH, axes.EMBED))
+        given = None if indices is None else to_chunks(indices, n_chunks, chunk_len)
+
+        def body(module, carry, chunk):
+            return carry, module.forward_tokens(*chunk, train)
+
+        scan = nn.scan(
+            nn.remat(body, prevent_cse=False),
+            variable_broadcast="params",
+            split_rngs={"params": False, "dropout": True},
+            length=n_chunks,
+        )
+        _, (y, chosen) = scan(self, None, (xs, given))
+        return from_chunks(y, n_tokens), from_chunks(chosen, n_tokens)
 
     def _masked(self, x, logits, indices, train: bool):
         """Every unit computed, inactive ones zeroed by the mask (training and eval)."""
@@ -147,7 +239,9 @@ class SparseFeedForward(nn.Module):
             h = nn.relu(mid + self.wi_bias) * mask.astype(self.dtype)
         else:
             h = nn.relu(mid * mask.astype(self.dtype))
-        h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP, axes.SPARSE_ELEMENTS))
+        # x is [tokens, d_model] (flattened; a chunk's in to_chunks' layout): the batch's shards.
+        tokens = (axes.BATCH, axes.LENGTH)[: h.ndim - 2]
+        h = nn.with_logical_constraint(h, tokens + (axes.MLP, axes.SPARSE_ELEMENTS))
         h = h.reshape(h.shape[:-2] + (self.d_ff,))
         return h @ as_float(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
 

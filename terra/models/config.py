@@ -6,6 +6,7 @@ reads like a row of the paper's tables.
 """
 
 import dataclasses
+from typing import Optional
 
 import gin
 import jax.numpy as jnp
@@ -37,6 +38,16 @@ class TransformerConfig:
       position_start_from_zero_prob, position_max_offset: random start offsets of the
         positional tables in training (the reference's ``pos_start_from_zero_prob`` and
         ``pos_max_offset_to_add``); the defaults (1.0, 0) always start at 0.
+      share_dropout_over_length: draw one ``dropout`` mask per example and share it over
+        every position (True), or an independent mask per position (False), for the
+        embedding dropout, the residual dropout after attention and the feed-forward output
+        dropout (the reference's ``dropout_shared_axes=[-2]`` against ``None``). ``None``
+        (default) takes the model family's reference choice: not shared in
+        ``EncoderDecoderTransformer`` (``ConfigurableTransformer``'s default
+        ``dropout_shared_axes=None``), shared in ``Terraformer`` (``ConfigurableTerraformer``
+        passes ``[-2]`` everywhere; ``docs/design/reference_code.md`` §4.1, §4.3). The dense
+        feed-forward's inner ``ff_dropout`` is shared over length either way, as the reference
+        hard-codes it, and attention-probability dropout is never shared.
     """
 
     vocab_size: int = 32000
@@ -54,6 +65,7 @@ class TransformerConfig:
     eos_id: int = 1
     position_start_from_zero_prob: float = 1.0
     position_max_offset: int = 0
+    share_dropout_over_length: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_heads", "max_len"):
@@ -84,6 +96,12 @@ class TransformerConfig:
                 f"TransformerConfig.position_start_from_zero_prob={self.position_start_from_zero_prob} must be in "
                 f"[0, 1] and position_max_offset={self.position_max_offset} >= 0."
             )
+        if not (self.share_dropout_over_length is None or isinstance(self.share_dropout_over_length, bool)):
+            raise ConfigError(
+                f"TransformerConfig.share_dropout_over_length={self.share_dropout_over_length!r} must be True "
+                "(one dropout mask per example, shared over positions), False (one per position) or None "
+                "(the model family's reference choice)."
+            )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"TransformerConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}.")
         if not (0 <= self.pad_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
@@ -103,6 +121,25 @@ class TransformerConfig:
             **kwargs,
         )
 
+    def with_dropout_sharing(self, family_default: bool) -> "TransformerConfig":
+        """This config with ``share_dropout_over_length`` decided: ``family_default`` (the model
+        family's reference choice) where it is None, else unchanged. Models call this once and
+        build their layers from the result."""
+        if self.share_dropout_over_length is not None:
+            return self
+        return dataclasses.replace(self, share_dropout_over_length=family_default)
+
+    @property
+    def dropout_broadcast_dims(self) -> tuple:
+        """``broadcast_dims`` of a residual, embedding or feed-forward output ``nn.Dropout`` over
+        ``[batch, length, d_model]``: ``(-2,)`` (one mask per example) or ``()`` (per position)."""
+        if self.share_dropout_over_length is None:
+            raise ValueError(
+                "TransformerConfig.share_dropout_over_length is undecided; build layers from "
+                "config.with_dropout_sharing(family_default) (the models do)."
+            )
+        return (-2,) if self.share_dropout_over_length else ()
+
     def attention_kwargs(self) -> dict:
         """What every injected attention layer is constructed with (``d_model``, ``n_heads``,
         ``dropout_rate`` = the attention-probability dropout, ``dtype``)."""
@@ -112,12 +149,14 @@ class TransformerConfig:
 
     def feed_forward_kwargs(self) -> dict:
         """What every injected feed-forward layer is constructed with (``d_model``, ``d_ff``,
-        ``dropout_rate`` = its output dropout, ``ff_dropout_rate`` = the inner one, ``dtype``)."""
+        ``dropout_rate`` = its output dropout, ``ff_dropout_rate`` = the inner one,
+        ``share_dropout_over_length`` for the output dropout's mask, ``dtype``)."""
         return dict(
             d_model=self.d_model,
             d_ff=self.d_ff,
             dropout_rate=self.dropout,
             ff_dropout_rate=self.ff_dropout,
+            share_dropout_over_length=bool(self.dropout_broadcast_dims),
             dtype=self.jnp_dtype,
         )
 

@@ -20,6 +20,11 @@ Blocks follow the reference's ``ConfigurableTransformer``: ``x + Dropout(Attn(LN
 ``x + FF(LN(x))`` (the FF block ends with its own dropout), a final LayerNorm per stack,
 a token embedding shared by encoder and decoder with separate positional tables, and an
 untied logits layer. The decoder input is the targets shifted right with 0 as the start.
+
+The embedding, residual and feed-forward output dropouts draw one mask per position by
+default, as ``ConfigurableTransformer``'s default ``dropout_shared_axes=None`` (the
+reference's C4 configs keep it); ``TransformerConfig.share_dropout_over_length=True`` shares
+one mask per example over the length instead.
 """
 
 import dataclasses
@@ -55,7 +60,7 @@ class EncoderLayer(nn.Module):
         cfg = self.config
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_attention_norm")(x)
         y = self.attention(**cfg.attention_kwargs(), name="attention")(y, mask, deterministic=deterministic)
-        x = x + nn.Dropout(cfg.dropout, broadcast_dims=(-2,))(y, deterministic=deterministic)
+        x = x + nn.Dropout(cfg.dropout, broadcast_dims=cfg.dropout_broadcast_dims)(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_ff_norm")(x)
         x = x + self.feed_forward(**cfg.feed_forward_kwargs(), name="feed_forward")(
             y, deterministic=deterministic, decode=False
@@ -76,7 +81,7 @@ class DecoderLayer(nn.Module):
         self, x, encoded, encoder_mask, *, deterministic: bool, decode: bool, max_decode_length: Optional[int]
     ):
         cfg = self.config
-        dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
+        dropout = nn.Dropout(cfg.dropout, broadcast_dims=cfg.dropout_broadcast_dims)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_self_attention_norm")(x)
         y = self.self_attention(**cfg.attention_kwargs(), name="self_attention")(
             y, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length
@@ -109,11 +114,14 @@ class EncoderDecoderTransformer(nn.Module):
     encoder_decoder_attention: LayerFactory = CrossAttention
     logits_layer: LayerFactory = DenseLogits
 
+    # ConfigurableTransformer's default dropout_shared_axes=None: one mask per position.
+    REFERENCE_SHARES_DROPOUT_OVER_LENGTH = False
+
     def setup(self):
-        cfg = self.config
+        cfg = self.config.with_dropout_sharing(self.REFERENCE_SHARES_DROPOUT_OVER_LENGTH)
         dtype = cfg.jnp_dtype
         self.token_embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
-        self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
+        self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=cfg.dropout_broadcast_dims)
         self.encoder_positions = cfg.positional_embedding()
         self.decoder_positions = cfg.positional_embedding()
         self.encoder_layers = [

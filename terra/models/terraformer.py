@@ -17,6 +17,14 @@ The token embedding is shared by encoder and decoder; each has its own positiona
 Every half-residual is followed by a swap (two per encoder block, three per decoder
 block); the reference's ``use_two_swaps_per_encoder_block=False`` is not offered.
 
+Dropout follows ``ConfigurableTerraformer`` (``docs/design/reference_code.md`` §4.1–§4.3,
+§8 item 13): the embedding and the feed-forward output dropouts share one mask per example
+over the length (``TransformerConfig.share_dropout_over_length`` resolves to True here), and
+the attention half-residuals have no output dropout, since the reference's ``Attention``,
+``CausalAttention``, ``MultiplicativeConvCausalAttention`` and ``PureLSHSelfAttention`` have
+none. ``attention_output_dropout=True`` adds it (Trax's ``SelfAttention`` and
+``LSHSelfAttention`` classes, e.g. the reference's ``scientific_papers_terraformer.gin``).
+
 The injected layers follow ``EncoderDecoderTransformer``'s contract, plus:
 
   decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
@@ -80,6 +88,9 @@ class Terraformer(nn.Module):
       reversible_encoder: keep the encoder's two streams separate into the decoder (the C4
         and arXiv configs); False merges them with ``(x1+x2)/2 -> Dense -> LayerNorm``.
       center_layernorm: LayerNorm (True) or RMSNorm (False) everywhere in the blocks.
+      attention_output_dropout: apply ``config.dropout`` to every attention sublayer's output
+        (False, the reference with the attentions the configs use: none of them has an output
+        dropout; True for Trax's ``SelfAttention``/``LSHSelfAttention``, which have one).
     """
 
     config: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
@@ -93,9 +104,14 @@ class Terraformer(nn.Module):
     reversible: bool = True
     reversible_encoder: bool = True
     center_layernorm: bool = True
+    attention_output_dropout: bool = False
+
+    # ConfigurableTerraformer passes dropout_shared_axes=[-2] to every embedding and FF dropout.
+    REFERENCE_SHARES_DROPOUT_OVER_LENGTH = True
 
     def setup(self):
-        cfg = self.config
+        cfg = self.config.with_dropout_sharing(self.REFERENCE_SHARES_DROPOUT_OVER_LENGTH)
+        self._cfg = cfg  # the blocks are built from the config with its dropout sharing decided
         dtype = cfg.jnp_dtype
         if self.n_decoder_attention_layers < 1 or self.sru_units < 0 or self.sru_layers < 1:
             raise ConfigError(
@@ -103,7 +119,7 @@ class Terraformer(nn.Module):
                 f"sru_units={self.sru_units} >= 0 (0 = no SRU) and sru_layers={self.sru_layers} >= 1."
             )
         self.token_embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
-        self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=(-2,))
+        self.embedding_dropout = nn.Dropout(cfg.dropout, broadcast_dims=cfg.dropout_broadcast_dims)
         self.encoder_positions = cfg.positional_embedding()
         self.decoder_positions = cfg.positional_embedding()
         encoder_halves = []
@@ -130,14 +146,15 @@ class Terraformer(nn.Module):
 
     # ----- blocks -------------------------------------------------------------------------
     def _attention_half(self, factory: LayerFactory, *, encoder: bool):
-        cfg = self.config
+        cfg = self._cfg
 
         def build():
             return HalfResidual(
                 factory(**cfg.attention_kwargs()),
                 pre_norm=True,
                 center_layernorm=self.center_layernorm,
-                dropout_rate=cfg.dropout,
+                dropout_rate=cfg.dropout if self.attention_output_dropout else 0.0,
+                share_dropout_over_length=cfg.share_dropout_over_length,
                 decisions_kwarg="buckets",  # LSH attention replays its hashing; others sow nothing
                 pass_context=encoder,  # the encoder's padding mask
                 pass_kwargs=("deterministic",) if encoder else _DECODER_ATTENTION_KWARGS,
@@ -147,7 +164,7 @@ class Terraformer(nn.Module):
         return build
 
     def _feed_forward_half(self, decoder: bool):
-        cfg = self.config
+        cfg = self._cfg
 
         def build():
             block = FeedForwardWithSRU(
