@@ -191,6 +191,54 @@ def test_lm_format_puts_the_loss_on_the_answer_only():
     assert int(answer[::-1]) == int(x[::-1]) + int(y[::-1])  # little-endian digits
 
 
+@pytest.mark.parametrize(
+    "model_file, bindings",
+    [("models/tiny.gin", ["TransformerConfig.n_encoder_layers = 0"]), ("models/tiny_terraformer.gin", [])],
+    ids=["encoder-decoder without encoder layers", "terraformer"],
+)
+def test_the_language_model_form_makes_both_model_families_causal_language_models(model_file, bindings):
+    # The reference trains its Table 4 baseline as a language model over "0 w 0 w"; the
+    # language-model converter feeds it to the encoder-decoder families with an empty encoder.
+    gin_utils.parse_gin(
+        [model_file, "tasks/synthetic_copy_digits_lm.gin"],
+        [
+            "TransformerConfig.vocab_size = 16",
+            "terra.data.copy_dataset.eval_min_length = 5",
+            "terra.data.copy_dataset.eval_max_length = 9",
+            *bindings,
+        ],
+    )
+    model = gin_utils.build_model()
+    lengths = {"inputs": 10, "targets": 8}
+    batch = next(
+        pipeline.BatchIterator(
+            pipeline.get_dataset(
+                "synthetic_copy_digits_lm",
+                feature_lengths=lengths,
+                batch_size=4,
+                split="validation",
+                shuffle=False,
+                feature_converter=gin.query_parameter("%FEATURE_CONVERTER").scoped_configurable_fn(),
+            )
+        )
+    )
+    params = model.init_params(jax.random.key(0))
+    logits = np.asarray(model.logits(params, batch))
+    assert logits.shape == (4, 18, 16)
+    # Every position sees only the sequence before it: change the tokens after position t, and the
+    # logits up to t stay; the next position's change.
+    t = 7
+    changed = dict(batch, decoder_input_tokens=batch["decoder_input_tokens"].copy())
+    changed["decoder_input_tokens"][:, t + 1 :] = (changed["decoder_input_tokens"][:, t + 1 :] % 11) + 1
+    other = np.asarray(model.logits(params, changed))
+    np.testing.assert_allclose(other[:, : t + 1], logits[:, : t + 1], atol=1e-5)
+    assert np.abs(other[:, t + 1] - logits[:, t + 1]).max() > 1e-4
+    # The loss counts the second w only.
+    _, metrics = model.loss_fn(params, batch)
+    weights = batch["decoder_loss_weights"].sum()
+    assert float(metrics["weight_sum"]) == weights < (batch["decoder_target_tokens"] != 0).sum()
+
+
 def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
     gin_utils.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {str(tmp_path)!r}"])
     with pytest.raises(DataNotFoundError, match=str(tmp_path / "scientific_papers" / "arxiv" / "1.1.1")):

@@ -131,6 +131,32 @@ def test_span_corruption_lengths_match_t5():
     assert prep.span_corruption_lengths(512) == (568, 114)
 
 
+def test_fixed_chunks_as_the_papers_code_cuts_them_reconstruct_the_documents():
+    # The reference cuts 512-token chunks (docs/design/reference_code.md §5.1); 512 inputs and 256 targets
+    # then hold every corrupted chunk with its EOS (462 and 104 at most).
+    assert prep.chunk_corruption_lengths(512) == (462, 104)
+    documents = _documents([1, 100, 512, 1300])
+    examples = _run(prep.span_corruption, documents, {"inputs": 512, "targets": 256}, chunk_length=512)
+    chunks = [doc[i : i + 512].tolist() for doc in documents for i in range(0, len(doc), 512)]
+    assert len(examples) == len(chunks) == 6
+    for example, chunk in zip(examples, chunks):
+        assert _reconstruct(example["inputs"], example["targets"]) == chunk
+        assert example["targets"][0] == VOCAB_SIZE - 1  # sentinels still count down from the top id
+    full = examples[2]  # a whole 512-token chunk: 77 noise tokens in 26 spans
+    assert (len(full["inputs"]), len(full["targets"])) == (512 - 77 + 26, 77 + 26)
+
+
+def test_fixed_chunks_whose_corruption_does_not_fit_raise_a_clear_error():
+    with pytest.raises(ConfigError, match=r"chunk_length=568,.* inputs of up to 512 .* at least 512"):
+        prep.span_corruption(
+            _token_dataset(_documents([10])), {"inputs": 462, "targets": 256}, _output_features(), chunk_length=568
+        )
+    with pytest.raises(ConfigError, match=r"chunk_length=512.*targets of up to 104 .* at least 104"):
+        prep.span_corruption(
+            _token_dataset(_documents([10])), {"inputs": 512, "targets": 100}, _output_features(), chunk_length=512
+        )
+
+
 def test_corrupted_inputs_fit_the_inputs_length_after_eos():
     sequence_length = {"inputs": 512, "targets": 114}
     documents = _documents([1, 2, 5, 567, 568, 569, 3000])

@@ -1,6 +1,7 @@
 """The synthetic addition and copy tasks (paper Table 4): formats, lengths, determinism."""
 
 import gin
+import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
@@ -218,3 +219,100 @@ def test_bad_lengths_raise_config_error_with_a_helpful_message(make, kwargs, fra
 def test_sources_reject_a_bad_configuration_when_built():
     with pytest.raises(ConfigError, match="eval_min_length"):
         synthetic.copy_source(eval_min_length=10, eval_max_length=10)
+
+
+# --- the reference's form: its 13 digit ids, its language-model sequences ------------------------
+
+
+def test_the_digit_vocabulary_has_the_reference_ids():
+    from terra.data.vocabularies import DigitVocabulary
+
+    vocabulary = DigitVocabulary()
+    assert vocabulary.vocab_size == 13 and vocabulary.eos_id is None and vocabulary.pad_id == 0
+    # digit k -> k + 1, '+' -> 11, '<S>' -> 12.
+    assert vocabulary.encode("<S>0123456789+<S>") == [12, *range(1, 11), 11, 12]
+    assert vocabulary.encode_tf(tf.constant("<S>90+1<S>")).numpy().tolist() == [12, 10, 1, 11, 2, 12]
+    assert vocabulary.decode([12, 10, 1, 11, 2, 12, 0, 0]) == "<S>90+1<S>"
+    assert vocabulary.decode_tf(tf.constant([12, 10, 1, 11, 2, 0])).numpy() == b"<S>90+1"
+    with pytest.raises(ValueError, match="'a' is not one of the digit vocabulary's symbols"):
+        vocabulary.encode("1a")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside the digit vocabulary"):
+        vocabulary.encode_tf(tf.constant("1a"))
+
+
+def _first_batch(task, lengths, converter=None):
+    from terra.data import pipeline
+
+    return next(
+        pipeline.BatchIterator(
+            pipeline.get_dataset(
+                task,
+                feature_lengths=lengths,
+                batch_size=16,
+                split="validation",
+                shuffle=False,
+                feature_converter=converter,
+            )
+        )
+    )
+
+
+def _digits(ids):
+    """Reference ids -> the little-endian number they spell (digit k is id k + 1)."""
+    return int("".join(str(i - 1) for i in ids)[::-1])
+
+
+def test_the_reference_copy_language_model_sequence_is_0w0w_with_the_loss_on_the_second_w():
+    from terra.data import feature_converters
+
+    gin.bind_parameter("terra.data.copy_dataset.eval_min_length", 5)
+    gin.bind_parameter("terra.data.copy_dataset.eval_max_length", 9)
+    batch = _first_batch(
+        "synthetic_copy_digits_lm", {"inputs": 10, "targets": 8}, feature_converters.language_model_converter()
+    )
+    assert batch["encoder_input_tokens"].shape == (16, 1) and not batch["encoder_input_tokens"].any()
+    symbols = set()
+    for tokens, inputs, weights in zip(
+        batch["decoder_target_tokens"], batch["decoder_input_tokens"], batch["decoder_loss_weights"]
+    ):
+        n = int(np.flatnonzero(tokens[1:] == 0)[0])  # the length of w: the first separator after it
+        w = tokens[1 : 1 + n].tolist()
+        assert 5 <= n <= 8 and tokens.tolist() == [0, *w, 0, *w] + [0] * (18 - 2 * n - 2)
+        assert weights.tolist() == [0] * (n + 2) + [1] * n + [0] * (18 - 2 * n - 2)  # no weight on the zeros
+        assert inputs.tolist() == [0, *tokens[:-1].tolist()]  # shifted right, 0 first
+        symbols.update(w)
+    assert symbols == set(range(1, 12))  # the reference's copy symbols: ids 1..11
+
+
+def test_the_reference_addition_language_model_sequence_is_s_x_plus_y_s_sum_with_the_loss_on_the_sum():
+    from terra.data import feature_converters
+
+    batch = _first_batch(
+        "synthetic_addition_digits_lm", {"inputs": 303, "targets": 215}, feature_converters.language_model_converter()
+    )
+    for tokens, weights in zip(batch["decoder_target_tokens"], batch["decoder_loss_weights"]):
+        tokens, weights = tokens.tolist(), weights.tolist()
+        assert tokens[0] == 12
+        second = tokens.index(12, 1)  # "<S> x + y <S>"
+        x, y = tokens[1 : tokens.index(11)], tokens[tokens.index(11) + 1 : second]
+        answer = [t for t, w in zip(tokens, weights) if w]
+        assert weights.index(1) == second + 1 and len(answer) == sum(weights)
+        assert _digits(answer) == _digits(x) + _digits(y)
+        assert not any(tokens[second + 1 + len(answer) :])  # no EOS: pads follow the sum
+
+
+def test_the_reference_encoder_decoder_forms_have_no_eos():
+    copy = _first_batch("synthetic_copy_digits", {"inputs": 160, "targets": 160})
+    np.testing.assert_array_equal(copy["encoder_input_tokens"], copy["decoder_target_tokens"])
+    np.testing.assert_array_equal(copy["decoder_loss_weights"], copy["decoder_target_tokens"] != 0)
+    # Words of 128-159 symbols, ids 1..11, ending with a symbol of the word (an EOS would be a 1 on
+    # every row).
+    words = [row[row != 0] for row in copy["decoder_target_tokens"]]
+    assert all(128 <= len(w) <= 159 and w.max() <= 11 for w in words)
+    assert {int(w[-1]) for w in words} != {1}
+    addition = _first_batch("synthetic_addition_digits", {"inputs": 302, "targets": 216})
+    for inputs, targets in zip(addition["encoder_input_tokens"], addition["decoder_target_tokens"]):
+        inputs, targets = [t for t in inputs.tolist() if t], [t for t in targets.tolist() if t]
+        plus = inputs.index(11)
+        # The last digit of the sum is its most significant one; with an EOS it would be 1.
+        assert _digits(targets) == _digits(inputs[:plus]) + _digits(inputs[plus + 1 :]) and targets[-1] != 1

@@ -1,12 +1,14 @@
 """terra.data.tasks: what each task trains (its objective, from the registry, without building
-it) and the check that a model's vocabulary and length fit a task."""
+it), the paper's C4 task, and the check that a model's vocabulary and length fit a task."""
 
 import re
 
+import numpy as np
 import pytest
 import seqio
 
-from terra.data import tasks
+from terra import gin_utils
+from terra.data import feature_converters, fixtures, tasks
 from terra.errors import ConfigError
 
 
@@ -23,12 +25,15 @@ def test_every_task_has_one_of_the_objectives():
         ("arxiv_summarization", "summarization"),
         ("embedded_summarization", "summarization"),
         ("c4_span_corruption", "span_corruption"),
+        ("c4_span_corruption_paper", "span_corruption"),
         ("c4_single_word_masking", "span_corruption"),
         ("embedded_span_corruption", "span_corruption"),
         ("c4_lm", "prefix_lm"),
         ("embedded_lm", "prefix_lm"),
         ("synthetic_copy", "synthetic"),
         ("synthetic_addition", "synthetic"),
+        ("synthetic_copy_digits", "synthetic"),
+        ("synthetic_addition_digits_lm", "synthetic"),
     ],
 )
 def test_task_objectives(name, objective):
@@ -118,3 +123,75 @@ def test_too_long_features_name_the_binding_to_change():
     # The vocabulary is checked first, as the trainer's check does.
     with pytest.raises(ConfigError, match=re.escape("bind TransformerConfig.vocab_size = 259")):
         tasks.check_vocabulary_and_lengths(copy, {"inputs": 100, "targets": 130}, vocab_size=10, max_len=64)
+
+
+def test_a_language_model_sequence_beyond_max_len_names_the_binding_to_change():
+    # The language-model form's decoder holds inputs + targets: 100 + 130 > 200, though each fits.
+    copy = tasks.get_task("synthetic_copy")
+    lengths = {"inputs": 100, "targets": 130}
+    tasks.check_vocabulary_and_lengths(copy, lengths, vocab_size=512, max_len=200)
+    with pytest.raises(ConfigError) as error:
+        tasks.check_vocabulary_and_lengths(
+            copy,
+            lengths,
+            vocab_size=512,
+            max_len=200,
+            feature_converter=feature_converters.language_model_converter(),
+        )
+    assert "model sequences {'decoder_input_tokens': 230}" in str(error.value)
+    assert "bind TransformerConfig.max_len = 230" in str(error.value)
+    # The encoder-decoder form's sequences are the features themselves.
+    tasks.check_vocabulary_and_lengths(
+        copy, lengths, vocab_size=512, max_len=200, feature_converter=feature_converters.encoder_decoder_converter()
+    )
+
+
+# --- the paper's C4 task -------------------------------------------------------------------------
+
+C4_DOCS = [f"Document {i}: sparse layers make decoding fast, and reversible ones save memory. " * 12 for i in range(4)]
+
+
+@pytest.mark.parametrize("source", ["json", "tfds"])
+def test_the_paper_c4_task_cuts_fixed_chunks_and_reuses_the_top_pieces_as_sentinels(source, tmp_path):
+    vocabulary_path = fixtures.write_sentencepiece_model(str(tmp_path / "spm.model"), 1000, texts=C4_DOCS)
+    if source == "json":
+        json_dir = fixtures.write_c4_json(str(tmp_path / "c4"), {"validation": C4_DOCS})
+        data = f"terra.data.c4_source.json_path = {json_dir!r}"
+    else:
+        fixtures.write_c4_tfds(str(tmp_path / "tfds"), {"validation": C4_DOCS})
+        data = f"terra.data.c4_source.tfds_data_dir = {str(tmp_path / 'tfds')!r}"
+    # 64-token chunks here, so that a few short documents make several full ones.
+    gin_utils.parse_gin(
+        ["tasks/c4_span_corruption_paper.gin"],
+        [
+            data,
+            f"terra.data.text_vocabulary.spm_path = {vocabulary_path!r}",
+            "terra.data.c4_span_corruption_paper.chunk_length = 64",
+        ],
+    )
+    task = tasks.get_task("c4_span_corruption_paper")
+    vocabulary = task.output_features["targets"].vocabulary
+    assert vocabulary.vocab_size == 1000  # the SentencePiece model's own ids: no sentinel ids added
+    documents = [vocabulary.encode(doc) for doc in C4_DOCS]
+    real = max(max(doc) for doc in documents)  # ids above it are sentinels
+    examples = list(
+        task.get_dataset({"inputs": 64, "targets": 32}, split="validation", shuffle=False, seed=0).as_numpy_iterator()
+    )
+    chunks = []
+    for example in examples:
+        inputs, targets = example["inputs"].tolist(), example["targets"].tolist()
+        assert inputs[-1] == targets[-1] == 1  # EOS
+        sentinels = [t for t in targets if t > real]
+        assert sentinels == list(range(999, 999 - len(sentinels), -1))  # from the top piece down
+        spans, current = {}, None
+        for token in targets[:-1]:
+            if token > real:
+                current = spans.setdefault(token, [])
+            else:
+                current.append(token)
+        chunks.append([t for token in inputs[:-1] for t in (spans[token] if token > real else [token])])
+    # Every example is one chunk of 64 tokens of a document (its last may be shorter), in order.
+    expected = [doc[i : i + 64] for doc in documents for i in range(0, len(doc), 64)]
+    assert sorted(map(tuple, chunks)) == sorted(map(tuple, expected))
+    assert sum(len(chunk) == 64 for chunk in chunks) >= len(chunks) - len(documents)
+    assert np.mean([len(chunk) for chunk in chunks]) > 48

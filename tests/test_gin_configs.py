@@ -203,3 +203,110 @@ def test_a_runs_directory_in_the_working_directory_does_not_break_includes(tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     gin_utils.parse_gin(["experiments/quickstart.gin"], ["MODEL_DIR = 'runs/q'"])
     assert gin.query_parameter("%TASK") == "embedded_span_corruption"
+
+
+# --- every experiment fits its task --------------------------------------------------------------
+
+EXPERIMENT_FILES = [f for f in GIN_FILES if f.startswith("experiments/")]
+
+
+@pytest.fixture(scope="module")
+def paper_vocabulary(tmp_path_factory):
+    """A SentencePiece model of the paper's size (T5's cc_all.32000: 32,000 pieces), which the
+    C4 and arXiv experiments are meant to be run with (``--vocabulary``)."""
+    from terra.data import fixtures
+
+    return fixtures.write_sentencepiece_model(str(tmp_path_factory.mktemp("vocab") / "c4-32k.model"), 32000)
+
+
+def _uses_the_paper_vocabulary(gin_file: str) -> bool:
+    """Whether an experiment's own command line (its header comment) passes ``--vocabulary``."""
+    with open(os.path.join(gin_utils.CONFIGS_DIR, gin_file), encoding="utf-8") as f:
+        return "--vocabulary=" in f.read()
+
+
+def _mismatches(gin_files, bindings) -> list:
+    """What keeps the experiment's model from training on its task, with the task's own
+    vocabulary: a model that does not build (e.g. a vocabulary the loss sparsity does not divide),
+    a vocabulary size other than the task's, or a training or evaluation length beyond max_len.
+    The model is built abstractly (nothing is allocated), so the 800M configs cost no memory."""
+    from terra.data import tasks
+
+    gin_utils.parse_gin(gin_files, ["MODEL_DIR = '/unused'", "INIT_FROM = '/unused'", *bindings])
+    try:
+        model = gin_utils.build_model()
+    except (ConfigError, gin_utils.GinConfigError) as error:
+        return [f"the model does not build: {error}"]
+    task = tasks.get_task(gin.query_parameter("%TASK"))
+    converter = gin_utils.build_macro("FEATURE_CONVERTER", "building the feature converter")
+    problems = []
+    for lengths in (
+        gin.query_parameter("%TASK_FEATURE_LENGTHS"),
+        gin_utils.bound_value("%EVAL_FEATURE_LENGTHS"),
+    ):
+        try:
+            if lengths:
+                tasks.check_vocabulary_and_lengths(
+                    task,
+                    lengths,
+                    vocab_size=model.config.vocab_size,
+                    max_len=model.config.max_len,
+                    feature_converter=converter,
+                )
+        except ConfigError as error:
+            problems.append(str(error))
+    task_vocab_size = task.output_features["targets"].vocabulary.vocab_size
+    if model.config.vocab_size != task_vocab_size:
+        problems.append(f"the model has {model.config.vocab_size} ids, the task's vocabulary {task_vocab_size}")
+    return problems
+
+
+@pytest.mark.parametrize("gin_file", EXPERIMENT_FILES)
+def test_every_experiment_fits_the_vocabulary_and_lengths_of_its_task(gin_file, paper_vocabulary):
+    bindings = []
+    if _uses_the_paper_vocabulary(gin_file):
+        bindings.append(f"terra.data.text_vocabulary.spm_path = {paper_vocabulary!r}")
+    assert _mismatches([gin_file], bindings) == []
+
+
+def test_the_c4_experiments_train_on_the_papers_32000_ids(paper_vocabulary):
+    # The reference's layout (tasks/c4_span_corruption_paper.gin): sentinels at the top of the
+    # 32,000 pieces, none added; every loss sparsity of the paper divides 32,000.
+    from terra.data import tasks
+
+    bindings = [f"terra.data.text_vocabulary.spm_path = {paper_vocabulary!r}"]
+    for sparse_loss in ("models/sparse_loss2_800m.gin", "models/sparse_loss4_800m.gin", "models/sparse_loss8_800m.gin"):
+        assert _mismatches(["experiments/pretrain_c4_dense_800m.gin", sparse_loss], bindings) == [], sparse_loss
+    assert tasks.get_task("c4_span_corruption_paper").output_features["targets"].vocabulary.vocab_size == 32000
+
+
+@pytest.mark.parametrize(
+    "files, bindings, problem",
+    [
+        # T5's layout adds 100 sentinel ids: 32,100 is not divisible by loss sparsity 8.
+        (
+            ["experiments/pretrain_c4_dense_800m.gin", "models/sparse_loss8_800m.gin", "tasks/c4_span_corruption.gin"],
+            ["TransformerConfig.vocab_size = 32100"],
+            "not divisible by loss_sparsity=8",
+        ),
+        # The task has more ids than the model.
+        (
+            ["experiments/pretrain_c4_dense_800m.gin", "tasks/c4_span_corruption.gin"],
+            [],
+            "vocabulary has 32100 ids but the model's vocab_size is 32000",
+        ),
+        # The model has more ids than the task: trainable, but not the pairing an experiment means.
+        (["experiments/pretrain_c4_dense_800m.gin"], ["TransformerConfig.vocab_size = 32128"], "model has 32128 ids"),
+        (["experiments/pretrain_c4_dense_800m.gin"], ["TransformerConfig.max_len = 256"], "model's max_len=256"),
+        # The language-model form's decoder holds inputs + targets (518 for addition's eval split).
+        (
+            ["experiments/synthetic_addition_digits_transformer.gin"],
+            ["TransformerConfig.max_len = 512"],
+            "LanguageModelFeatureConverter makes model sequences {'decoder_input_tokens': 518}",
+        ),
+    ],
+    ids=["loss sparsity 8 on 32,100 ids", "task vocabulary larger", "model vocabulary larger", "max_len", "LM max_len"],
+)
+def test_the_experiment_check_catches_an_incompatible_pairing(files, bindings, problem, paper_vocabulary):
+    problems = _mismatches(files, [f"terra.data.text_vocabulary.spm_path = {paper_vocabulary!r}", *bindings])
+    assert any(problem in p for p in problems), problems

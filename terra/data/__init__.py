@@ -17,7 +17,12 @@ from terra.data import (  # noqa: F401
     vocabularies,
 )
 from terra.data.embedded import build_corpus, corpus_texts, lm_source, summarization_source
-from terra.data.feature_converters import encoder_decoder_converter, length_concat_converter, prefix_lm_converter
+from terra.data.feature_converters import (
+    encoder_decoder_converter,
+    language_model_converter,
+    length_concat_converter,
+    prefix_lm_converter,
+)
 from terra.data.pipeline import get_dataset
 from terra.data.preprocessors import (
     concatenate_and_split,
@@ -30,8 +35,21 @@ from terra.data.preprocessors import (
     summarization,
 )
 from terra.data.synthetic import addition_dataset, copy_dataset
-from terra.data.tasks import arxiv_source, c4_source, pretraining_preprocessors, synthetic_vocabulary, text_vocabulary
-from terra.data.vocabularies import byte_vocabulary, embedded_vocabulary, sentencepiece_vocabulary, train_sentencepiece
+from terra.data.tasks import (
+    arxiv_source,
+    c4_source,
+    c4_span_corruption_paper,
+    pretraining_preprocessors,
+    synthetic_vocabulary,
+    text_vocabulary,
+)
+from terra.data.vocabularies import (
+    byte_vocabulary,
+    digit_vocabulary,
+    embedded_vocabulary,
+    sentencepiece_vocabulary,
+    train_sentencepiece,
+)
 
 __all__ = [
     "addition_dataset",
@@ -39,13 +57,16 @@ __all__ = [
     "build_corpus",
     "byte_vocabulary",
     "c4_source",
+    "c4_span_corruption_paper",
     "concatenate_and_split",
     "copy_dataset",
     "corpus_texts",
+    "digit_vocabulary",
     "embedded_vocabulary",
     "encoder_decoder_converter",
     "full_lm",
     "get_dataset",
+    "language_model_converter",
     "length_concat_converter",
     "lm_source",
     "prefix_lm",

@@ -1,12 +1,13 @@
 """Tiny real on-disk datasets in every format terra reads, for the tests and the input-pipeline
 benchmark: prepared TFDS ``c4/en`` and ``scientific_papers/arxiv`` directories, allenai/c4 JSON
-shards and Cohan JSON lines. Reading them exercises exactly the production code paths (the
-tests also check that the arXiv directory reads as the real TFDS builder's does)."""
+shards and Cohan JSON lines; and a SentencePiece model of any size. Reading them exercises
+exactly the production code paths (the tests also check that the arXiv directory reads as the
+real TFDS builder's does)."""
 
 import gzip
 import json
 import os
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from terra.data import sources
 
@@ -109,3 +110,31 @@ def write_arxiv_tfds(data_dir: str, papers: Mapping[str, Sequence[dict]]) -> str
         disable_shuffling=False,
     )
     return os.path.join(data_dir, name, config, version)
+
+
+def write_sentencepiece_model(path: str, vocab_size: int, texts: Optional[Sequence[str]] = None) -> str:
+    """A real SentencePiece model with exactly ``vocab_size`` pieces, in T5's id layout, at
+    ``path``: trained on ``texts`` (default: a few sentences) as ``terra-vocab`` trains, then
+    filled up with unused pieces (never produced by encoding). It stands in for a vocabulary of
+    the paper's size (T5's 32,000-piece ``cc_all.32000``, which cannot be downloaded offline)
+    where only the size and the id layout matter; training a real 32,000-piece model needs tens
+    of MB of text. Returns the ``.model`` path."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from terra.data import vocabularies
+
+    texts = list(texts or [f"Document {i}: sparse layers make decoding fast." for i in range(40)])
+    trained = vocabularies.train_sentencepiece(texts, path, vocab_size=min(vocab_size, 300), hard_vocab_limit=False)
+    model = sentencepiece_model_pb2.ModelProto()
+    with open(trained, "rb") as f:
+        model.ParseFromString(f.read())
+    if len(model.pieces) > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is below the {len(model.pieces)} pieces the text needs.")
+    unused = sentencepiece_model_pb2.ModelProto.SentencePiece.UNUSED
+    for i in range(vocab_size - len(model.pieces)):
+        piece = model.pieces.add()
+        piece.piece, piece.score, piece.type = f"<unused_{i}>", 0.0, unused
+    model.trainer_spec.vocab_size = vocab_size
+    with open(trained, "wb") as f:
+        f.write(model.SerializeToString())
+    return trained

@@ -14,7 +14,8 @@ reimplements the same semantics:
   (and, for ``length >= 2``, always ends with it).
 * ``span_corruption``: documents are cut into chunks of ``tokens_length`` tokens (chosen by
   ``span_corruption_lengths`` so that the corrupted inputs plus EOS fit ``sequence_length
-  ["inputs"]``), every noise span in the inputs is replaced by one sentinel, and the targets are
+  ["inputs"]``, T5's rule; or a fixed ``chunk_length``, the paper's code's rule), every noise
+  span in the inputs is replaced by one sentinel, and the targets are
   the noise spans, each preceded by its sentinel. Sentinels count down from the top of the
   vocabulary (``vocab_size - 1`` for the first span, which is ``<extra_id_0>`` for a
   ``SentencePieceVocabulary(extra_ids=100)``).
@@ -52,6 +53,7 @@ from terra.errors import ConfigError
 __all__ = [
     "random_spans_noise_mask",
     "span_corruption_lengths",
+    "chunk_corruption_lengths",
     "span_corruption",
     "single_word_masking",
     "split_tokens",
@@ -181,17 +183,32 @@ def span_corruption_lengths(
         raise ConfigError(
             f"span corruption needs sequence_length['inputs'] >= 2 (one token plus EOS); got {inputs_length}."
         )
-
-    def corrupted_lengths(tokens_length: int) -> Tuple[int, int]:
-        if tokens_length < 2:  # a lone token stays in the inputs; the targets are one sentinel
-            return tokens_length + 1, 2
-        num_noise, num_spans = _noise_counts(tokens_length, noise_density, mean_noise_span_length)
-        return tokens_length - num_noise + num_spans + 1, num_noise + num_spans + 1
-
     tokens_length = 1
-    while corrupted_lengths(tokens_length + 1)[0] <= inputs_length:
+    while _corrupted_lengths(tokens_length + 1, noise_density, mean_noise_span_length)[0] <= inputs_length:
         tokens_length += 1
-    return tokens_length, corrupted_lengths(tokens_length)[1]
+    return tokens_length, _corrupted_lengths(tokens_length, noise_density, mean_noise_span_length)[1]
+
+
+def _corrupted_lengths(tokens_length: int, noise_density: float, mean_noise_span_length: float) -> Tuple[int, int]:
+    """(inputs, targets) lengths, EOS included, of a corrupted chunk of ``tokens_length`` tokens."""
+    if tokens_length < 2:  # a lone token stays in the inputs; the targets are one sentinel
+        return tokens_length + 1, 2
+    num_noise, num_spans = _noise_counts(tokens_length, noise_density, mean_noise_span_length)
+    return tokens_length - num_noise + num_spans + 1, num_noise + num_spans + 1
+
+
+def chunk_corruption_lengths(
+    chunk_length: int, noise_density: float = 0.15, mean_noise_span_length: float = 3.0
+) -> Tuple[int, int]:
+    """The longest (inputs, targets), EOS included, that span corruption makes of chunks of at
+    most ``chunk_length`` tokens: the lengths a task must give when it cuts fixed chunks, as the
+    paper's code does (512-token chunks: inputs up to 462, targets up to 104 at 0.15 / 3;
+    ``docs/design/reference_code.md`` §5.1)."""
+    _check_noise_args(noise_density, mean_noise_span_length)
+    if chunk_length < 1:
+        raise ConfigError(f"span corruption needs a positive chunk_length; got {chunk_length}.")
+    lengths = [_corrupted_lengths(n, noise_density, mean_noise_span_length) for n in range(1, chunk_length + 1)]
+    return max(i for i, _ in lengths), max(t for _, t in lengths)
 
 
 def _spans_to_sentinels(tokens: tf.Tensor, marked: tf.Tensor, vocab_size: int) -> tf.Tensor:
@@ -257,13 +274,17 @@ def span_corruption(
     input_feature_key: str = "inputs",
     target_key: str = "targets",
     passthrough_feature_keys: Sequence[str] = (),
+    chunk_length: Optional[int] = None,
 ) -> tf.data.Dataset:
     """T5 span corruption (the C4 pretraining objective of the paper's code, §4.4).
 
     Expects tokenized documents in ``features[target_key]`` (rank-1 int tokens, e.g. after
     ``rekey({"inputs": None, "targets": "text"})`` and ``seqio.preprocessors.tokenize``). Each
-    document is split into chunks of ``tokens_length`` tokens (``span_corruption_lengths``), and
-    each chunk becomes one example:
+    document is split into chunks of ``chunk_length`` tokens, by default (None) T5's: the longest
+    whose corrupted inputs fill ``sequence_length["inputs"]`` (``span_corruption_lengths``; 568
+    for 512 inputs). The paper's code cuts chunks as long as the inputs instead (512, so its
+    corrupted inputs are about 462 tokens and padded; ``docs/design/reference_code.md`` §5.1). Each
+    chunk becomes one example:
 
     * ``inputs``: the chunk with every noise span replaced by one sentinel,
     * ``targets``: each noise span preceded by the same sentinel,
@@ -276,16 +297,30 @@ def span_corruption(
     seqio passes ``sequence_length`` and ``output_features``; the rest are gin-bindable.
 
     Raises:
-      ConfigError: if ``sequence_length[target_key]`` is shorter than the targets need.
+      ConfigError: if ``sequence_length[target_key]`` is shorter than the targets need, or a
+        ``chunk_length`` chunk's corrupted inputs do not fit ``sequence_length[input_feature_key]``.
     """
     _check_noise_args(noise_density, mean_noise_span_length)
     inputs_length = _required_length(sequence_length, input_feature_key, "span_corruption")
     vocab_size = _vocab_size(output_features, target_key, "span_corruption")
-    tokens_length, targets_length = span_corruption_lengths(inputs_length, noise_density, mean_noise_span_length)
+    if chunk_length is None:
+        tokens_length, targets_length = span_corruption_lengths(inputs_length, noise_density, mean_noise_span_length)
+        settings = f"sequence_length[{input_feature_key!r}]={inputs_length}"
+    else:
+        tokens_length = chunk_length
+        needed_inputs, targets_length = chunk_corruption_lengths(chunk_length, noise_density, mean_noise_span_length)
+        settings = f"chunk_length={chunk_length}"
+        if needed_inputs > inputs_length:
+            raise ConfigError(
+                f"span_corruption with chunk_length={chunk_length}, noise_density={noise_density} and "
+                f"mean_noise_span_length={mean_noise_span_length} produces inputs of up to {needed_inputs} "
+                f"tokens (with EOS), but sequence_length[{input_feature_key!r}]={inputs_length}; set the inputs "
+                f"length to at least {needed_inputs} or shorten the chunks."
+            )
     available = sequence_length.get(target_key)
     if available is not None and available < targets_length:
         raise ConfigError(
-            f"span_corruption with sequence_length[{input_feature_key!r}]={inputs_length}, "
+            f"span_corruption with {settings}, "
             f"noise_density={noise_density} and mean_noise_span_length={mean_noise_span_length} "
             f"produces targets of up to {targets_length} tokens (with EOS), but "
             f"sequence_length[{target_key!r}]={available}; set the targets length to at least "

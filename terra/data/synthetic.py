@@ -21,7 +21,14 @@ follow the reference implementation (Trax, ``trax/data/inputs.py``):
   The reference draws from 11 token ids; here symbols are the characters of ``alphabet``.
 
 Examples are ``{"inputs": tf.string, "targets": tf.string}`` (e.g. ``b"321+54"`` ->
-``b"861"``: 123 + 45 = 168), to be tokenized later by a seqio vocabulary.
+``b"861"``: 123 + 45 = 168), to be tokenized later by a seqio vocabulary: bytes with EOS for
+terra's own form (``synthetic_copy``, ``synthetic_addition``), or the reference's 13 digit ids
+without EOS (``terra.data.vocabularies.DigitVocabulary``: digit ``k`` -> ``k + 1``, ``+`` -> 11,
+``<S>`` -> 12; copy words over ``0123456789+``, the reference's ids 1..11) for the
+``synthetic_*_digits`` tasks. The reference's language-model form (its default, what its
+Transformer baseline trains on) puts a separator around the inputs (:func:`separate_inputs`:
+copy ``0 w 0`` + ``w``, addition ``<S> x+y <S>`` + the sum) and the loss on the targets only
+(``terra.data.feature_converters.LanguageModelFeatureConverter``).
 
 Every example is a pure function of ``(seed, split, index)`` computed with stateless TF
 random ops inside ``Dataset.range(...).map(...)``. That keeps the whole pipeline
@@ -304,6 +311,19 @@ def copy_source(**kwargs) -> seqio.FunctionDataSource:
     A seed passed by seqio replaces the configured ``seed``.
     """
     return _function_source(copy_dataset, kwargs)
+
+
+def separate_inputs(dataset: tf.data.Dataset, *, separator_id: int) -> tf.data.Dataset:
+    """Tokenized ``inputs`` -> ``[separator] + inputs + [separator]``: the prefix of the reference's
+    language-model form, whose sequences are ``0 w 0 w`` (copy, separator 0) and
+    ``<S> x+y <S> sum`` (addition, separator 12) with the loss on the part after the prefix."""
+
+    def separate(features):
+        inputs = features["inputs"]
+        separator = tf.fill([1], tf.cast(separator_id, inputs.dtype))
+        return {**features, "inputs": tf.concat([separator, inputs, separator], 0)}
+
+    return dataset.map(separate, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 class _DropUncachedSourceWarning(logging.Filter):

@@ -9,10 +9,12 @@ the command line reaches the source. Nothing touches the disk until a dataset is
 | name | source | objective |
 |---|---|---|
 | ``c4_span_corruption`` | C4 (TFDS dir, or JSON shards if ``c4_source.json_path``) | T5 span corruption (paper §4.4) |
+| ``c4_span_corruption_paper`` | same | the paper's code's span corruption: 512-token chunks, no sentinel ids added |
 | ``c4_single_word_masking`` | same | span corruption with mean span 1 ("we mask single words", §4.4) |
 | ``c4_lm`` | same | prefix LM |
 | ``arxiv_summarization`` | arXiv (TFDS dir, or Cohan files: ``arxiv_source.cohan_path``) | article -> abstract |
 | ``synthetic_copy`` / ``synthetic_addition`` | generated (paper Table 4) | copy / little-endian addition |
+| ``synthetic_{copy,addition}_digits`` (``_lm``) | same, the reference's 13 ids | encoder-decoder (LM) form |
 | ``embedded_span_corruption`` / ``embedded_lm`` | the embedded stdlib corpus | span corruption / prefix LM |
 | ``embedded_summarization`` | the embedded stdlib corpus | docstring (or module) -> summary line |
 | mixture ``synthetic`` | copy + addition, equal rates | |
@@ -82,8 +84,11 @@ def synthetic_vocabulary():
     return vocabularies.byte_vocabulary()
 
 
-def _features(vocabulary) -> Dict[str, seqio.Feature]:
-    return {"inputs": seqio.Feature(vocabulary, add_eos=True), "targets": seqio.Feature(vocabulary, add_eos=True)}
+def _features(vocabulary, add_eos: bool = True) -> Dict[str, seqio.Feature]:
+    return {
+        "inputs": seqio.Feature(vocabulary, add_eos=add_eos),
+        "targets": seqio.Feature(vocabulary, add_eos=add_eos),
+    }
 
 
 # --- objectives --------------------------------------------------------------------------------
@@ -96,9 +101,12 @@ def pretraining_preprocessors(
     noise_density: float = 0.15,
     mean_noise_span_length: float = 3.0,
     concatenate_documents: bool = False,
+    chunk_length: Optional[int] = None,
 ) -> list:
     """``text`` -> ``inputs``/``targets`` tokens. ``concatenate_documents`` packs documents into
-    one stream before cutting chunks (T5 does; the paper's code does not)."""
+    one stream before cutting chunks (T5 does; the paper's code does not). ``chunk_length``:
+    span corruption's chunks (None: T5's, the longest whose corrupted inputs fill the inputs
+    length; :func:`terra.data.preprocessors.span_corruption`)."""
     steps = [
         functools.partial(seqio.preprocessors.rekey, key_map={"inputs": None, "targets": "text"}),
         seqio.preprocessors.tokenize,
@@ -111,6 +119,7 @@ def pretraining_preprocessors(
                 preprocessors.span_corruption,
                 noise_density=noise_density,
                 mean_noise_span_length=mean_noise_span_length,
+                chunk_length=chunk_length,
             )
         )
     elif objective == "prefix_lm":
@@ -131,12 +140,32 @@ def synthetic_preprocessors() -> list:
 # --- the registry --------------------------------------------------------------------------------
 
 
-def _pretraining(source_fn, objective: str, **kw) -> dict:
+def _pretraining(source_fn, objective: str, *, extra_ids: Optional[int] = None, **kw) -> dict:
+    vocabulary = text_vocabulary() if extra_ids is None else text_vocabulary(extra_ids=extra_ids)
     return dict(
         source=source_fn(),
-        output_features=_features(text_vocabulary()),
+        output_features=_features(vocabulary),
         preprocessors=pretraining_preprocessors(objective=objective, **kw),
     )
+
+
+@gin.configurable(module="terra.data")
+def c4_span_corruption_paper(*, chunk_length: int = 512, extra_ids: int = 0) -> dict:
+    """The ``c4_span_corruption_paper`` task: C4 span corruption as the paper's own code makes it
+    (Trax's ``c4_trax_data.gin``, ``docs/design/reference_code.md`` §5.1 and §8 item 8).
+
+    * ``chunk_length``: documents are cut into chunks of 512 tokens (``MLM(max_length=512)``),
+      not T5's 568, so the corrupted inputs (about 462 tokens with EOS) are padded to 512 and the
+      targets (up to 104) to 256;
+    * ``extra_ids``: no sentinel ids are appended to the SentencePiece vocabulary: sentinels count
+      down from its top id (31999, 31998, ... for T5's 32,000-piece ``cc_all.32000``), reusing
+      those pieces, so the model's vocabulary is 32,000 ids (divisible by every loss sparsity of
+      the paper: 2, 4 and 8) instead of T5's 32,100.
+
+    Noise density and mean span length come from ``pretraining_preprocessors`` (0.15 and 3, the
+    reference's); EOS (id 1) ends both features. Returns ``seqio.TaskRegistry.add``'s arguments.
+    """
+    return _pretraining(c4_source, "span_corruption", extra_ids=extra_ids, chunk_length=chunk_length)
 
 
 def _summarization(source_fn) -> dict:
@@ -151,15 +180,39 @@ def _synthetic(source_fn) -> dict:
     )
 
 
+# The reference's synthetic tasks (docs/design/reference_code.md §7): its 13 ids, no EOS; copy words over
+# its 11 symbols (ids 1..11); the language-model form's separators around the inputs.
+COPY_SEPARATOR_ID = vocabularies.PAD_ID  # "0 w 0 w"
+ADDITION_SEPARATOR_ID = vocabularies.DigitVocabulary.SEPARATOR_ID  # "<S> x+y <S> sum"
+
+
+def _digits(source_fn, *, separator_id: Optional[int] = None, **source_kwargs) -> dict:
+    steps = [seqio.preprocessors.tokenize]
+    if separator_id is not None:
+        steps.append(functools.partial(synthetic.separate_inputs, separator_id=separator_id))
+    return dict(
+        source=source_fn(**source_kwargs),
+        output_features=_features(vocabularies.digit_vocabulary(), add_eos=False),
+        preprocessors=steps,
+    )
+
+
 # Each builder returns seqio.TaskRegistry.add's keyword arguments, evaluated under the gin config
 # in force when the task is asked for.
 TASK_BUILDERS: Dict[str, Callable[[], dict]] = {
     "c4_span_corruption": lambda: _pretraining(c4_source, "span_corruption"),
+    "c4_span_corruption_paper": c4_span_corruption_paper,
     "c4_single_word_masking": lambda: _pretraining(c4_source, "span_corruption", mean_noise_span_length=1.0),
     "c4_lm": lambda: _pretraining(c4_source, "prefix_lm"),
     "arxiv_summarization": lambda: _summarization(arxiv_source),
     "synthetic_copy": lambda: _synthetic(synthetic.copy_source),
     "synthetic_addition": lambda: _synthetic(synthetic.addition_source),
+    "synthetic_copy_digits": lambda: _digits(synthetic.copy_source, alphabet=vocabularies.DigitVocabulary.SYMBOLS),
+    "synthetic_copy_digits_lm": lambda: _digits(
+        synthetic.copy_source, separator_id=COPY_SEPARATOR_ID, alphabet=vocabularies.DigitVocabulary.SYMBOLS
+    ),
+    "synthetic_addition_digits": lambda: _digits(synthetic.addition_source),
+    "synthetic_addition_digits_lm": lambda: _digits(synthetic.addition_source, separator_id=ADDITION_SEPARATOR_ID),
     "embedded_span_corruption": lambda: _pretraining(embedded.lm_source, "span_corruption"),
     "embedded_lm": lambda: _pretraining(embedded.lm_source, "prefix_lm"),
     "embedded_summarization": lambda: _summarization(embedded.summarization_source),
@@ -173,11 +226,16 @@ OBJECTIVES = (SUMMARIZATION, SPAN_CORRUPTION, PREFIX_LM, SYNTHETIC)
 MIXTURE_OBJECTIVE = "mixture"
 TASK_OBJECTIVES: Dict[str, str] = {
     "c4_span_corruption": SPAN_CORRUPTION,
+    "c4_span_corruption_paper": SPAN_CORRUPTION,
     "c4_single_word_masking": SPAN_CORRUPTION,
     "c4_lm": PREFIX_LM,
     "arxiv_summarization": SUMMARIZATION,
     "synthetic_copy": SYNTHETIC,
     "synthetic_addition": SYNTHETIC,
+    "synthetic_copy_digits": SYNTHETIC,
+    "synthetic_copy_digits_lm": SYNTHETIC,
+    "synthetic_addition_digits": SYNTHETIC,
+    "synthetic_addition_digits_lm": SYNTHETIC,
     "embedded_span_corruption": SPAN_CORRUPTION,
     "embedded_lm": PREFIX_LM,
     "embedded_summarization": SUMMARIZATION,
@@ -258,12 +316,14 @@ def is_summarization(name_or_task) -> bool:
 
 
 def check_vocabulary_and_lengths(
-    provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int
+    provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
 ) -> None:
     """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
     ``max_len`` positions cannot take ``provider``'s data (a task or mixture, or its name): a
-    task vocabulary with more ids than the model has, or a feature length beyond ``max_len``.
-    Call it before anything is built or written."""
+    task vocabulary with more ids than the model has, or a feature length beyond ``max_len``;
+    with a ``feature_converter``, also a model sequence (``encoder_input_tokens``,
+    ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
+    ``inputs + targets``. Call it before anything is built or written."""
     provider = get_task(provider) if isinstance(provider, str) else provider
     for name, feature in provider.output_features.items():
         if feature.vocabulary.vocab_size > vocab_size:
@@ -277,6 +337,17 @@ def check_vocabulary_and_lengths(
         raise ConfigError(
             f"feature lengths {too_long} exceed the model's max_len={max_len}; "
             f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features."
+        )
+    if feature_converter is None:
+        return
+    model_lengths = feature_converter.get_model_feature_lengths(dict(feature_lengths))
+    sequences = ("encoder_input_tokens", "decoder_input_tokens")
+    too_long = {k: v for k, v in model_lengths.items() if k in sequences and v > max_len}
+    if too_long:
+        raise ConfigError(
+            f"{type(feature_converter).__name__} makes model sequences {too_long} of feature lengths "
+            f"{dict(feature_lengths)}, beyond the model's max_len={max_len}; bind TransformerConfig.max_len = "
+            f"{max(too_long.values())} or shorten the features."
         )
 
 

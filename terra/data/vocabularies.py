@@ -1,4 +1,5 @@
-"""Vocabularies: SentencePiece in T5's id layout, bytes as the zero-setup fallback.
+"""Vocabularies: SentencePiece in T5's id layout, bytes as the zero-setup fallback, and the
+reference's 13 digit ids of the synthetic tasks (:class:`DigitVocabulary`).
 
 With no network there is no pretrained T5 vocabulary to download, so terra trains its own:
 :func:`embedded_vocabulary` trains a SentencePiece model on the embedded corpus
@@ -20,6 +21,7 @@ from typing import Iterable, Iterator, Optional
 import gin
 import sentencepiece as spm
 import seqio
+import tensorflow as tf
 
 from terra.data import embedded
 
@@ -51,6 +53,84 @@ def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -
 def byte_vocabulary(*, extra_ids: int = 0) -> seqio.ByteVocabulary:
     """UTF-8 bytes (ids 3..258 after pad/eos/unk): needs no file, so it always works."""
     return seqio.ByteVocabulary(extra_ids=extra_ids)
+
+
+class DigitVocabulary(seqio.Vocabulary):
+    """The reference's 13 ids of the synthetic tasks (Trax's ``addition_inputs`` and
+    ``sequence_copy_inputs`` with ``vocab_size = 13``; ``docs/design/reference_code.md`` §7): pad 0,
+    the digit ``k`` -> ``k + 1`` (1..10), ``"+"`` -> 11, the separator ``<S>`` -> 12. There is no
+    EOS and no unknown id, as in the reference.
+
+    Texts are strings of ``0-9``, ``+`` and ``<S>``; pad ids decode to nothing. A character outside
+    them is an error (Python: ``ValueError``; in a ``tf.data`` pipeline, an ``InvalidArgumentError``
+    naming this vocabulary).
+    """
+
+    SYMBOLS = "0123456789+"
+    SEPARATOR = "<S>"
+    PLUS_ID, SEPARATOR_ID = 11, 12
+
+    def __init__(self):
+        super().__init__(extra_ids=0)
+
+    @property
+    def _base_vocab_size(self) -> int:
+        return len(self.SYMBOLS) + 2  # pad, the symbols, <S>
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return None
+
+    @property
+    def unk_id(self) -> Optional[int]:
+        return None
+
+    def _encode(self, s: str):
+        ids, rest = [], s
+        while rest:
+            if rest.startswith(self.SEPARATOR):
+                ids.append(self.SEPARATOR_ID)
+                rest = rest[len(self.SEPARATOR) :]
+                continue
+            if rest[0] not in self.SYMBOLS:
+                raise ValueError(f"{rest[0]!r} is not one of the digit vocabulary's symbols {self.SYMBOLS!r} or <S>.")
+            ids.append(self.SYMBOLS.index(rest[0]) + 1)
+            rest = rest[1:]
+        return ids
+
+    def _decode(self, ids) -> str:
+        table = ["", *self.SYMBOLS, self.SEPARATOR]
+        return "".join(table[i] for i in ids if 0 <= i < len(table))
+
+    def _encode_tf(self, s):
+        # "<S>" becomes one byte (NUL, never a symbol), then each byte is looked up.
+        raw = tf.strings.regex_replace(s, "<S>", "\x00")
+        codes = tf.cast(tf.io.decode_raw(raw, tf.uint8), tf.int32)
+        table = [-1] * 256
+        table[0] = self.SEPARATOR_ID
+        for i, symbol in enumerate(self.SYMBOLS):
+            table[ord(symbol)] = i + 1
+        ids = tf.gather(tf.constant(table, tf.int32), codes)
+        check = tf.debugging.assert_non_negative(
+            ids, message=f"a character outside the digit vocabulary's symbols {self.SYMBOLS!r} and <S>"
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(ids)
+
+    def _decode_tf(self, ids):
+        table = tf.constant(["", *self.SYMBOLS, self.SEPARATOR])
+        return tf.strings.reduce_join(tf.gather(table, ids), axis=-1)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DigitVocabulary)
+
+    def __hash__(self) -> int:
+        return hash(DigitVocabulary)
+
+
+def digit_vocabulary() -> DigitVocabulary:
+    """The reference's synthetic-task vocabulary (13 ids): :class:`DigitVocabulary`."""
+    return DigitVocabulary()
 
 
 def _documents(texts: Iterable[str]) -> Iterator[str]:
@@ -147,6 +227,6 @@ def embedded_vocabulary(
     return sentencepiece_vocabulary(path, extra_ids=extra_ids)
 
 
-for _fn in (sentencepiece_vocabulary, byte_vocabulary, train_sentencepiece, embedded_vocabulary):
+for _fn in (sentencepiece_vocabulary, byte_vocabulary, digit_vocabulary, train_sentencepiece, embedded_vocabulary):
     gin.register(_fn, module="terra.data")
 del _fn

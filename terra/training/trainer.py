@@ -154,7 +154,11 @@ class Trainer:
         self.logging = logging or LoggingSettings()
         self.provider = tasks.get_task(task)
         tasks.check_vocabulary_and_lengths(
-            self.provider, self.feature_lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
+            self.provider,
+            self.feature_lengths,
+            vocab_size=model.config.vocab_size,
+            max_len=model.config.max_len,
+            feature_converter=feature_converter,
         )
         self.host_batch = host_batch_size(batch_size)
         directions = self.evaluation.metric_directions()
