@@ -202,6 +202,21 @@ def test_omitted_arguments_take_traxs_defaults():
     assert "TransformerConfig.d_model = 512" in bindings and "TransformerConfig.dropout = 0.1" in bindings
 
 
+def test_training_only_arguments_map_onto_terra_bindings():
+    """ff_chunk_size and dropout mask sharing change training, not outputs: they carry over."""
+    constructor, kwargs = _arguments("scaling_transformer")
+    _, bindings = trax_gin(constructor, {**kwargs, "ff_chunk_size": 512, "dropout_shared_axes": [-2]})
+    assert "SparseFeedForward.ff_chunk_size = 512" in bindings
+    assert "TransformerConfig.share_dropout_over_length = True" in bindings
+    _, bindings = trax_gin(constructor, kwargs)
+    assert "TransformerConfig.share_dropout_over_length = False" in bindings
+    _, bindings = trax_gin(*_arguments("terraformer"))
+    assert "TransformerConfig.share_dropout_over_length = True" in bindings
+    assert "Terraformer.attention_output_dropout = False" in bindings
+    with pytest.raises(ConfigError, match="dropout_shared_axes"):
+        trax_gin(constructor, {**kwargs, "dropout_shared_axes": [0]})
+
+
 def test_weights_in_a_separate_npy_file_are_read_like_inline_ones(tmp_path):
     """The 2021+ training-checkpoint form: 'flat_weights' is the gzip level, the arrays are
     np.save records in <name>.weights.npy.gz, bfloat16 as uint16 bit patterns."""

@@ -172,7 +172,6 @@ def _sizes(args: _Arguments) -> List[str]:
     activation, _ = _layer(args.take("ff_activation"), "ff_activation")
     if activation != "Relu":
         raise ConfigError(f"{args.constructor}(ff_activation={activation}): terra's feed-forward layers use ReLU only.")
-    args.require("ff_chunk_size", (0,), "terra computes the feed-forward layer unchunked; use ff_chunk_size=0.")
     args.require("attention_chunk_size", (0,), "terra has no chunked dense attention; use attention_chunk_size=0.")
     args.require(
         "pos_type", (None,), "terra's positional table is Trax's default trainable sinusoid table (pos_type=None)."
@@ -192,6 +191,7 @@ def _sizes(args: _Arguments) -> List[str]:
 def _feed_forward(args: _Arguments, selector: str) -> List[str]:
     sparsity = args.take("ff_sparsity")
     if sparsity in (0, None):
+        args.take("ff_chunk_size")  # terra's dense FF is unchunked: the same outputs, more training memory
         return [f"{selector}.feed_forward = @FeedForward"]
     if isinstance(sparsity, int) and not isinstance(sparsity, bool):
         n, rest = sparsity, []
@@ -202,7 +202,12 @@ def _feed_forward(args: _Arguments, selector: str) -> List[str]:
             f"{args.constructor}(ff_sparsity={sparsity!r}): expected 0, N, or "
             "(N, d_lowrank[, temperature, quant_prob])."
         )
-    bindings = [f"{selector}.feed_forward = @SparseFeedForward", f"SparseFeedForward.ff_sparsity = {int(n)}"]
+    bindings = [
+        f"{selector}.feed_forward = @SparseFeedForward",
+        f"SparseFeedForward.ff_sparsity = {int(n)}",
+        # One straight-through coin per chunk, computed chunk by chunk (training only).
+        f"SparseFeedForward.ff_chunk_size = {int(args.take('ff_chunk_size') or 0)}",
+    ]
     names = ("d_lowrank", "temperature", "quant_prob")
     bindings.append(f"SparseFeedForward.d_lowrank = {int(rest[0]) if rest else None}")
     for name, value in zip(names[1:], rest[1:]):
@@ -269,7 +274,13 @@ def _transformer(args: _Arguments) -> List[str]:
     args.require("ff_sparsity_type", ("1inN",), "terra's Sparse FF is the paper's '1inN' controller.")
     args.require("ff_use_sru", (0, None), "terra's encoder-decoder Transformer has no SRU; use ff_use_sru=0.")
     args.require("enc_dec_attention_sparsity", (0,), "terra converts the dense encoder-decoder attention (sparsity 0).")
-    args.take("dropout_shared_axes")  # training-time dropout masks only
+    shared = args.take("dropout_shared_axes")
+    if shared not in (None, [], (), [-2], (-2,), [1], (1,)):
+        raise ConfigError(
+            f"{args.constructor}(dropout_shared_axes={shared!r}): terra shares dropout masks over the length "
+            "axis ([-2]) or not at all (None)."
+        )
+    bindings.append(f"TransformerConfig.share_dropout_over_length = {bool(shared)}")
     bindings += _feed_forward(args, "EncoderDecoderTransformer")
     bindings += _encoder_attention(args, "EncoderDecoderTransformer.encoder_attention")
     bindings += _decoder_attention(
@@ -281,7 +292,8 @@ def _transformer(args: _Arguments) -> List[str]:
 
 
 def _terraformer(args: _Arguments) -> List[str]:
-    bindings = _sizes(args)
+    # ConfigurableTerraformer shares every dropout mask over the length axis ([-2]).
+    bindings = [*_sizes(args), "TransformerConfig.share_dropout_over_length = True"]
     values = args.values
     d_head = values["d_model"] // values["n_heads"]
     for name in ("d_attention_key", "d_attention_value"):
@@ -305,6 +317,8 @@ def _terraformer(args: _Arguments) -> List[str]:
         f"Terraformer.n_decoder_attention_layers = {int(args.take('n_decoder_attention_layers'))}",
         f"Terraformer.reversible_encoder = {bool(args.take('reversible_encoder'))}",
         f"Terraformer.center_layernorm = {bool(args.take('center_layernorm'))}",
+        # Trax's Attention, CausalAttention and MultiplicativeConvCausalAttention have no output dropout.
+        "Terraformer.attention_output_dropout = False",
     ]
     args.require("n_layers_forget", (0,), "terra's Terraformer has no 'forget' layers; use n_layers_forget=0.")
     args.take("forget_dense")  # only read when n_layers_forget > 0
