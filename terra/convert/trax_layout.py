@@ -216,27 +216,35 @@ def _numbered(params: Dict[str, Any], prefix: str) -> List[str]:
     return sorted(names, key=lambda k: int(k[len(prefix) :]))
 
 
+# (what Trax calls the sublayer, terra's pre-norm, terra's layer) in Trax's order within a block.
+_ENCODER_SUBLAYERS = (("attention", "pre_attention_norm", "attention"), ("FF", "pre_ff_norm", "feed_forward"))
+_DECODER_SUBLAYERS = (
+    ("self-attention", "pre_self_attention_norm", "self_attention"),
+    ("encoder-decoder attention", "pre_cross_attention_norm", "cross_attention"),
+    ("FF", "pre_ff_norm", "feed_forward"),
+)
+
+
+def _pre_norm_stack(b: _Builder, prefix: str, sublayers) -> None:
+    for name in _numbered(b.params, prefix):
+        where = f"{prefix.rstrip('_')} layer {name.split('_')[1]}"
+        for label, norm, layer in sublayers:
+            b.norm(f"{where} {label}", [name, norm])
+            if layer == "feed_forward":
+                b.feed_forward(where, [name, layer])
+            else:
+                b.attention(f"{where} {label}", [name, layer])
+
+
 def _transformer(b: _Builder) -> None:
     """``ConfigurableTransformer``: embedding, encoder positions, encoder blocks, encoder norm,
     decoder positions (the embedding is shared, stored once), decoder blocks, decoder norm, output."""
     b.copy("token embedding [vocab, d_model]", ["token_embedding", "embedding"])
     b.copy("encoder positional table [max_len, d_model]", ["encoder_positions", "pos_embedding"])
-    for name in _numbered(b.params, "encoder_"):
-        where = f"encoder layer {name.split('_')[1]}"
-        b.norm(f"{where} attention", [name, "pre_attention_norm"])
-        b.attention(f"{where} attention", [name, "attention"])
-        b.norm(f"{where} FF", [name, "pre_ff_norm"])
-        b.feed_forward(f"{where}", [name, "feed_forward"])
+    _pre_norm_stack(b, "encoder_", _ENCODER_SUBLAYERS)
     b.norm("encoder final", ["encoder_norm"])
     b.copy("decoder positional table [max_len, d_model]", ["decoder_positions", "pos_embedding"])
-    for name in _numbered(b.params, "decoder_"):
-        where = f"decoder layer {name.split('_')[1]}"
-        b.norm(f"{where} self-attention", [name, "pre_self_attention_norm"])
-        b.attention(f"{where} self-attention", [name, "self_attention"])
-        b.norm(f"{where} encoder-decoder attention", [name, "pre_cross_attention_norm"])
-        b.attention(f"{where} encoder-decoder attention", [name, "cross_attention"])
-        b.norm(f"{where} FF", [name, "pre_ff_norm"])
-        b.feed_forward(f"{where}", [name, "feed_forward"])
+    _pre_norm_stack(b, "decoder_", _DECODER_SUBLAYERS)
     b.norm("decoder final", ["decoder_norm"])
     b.logits(["logits"])
 
