@@ -15,8 +15,6 @@ import tempfile
 from typing import Optional, Sequence
 
 import gin
-import jax
-import numpy as np
 
 from terra import gin_utils
 from terra.convert.trax_arguments import read_trax_arguments, trax_gin
@@ -26,11 +24,9 @@ from terra.errors import CheckpointError, ConfigError
 
 
 def _model_gin(trax_config: Optional[str], gin_files: Sequence[str]):
-    if trax_config and gin_files and not all(_is_task_or_run(f) for f in gin_files):
-        raise ConfigError(
-            "give the architecture once: --trax_config ARGS.json or a terra model config (--gin_file models/...), "
-            "not both (task configs may be added to --trax_config)."
-        )
+    """The gin files and bindings of the architecture: from the Trax arguments, then any
+    ``gin_files`` (tasks, overrides); or from ``gin_files`` alone. The arrays' shapes are checked
+    against the result either way."""
     if trax_config:
         files, bindings = trax_gin(*read_trax_arguments(trax_config))
         return [*files, *gin_files], bindings
@@ -40,10 +36,6 @@ def _model_gin(trax_config: Optional[str], gin_files: Sequence[str]):
             "config of the same architecture (--gin_file models/NAME.gin plus --gin bindings)."
         )
     return list(gin_files), []
-
-
-def _is_task_or_run(path: str) -> bool:
-    return path.replace(os.sep, "/").split("/")[-2:-1] in (["tasks"], ["runs"])
 
 
 def convert_trax_checkpoint(
@@ -61,8 +53,9 @@ def convert_trax_checkpoint(
       checkpoint: a Trax ``model.pkl.gz`` (``Layer.save_to_file``) or training checkpoint.
       out: the run directory to create; it must not exist yet (or be empty).
       trax_config: JSON of the Trax model's constructor arguments (``ARGS.json``).
-      gin_files: a terra model config of the same architecture instead of ``trax_config``;
-        task configs (``tasks/...``) may be added to either, so the run knows its data.
+      gin_files: a terra model config of the same architecture instead of ``trax_config``, or
+        gin files parsed after the Trax arguments' config (a task config, so the run knows its
+        data).
       gin_bindings: extra bindings, applied last (sizes, ``TASK_FEATURE_LENGTHS``, ...).
 
     Returns:
@@ -83,7 +76,6 @@ def convert_trax_checkpoint(
     model = gin_utils.build_model("building the model for the Trax checkpoint")
     flat = read_trax_weights(checkpoint)
     params = to_terra_params(flat, model.abstract_params(), where=checkpoint)
-    params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
     config = (
         f"# Converted by terra.convert from the Trax checkpoint {os.path.abspath(checkpoint)}\n"
         f"# ({len(flat)} arrays, {sum(a.size for a in flat):,d} parameters; terra parameters at step 0).\n\n"

@@ -61,7 +61,7 @@ def _flatten(tree: Any, out: List[np.ndarray]) -> None:
     if isinstance(tree, np.ndarray):
         out.append(tree)
     elif isinstance(tree, dict):
-        for key in sorted(tree) if not all(isinstance(k, int) for k in tree) else tree:
+        for key in sorted(tree):  # tree_flatten's order
             _flatten(tree[key], out)
     elif isinstance(tree, (list, tuple)):
         for item in tree:

@@ -23,6 +23,7 @@ a terra gin config of the same architecture gives the same list as the Trax argu
 import dataclasses
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
+import jax
 import numpy as np
 
 from terra.errors import CheckpointError
@@ -327,36 +328,20 @@ def to_terra_params(flat: Sequence[np.ndarray], params: Dict[str, Any], where: s
             f"{' ...' if len(flat) - len(leaves) > 5 else ''}. The file's model has more layers or weights than "
             "the arguments describe."
         )
-    out = _empty_like(params)
-    written = _empty_like(params, np.bool_)
+    out = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), params)
+    written = jax.tree.map(lambda a: np.zeros(a.shape, np.bool_), params)
     for leaf, array in zip(leaves, flat):
-        target, seen = _at(out, leaf.path), _at(written, leaf.path)
-        part = leaf.to_terra(np.asarray(array, np.float32))
-        target[leaf.index] = part
-        seen[leaf.index] = True
+        _at(out, leaf.path)[leaf.index] = leaf.to_terra(np.asarray(array, np.float32))
+        _at(written, leaf.path)[leaf.index] = True
     unset = [
-        "/".join(str(getattr(k, "key", k)) for k in path) for path, seen in _flat_with_paths(written) if not seen.all()
+        jax.tree_util.keystr(path) for path, seen in jax.tree_util.tree_leaves_with_path(written) if not seen.all()
     ]
     if unset:
         raise CheckpointError(f"{where} leaves terra parameters unset: {unset}; this model cannot be converted.")
     return out
 
 
-def _empty_like(tree, dtype=np.float32):
-    if isinstance(tree, dict):
-        return {k: _empty_like(v, dtype) for k, v in tree.items()}
-    return np.zeros(tuple(tree.shape), dtype)
-
-
 def _at(tree, path):
     for key in path:
         tree = tree[key]
     return tree
-
-
-def _flat_with_paths(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flat_with_paths(v, (*prefix, k))
-    else:
-        yield prefix, tree

@@ -28,6 +28,15 @@ LOWRANK = "lowrank"  # the sparse-FF controller's bottleneck (d_lowrank)
 MODULES = "modules"  # S: modules of a multiplicative layer
 KV_IN = "kv_in"  # a convolution's input features per module
 CONV_LENGTH = "conv_length"  # F: a convolution's window along the sequence
+
+
+def dropout_broadcast_dims(share_over_length: bool) -> Tuple[int, ...]:
+    """``nn.Dropout``'s ``broadcast_dims`` over ``[..., length, features]``: one mask per example
+    shared over the positions (the reference's ``dropout_shared_axes=[-2]``) or one per position
+    (its ``None``)."""
+    return (-2,) if share_over_length else ()
+
+
 CONV_MODULES = "conv_modules"  # k: a convolution's window along the modules
 EXPERTS = "experts"  # blocks of the mixture-of-experts feed-forward
 SRU_UNITS = "sru_units"  # the low-rank SRU's width n (its input, carry and output features)

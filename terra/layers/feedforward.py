@@ -43,7 +43,7 @@ class FeedForward(nn.Module):
         h = nn.Dropout(self.ff_dropout_rate, broadcast_dims=(-2,))(h, deterministic=deterministic)
         h = nn.relu(h)
         y = Dense(self.d_model, kernel_axes=(axes.EMBED, axes.MLP), dtype=self.dtype, name="wo")(h)
-        shared = (-2,) if self.share_dropout_over_length else ()
+        shared = axes.dropout_broadcast_dims(self.share_dropout_over_length)
         return nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
 
 

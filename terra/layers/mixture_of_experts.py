@@ -81,7 +81,7 @@ class MixtureOfExpertsFeedForward(nn.Module):
             mid = mid.reshape(mid.shape[:-1] + (self.n_experts, block)) * mask[..., None].astype(self.dtype)
             h = nn.relu(mid).reshape(mid.shape[:-2] + (self.d_ff,))
             y = h @ as_float(wo, self.dtype).reshape(self.d_ff, self.d_model) + wo_bias
-        shared = (-2,) if self.share_dropout_over_length else ()
+        shared = axes.dropout_broadcast_dims(self.share_dropout_over_length)
         y = nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
         return y.astype(self.dtype)
 

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from terra.layers import axes
 from terra.layers.normalization import LayerNorm
 
 # A pytree of (integer) arrays a half-residual returns and must be able to replay.
@@ -119,7 +120,7 @@ class HalfResidual(nn.Module):
             # stack guarantees on its reversible path (elsewhere nobody replays them).
             sown = self.layer.variables.get("intermediates", {}).get(self.decisions_kwarg)
             decisions = None if sown is None else sown[-1]
-        shared = (-2,) if self.share_dropout_over_length else ()
+        shared = axes.dropout_broadcast_dims(self.share_dropout_over_length)
         y = nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
         return y, decisions
 

@@ -149,7 +149,9 @@ class SparseFeedForward(nn.Module):
             self.wi_bias = self.param("wi_bias", nn.with_logical_partitioning(BIAS_INIT, names[:2]), shape[:2])
         # Applied to the flattened [tokens, d_model] chunk as the reference, so a shared mask
         # serves every token of the chunk.
-        self.dropout = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,) if self.share_dropout_over_length else ())
+        self.dropout = nn.Dropout(
+            self.dropout_rate, broadcast_dims=axes.dropout_broadcast_dims(self.share_dropout_over_length)
+        )
 
     def controller_logits(self, x: jax.Array) -> jax.Array:
         """``[..., d_model] -> [..., d_ff/N, N]`` float32."""

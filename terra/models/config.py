@@ -138,7 +138,9 @@ class TransformerConfig:
                 "TransformerConfig.share_dropout_over_length is undecided; build layers from "
                 "config.with_dropout_sharing(family_default) (the models do)."
             )
-        return (-2,) if self.share_dropout_over_length else ()
+        from terra.layers.axes import dropout_broadcast_dims
+
+        return dropout_broadcast_dims(self.share_dropout_over_length)
 
     def attention_kwargs(self) -> dict:
         """What every injected attention layer is constructed with (``d_model``, ``n_heads``,
