@@ -10,6 +10,9 @@ valid names; a literal of the wrong type for a configurable's parameter (``'64'`
 ``int``) fails when the bindings are parsed, naming the binding, not later inside the library.
 Only gin's public API is used (its parser, ``gin.config_parser``, reads texts without resolving
 references, so a config can be read before the modules it names are imported).
+
+What :func:`build_macro` builds is frozen to the config it was built under
+(``terra/frozen_configurables.py``).
 """
 
 import contextlib
@@ -27,6 +30,8 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 import gin
 from gin import config_parser
+
+from terra import frozen_configurables
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Where a gin file's ``include 'models/tiny.gin'`` finds the shipped configs.
@@ -408,7 +413,8 @@ def build_macro(name: str, where: str):
     # run's operative config records its bindings as ``NAME/...``: build it in that scope too
     # (unscoped bindings still apply there).
     with gin.config_scope(name):
-        return build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
+        built = build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
+        return frozen_configurables.freeze_configurables(built, reference=reference)
 
 
 def build_model(where: str = "building the model"):

@@ -23,6 +23,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from terra import frozen_configurables
 from terra.decoding.beam_search import beam_search
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.decoding.generate import Generation, generate
@@ -84,6 +85,11 @@ class Seq2SeqModel(abc.ABC):
         # incompatible sizes in any injected layer (d_ff % N, d_model % S, vocab % S) fail
         # when the model is configured, not in the middle of a training job.
         self._abstract = jax.eval_shape(self.init_variables, jax.random.key(0))
+        # The layers gin injected (``feed_forward = @SparseFeedForward``) would read gin's
+        # bindings whenever Flax constructs them (init, apply, tracing), i.e. from whatever
+        # config is parsed then: freeze them to this build's config and scope (``MODEL``), the
+        # values the check above used, so that building another model changes nothing here.
+        self.module = frozen_configurables.freeze_configurables(module)
 
     @abc.abstractmethod
     def default_module(self) -> nn.Module:
