@@ -34,7 +34,13 @@ from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
 from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
-from terra.quantization.products import output_major_product, take_rows
+from terra.quantization.products import (
+    gathered_rows_product,
+    gathered_rows_sum,
+    input_major_product,
+    output_major_product,
+    take_rows,
+)
 from terra.quantization.quantized import as_float
 
 
@@ -156,8 +162,8 @@ class SparseFeedForward(nn.Module):
     def controller_logits(self, x: jax.Array) -> jax.Array:
         """``[..., d_model] -> [..., d_ff/N, N]`` float32."""
         low = self.controller_down(x)
-        up = as_float(self.controller_up, self.dtype)  # small; input-major, so widened whole
-        logits = (low @ up.reshape(up.shape[0], -1)).reshape(low.shape[:-1] + up.shape[1:])
+        up = self.controller_up  # [d_lowrank, d_ff/N, N], input-major
+        logits = input_major_product(low.astype(self.dtype), up).reshape(low.shape[:-1] + up.shape[1:])
         return (logits + self.controller_bias).astype(jnp.float32)
 
     def __call__(
@@ -251,12 +257,10 @@ class SparseFeedForward(nn.Module):
         """Decode: read only the selected row of every block of W1 and W2."""
         n_blocks = self.d_ff // self.ff_sparsity
         flat = indices + jnp.arange(n_blocks) * self.ff_sparsity  # [..., n_blocks] rows of [d_ff, d]
-        wi = take_rows(self.wi.reshape(self.d_ff, self.d_model), flat).astype(self.dtype)
-        wo = take_rows(self.wo.reshape(self.d_ff, self.d_model), flat).astype(self.dtype)
-        mid = jnp.einsum("...d,...bd->...b", x.astype(self.dtype), wi)
+        mid = gathered_rows_product(x.astype(self.dtype), self.wi.reshape(self.d_ff, self.d_model), flat)
         if self.paper_formula:
             mid = mid + take_rows(self.wi_bias.reshape(self.d_ff), flat)
-        return jnp.einsum("...b,...bd->...d", nn.relu(mid), wo) + self.wo_bias
+        return gathered_rows_sum(nn.relu(mid), self.wo.reshape(self.d_ff, self.d_model), flat) + self.wo_bias
 
     @staticmethod
     def params_read_per_token(params) -> int:

@@ -7,11 +7,17 @@ next to its source). It is loaded with ctypes on first use and its handlers regi
 is false, so ``terra/quantization/products.py`` keeps its XLA path. ``TERRA_NATIVE_KERNELS=0``
 turns the kernels off without a warning (to compare both paths, or to rule the kernels out).
 
-The kernels take at most :data:`MAX_ROWS` rows of activations per call (batch-1 decoding, small
-batches and beams): each weight is widened once and multiplied into every row, so their arithmetic
-grows with the rows (int8 turns compute-bound from about 4 rows, yet at 8 rows still measured 2.5x
-faster than XLA's blocked product); larger products, prefill and training keep XLA's products,
-which are real matrix products (``terra-bench products --rows 8``).
+Four products: the output-major matrix-vector product of the dense layers (:func:`output_major`),
+the input-major one of the small sparse-layer kernels (:func:`input_major`), and the dot and the
+weighted sum of the rows a sparse feed-forward layer selects (:func:`gathered_dot`,
+:func:`gathered_sum`).
+
+The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
+(batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
+multiplicative layer's modules times the batch): each weight is widened once and multiplied into
+every row, so their arithmetic grows with the rows (int8 turns compute-bound from about 4 rows,
+yet at 8 rows still measured 2.5x faster than XLA's blocked product); larger products, prefill and
+training keep XLA's products, which are real matrix products (``terra-bench products --rows 8``).
 """
 
 import contextlib
@@ -26,6 +32,10 @@ import jax.numpy as jnp
 
 ENV_SWITCH = "TERRA_NATIVE_KERNELS"
 MAX_ROWS = 8
+# Rows of x an input-major product takes (a multiplicative layer's batch x S modules): each weight
+# is widened once and used by every row, so its arithmetic grows with them; past this, XLA's matrix
+# product is the faster one.
+MAX_INPUT_MAJOR_ROWS = 256
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 LIBRARY_STEM = "_narrow_products"  # the extension module setup.py builds: terra.quantization.native._narrow_products
 REBUILD = (
@@ -34,7 +44,13 @@ REBUILD = (
 )
 # The instruction sets the library chooses between, in its numbering.
 ISAS = ("portable", "avx2", "avx512")
-TARGETS = {"int8": "terra_output_major_int8", "bfloat16": "terra_output_major_bf16"}
+# The FFI targets, by product and weight store.
+PRODUCTS = ("output_major", "input_major", "gathered_dot", "gathered_sum")
+TARGETS = {
+    (product, kind): f"terra_{product}_{suffix}"
+    for product in PRODUCTS
+    for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
+}
 
 
 def library_path():
@@ -123,10 +139,39 @@ def output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -
     as a kernel ``[out, heads, d_head]`` stores it); or ``uint16 [out, in]`` bfloat16 bits
     (``scale`` unused).
     """
+    return _call("output_major", kind, (x.shape[0], values.shape[0]), x, values, scale)
+
+
+def input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """``x f32 [rows, in]`` times input-major narrow weights -> ``f32 [rows, out]``, ``rows`` <=
+    :data:`MAX_INPUT_MAJOR_ROWS`.
+
+    ``values``: ``int8 [in, out]`` with ``scale f32 [in]`` or ``f32 [in, groups]`` (``groups``
+    dividing ``out``: each run of ``out / groups`` consecutive outputs has its own scale per input,
+    as the controller's ``[d_lowrank, d_ff / N, N]`` stores it); or ``uint16 [in, out]`` bfloat16
+    bits (``scale`` unused).
+    """
+    return _call("input_major", kind, (x.shape[0], values.shape[1]), x, values, scale)
+
+
+def gathered_dot(x: jax.Array, values: jax.Array, scale: jax.Array, rows: jax.Array, kind: str) -> jax.Array:
+    """``y [b, j] = values[rows[b, j]] . x[b]`` with the row's int8 scale: ``x f32 [batch, d]``,
+    ``values [n, d]`` (``scale f32 [n]``), ``rows int32 [batch, k]`` (clipped to ``[0, n)``, as
+    ``jnp.take(mode='clip')``) -> ``f32 [batch, k]``; ``batch`` <= :data:`MAX_ROWS`."""
+    return _call("gathered_dot", kind, rows.shape, x, values, scale, rows)
+
+
+def gathered_sum(x: jax.Array, values: jax.Array, scale: jax.Array, rows: jax.Array, kind: str) -> jax.Array:
+    """``y [b] = sum_j x[b, j] values[rows[b, j]]`` (each row with its int8 scale): ``x f32 [batch,
+    k]``, ``values [n, d]`` (``scale f32 [n]``), ``rows int32 [batch, k]`` -> ``f32 [batch, d]``."""
+    return _call("gathered_sum", kind, (rows.shape[0], values.shape[1]), x, values, scale, rows)
+
+
+def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:
     if _library() is None:  # loads and registers the targets on first use
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
-    out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
+    out = jax.ShapeDtypeStruct(tuple(out_shape), jnp.float32)
     # "sequential": under vmap, one call per batch element, each the unbatched product; correct
     # whichever operands are batched. Nothing in terra vmaps these products.
-    call = jax.ffi.ffi_call(TARGETS[kind], out, vmap_method="sequential")
-    return call(x, values, scale) if kind == "int8" else call(x, values)
+    call = jax.ffi.ffi_call(TARGETS[product, kind], out, vmap_method="sequential")
+    return call(x, values, scale, *rest) if kind == "int8" else call(x, values, *rest)

@@ -5,10 +5,13 @@ XLA:CPU turns ``w.astype(float32) @ x`` into a conversion of the whole matrix to
 in memory followed by the product: the narrow weights are read once and a 4-byte copy written and
 read again, 10× slower than the float32 product (``docs/design/cpu_decoding.md``). Converting
 block by block inside a loop keeps each widened block in cache, so memory traffic is the narrow
-bytes alone; that still runs at about half the bandwidth. Decoding's products (at most
-``kernels.MAX_ROWS`` rows of float32 activations, on the CPU) therefore go to the native kernel of
-``terra/quantization/kernels.py``, which widens 16 weights at a time in registers and streams int8
-weights about twice as fast as the blocked product (``terra-bench products``).
+bytes alone; that still runs at about half the bandwidth. Decoding's products (a few rows
+of float32 activations, on the CPU) therefore go to the native kernels of
+``terra/quantization/kernels.py``, which widen 16 weights at a time in registers: the dense
+output-major product streams int8 weights about twice as fast as the blocked product
+(``terra-bench products``), and the sparse layers' products (the input-major multiplicative,
+convolution and controller kernels; the rows of W1 and W2 a sparse feed-forward layer selects) read
+their narrow weights in place, with no float32 copy of a kernel or of the gathered rows.
 """
 
 import math
@@ -128,26 +131,106 @@ def take_rows(matrix, rows: jax.Array) -> jax.Array:
 
 
 def input_major_product(x: jax.Array, kernel) -> jax.Array:
-    """``x [..., in]`` times an input-major ``kernel [in, out]`` -> ``[..., out]``: the layout of
-    the small multiplicative and convolution kernels (``terra/layers/multiplicative.py``), where a
-    :class:`QuantizedTensor` has one scale per *input* row. The scales are folded into ``x``
-    (``sum_i x_i s_i v_i = sum_i (x_i s_i) v_i``), so only the values are widened, block by block
-    of ``BLOCK_ELEMENTS`` input rows, and the partial products summed."""
+    """``x [..., in]`` times an input-major ``kernel [in, *out_axes]`` -> ``[..., prod(out_axes)]``:
+    the layout of the small multiplicative and convolution kernels (``terra/layers/multiplicative.py``)
+    and of the sparse feed-forward controller's up-projection, where a :class:`QuantizedTensor` has
+    one scale per input row and run of ``out_axes[-1]`` outputs.
+
+    On the CPU, with float32 ``x`` of at most ``kernels.MAX_INPUT_MAJOR_ROWS`` rows (decoding), the
+    native kernel reads the narrow weights in place. Otherwise a kernel with one scale per input
+    row has its scales folded into ``x`` (``sum_i x_i s_i v_i = sum_i (x_i s_i) v_i``) and only
+    the values widened, block by block of ``BLOCK_ELEMENTS`` input rows, the partial products
+    summed; finer scales are widened whole (the controller's: small)."""
     if not isinstance(kernel, QuantizedTensor):
-        return x @ jnp.asarray(kernel, x.dtype)
-    n_in, n_out = kernel.values.shape
-    if kernel.kind == "int8":
-        x = x * kernel.scale
+        return x @ jnp.asarray(kernel, x.dtype).reshape(kernel.shape[0], -1)
+    n_in = kernel.values.shape[0]
+    values = kernel.values.reshape(n_in, -1)
+    scale = kernel.scale if kernel.kind == "bfloat16" else kernel.scale.reshape(n_in, -1)
+    rows = math.prod(x.shape[:-1])
+    if x.dtype == jnp.float32 and 0 < rows <= kernels.MAX_INPUT_MAJOR_ROWS and kernels.available():
+
+        def native(x, values, scale):
+            y = kernels.input_major(x.reshape(rows, n_in), values, scale, kernel.kind)
+            return y.reshape(x.shape[:-1] + (values.shape[1],))
+
+        def widened(x, values, scale):
+            return _widened_input_major(x, values, scale, kernel.kind)
+
+        return lax.platform_dependent(x, values, scale, cpu=native, default=widened)
+    return _widened_input_major(x, values, scale, kernel.kind)
+
+
+def _widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """``x [..., in]`` times ``values [in, out]`` with ``scale`` as ``input_major_product`` reshapes
+    it (``[in, groups]`` for int8), in XLA."""
+    if kind == "int8" and scale.shape[1] > 1:
+        return x @ widen(values.reshape(scale.shape + (-1,)), scale, kind).reshape(values.shape)
+    if kind == "int8":
+        x = x * scale[:, 0]
     unscaled = jnp.ones((), jnp.float32)  # int8's scales are in x; bfloat16 has none
 
     def product(start, size):
         x_block = lax.dynamic_slice_in_dim(x, start, size, axis=-1)
-        return x_block @ widen(lax.dynamic_slice_in_dim(kernel.values, start, size), unscaled, kernel.kind)
+        return x_block @ widen(lax.dynamic_slice_in_dim(values, start, size), unscaled, kind)
 
     def accumulate(y, start, part):  # each block of input rows adds its partial product
         return y + part
 
-    return _over_blocks(n_in, n_out, product, accumulate, x.shape[:-1] + (n_out,))
+    return _over_blocks(values.shape[0], values.shape[1], product, accumulate, x.shape[:-1] + (values.shape[1],))
+
+
+def _native_gather(x: jax.Array, matrix, rows: jax.Array) -> bool:
+    """Whether the gathered-row products of ``x [..., *]`` and ``rows [..., k]`` go to the native
+    kernels: a narrow ``matrix`` on the CPU, float32 ``x`` of at most ``kernels.MAX_ROWS`` rows."""
+    batch = math.prod(rows.shape[:-1])
+    return (
+        isinstance(matrix, QuantizedTensor)
+        and x.dtype == jnp.float32
+        and 0 < batch <= kernels.MAX_ROWS
+        and rows.shape[-1] > 0
+        and kernels.available()
+    )
+
+
+def _gathered(product: str, x: jax.Array, matrix: QuantizedTensor, rows: jax.Array, out_width: int, xla):
+    batch = math.prod(rows.shape[:-1])
+
+    def native(x, values, scale, rows):
+        call = kernels.gathered_dot if product == "dot" else kernels.gathered_sum
+        y = call(x.reshape(batch, -1), values, scale, rows.reshape(batch, -1).astype(jnp.int32), matrix.kind)
+        return y.reshape(rows.shape[:-1] + (out_width,))
+
+    def widened(x, values, scale, rows):
+        return xla(x, QuantizedTensor(values, scale, matrix.kind), rows)
+
+    return lax.platform_dependent(x, matrix.values, matrix.scale, rows, cpu=native, default=widened)
+
+
+def gathered_rows_product(x: jax.Array, matrix, rows: jax.Array) -> jax.Array:
+    """``y[..., j] = matrix[rows[..., j]] . x[...]``: ``x [..., d]``, ``matrix [n, d]`` (float32 or
+    a :class:`QuantizedTensor`), ``rows [..., k]`` -> ``[..., k]`` (the selected rows of a sparse
+    feed-forward layer's W1). A narrow ``matrix`` in decoding is read by the native kernel, only
+    the selected rows and in place; otherwise the rows are gathered (and widened) first."""
+
+    def xla(x, matrix, rows):
+        return jnp.einsum("...d,...kd->...k", x, take_rows(matrix, rows))
+
+    if _native_gather(x, matrix, rows):
+        return _gathered("dot", x, matrix, rows, rows.shape[-1], xla)
+    return xla(x, matrix, rows)
+
+
+def gathered_rows_sum(h: jax.Array, matrix, rows: jax.Array) -> jax.Array:
+    """``y[...] = sum_j h[..., j] matrix[rows[..., j]]``: ``h [..., k]``, ``matrix [n, d]``,
+    ``rows [..., k]`` -> ``[..., d]`` (the selected rows of W2), read as
+    :func:`gathered_rows_product` reads them."""
+
+    def xla(h, matrix, rows):
+        return jnp.einsum("...k,...kd->...d", h, take_rows(matrix, rows))
+
+    if _native_gather(h, matrix, rows):
+        return _gathered("sum", h, matrix, rows, matrix.values.shape[-1], xla)
+    return xla(h, matrix, rows)
 
 
 def slice_rows(matrix, start: jax.Array, length: int) -> jax.Array:

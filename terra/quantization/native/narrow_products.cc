@@ -11,6 +11,13 @@
 //                            -> y f32[B, out], y[b, o] = sum_g scale[o, g] * sum_{i in group g} x[b, i] * values[o, i]
 //                            with groups of in / G consecutive inputs (one scale per output row and head).
 //   terra_output_major_bf16  x f32[B, in], values u16[out, in] (bfloat16 bits) -> y f32[B, out].
+// and, for the sparse layers (any B up to 256 for the input-major product, up to 8 for the others):
+//   terra_input_major_{int8,bf16}   x f32[B, in], values [in, out], scale f32[in, G] (int8; G groups
+//                                   of out / G consecutive outputs) -> y f32[B, out]
+//   terra_gathered_dot_{int8,bf16}  x f32[B, d], values [n, d], scale f32[n] (int8), rows s32[B, k]
+//                                   -> y f32[B, k], y[b, j] = values[rows[b, j]] . x[b]
+//   terra_gathered_sum_{int8,bf16}  x f32[B, k], values [n, d], scale f32[n] (int8), rows s32[B, k]
+//                                   -> y f32[B, d], y[b] = sum_j x[b, j] values[rows[b, j]]
 //
 // The instruction set is chosen once at load time (AVX-512, AVX2+FMA or portable C++) with
 // __builtin_cpu_supports; each variant is compiled with a target attribute, never -march=native, so
@@ -31,6 +38,8 @@
 // uninitialized wherever they are inlined: false positives that would bury real warnings.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The 64-byte vector helpers below are always inlined: no vector ever crosses a call boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #include <immintrin.h>
 #define TERRA_X86 1
 #endif
@@ -399,6 +408,253 @@ void OutputMajor(ffi::ThreadPool& pool, const Product<W>& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Input-major and gathered-row products.
+//
+// The small kernels a sparse decode step reads input-major (the multiplicative layers' [d, M], the
+// convolutions' unfolded [F*k*M, M], the controller's up-projection [d_lowrank, d_ff]) and the rows
+// of W1 and W2 the controller selects (one per block, §2.1) are read here straight from their
+// narrow store: XLA:CPU would widen them into float32 buffers first (a whole kernel, or every
+// gathered row), and the buffers are the larger part of the step's memory traffic and allocation.
+//
+// Their bodies are plain C++ loops over contiguous runs of weights, written so that the compiler
+// vectorises them (lane-wise accumulators, fixed-width inner loops, no reassociation needed), and
+// compiled once per instruction set by inlining them into functions with a target attribute: one
+// body, three machine codes, the same choice (g_isa) as the output-major kernels.
+
+#define TERRA_INLINE inline __attribute__((always_inline))
+
+// 16 lanes of float32 as a GCC/Clang vector: one AVX-512 register, two AVX2
+// ones, four SSE ones, whichever the target attribute of the function it is inlined into allows
+// (plain loops over a float[16] were vectorised only 4 lanes wide).
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int8_t Int8Lanes __attribute__((vector_size(kLanes)));
+typedef uint16_t Uint16Lanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef int16_t Int16Lanes __attribute__((vector_size(kLanes * sizeof(int16_t))));
+typedef int32_t Int32Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t Uint32Lanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+TERRA_INLINE Lanes LoadLanes(const float* x) {
+  Lanes lanes;
+  std::memcpy(&lanes, x, sizeof lanes);
+  return lanes;
+}
+TERRA_INLINE Lanes WidenLanes(const int8_t* v) {
+  Int8Lanes narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  // Through int16 and int32: GCC 12 widens int8 lanes straight to int32 or float one lane at a time.
+  const Int32Lanes wide = __builtin_convertvector(__builtin_convertvector(narrow, Int16Lanes), Int32Lanes);
+  return __builtin_convertvector(wide, Lanes);
+}
+TERRA_INLINE Lanes WidenLanes(const uint16_t* v) {
+  Uint16Lanes narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(narrow, Uint32Lanes) << 16);
+}
+
+// Input-major: y[b, o] = sum_i x[b, i] * scale[i, o / group] * values[i, o], with `group` = out / G
+// consecutive outputs sharing a scale per input (G = 1: one scale per input row).
+template <typename W>
+struct InputMajorProduct {
+  const float* x;      // [batch, n_in]
+  const W* values;     // [n_in, n_out]
+  const float* scale;  // [n_in, groups]; nullptr: all 1 (bfloat16)
+  float* y;            // [batch, n_out]
+  int64_t batch, n_in, n_out, groups;
+};
+
+// Outputs per tile and rows of x per pass: a tile's run of kTile weights of each input is widened
+// once into two vectors of lanes and multiplied into kInputRows rows, whose 2 * kInputRows
+// accumulators stay in registers (12 of AVX-512's 32; AVX2 spills a few to L1).
+constexpr int64_t kTile = 32;
+constexpr int kInputRows = 6;
+
+// Outputs [c0, c0 + V * kLanes) (within one scale group g) for rows [b0, b0 + R) of x.
+template <typename W, int R, int V>
+TERRA_INLINE void InputMajorTile(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b0) {
+  Lanes acc[R][V] = {};
+  for (int64_t i = 0; i < p.n_in; ++i) {
+    const W* v = p.values + i * p.n_out + c0;
+    Lanes w[V];
+    for (int k = 0; k < V; ++k) w[k] = WidenLanes(v + k * kLanes);
+    const float s = p.scale ? p.scale[i * p.groups + g] : 1.0f;
+    for (int r = 0; r < R; ++r) {
+      const float xs = p.x[(b0 + r) * p.n_in + i] * s;
+      for (int k = 0; k < V; ++k) acc[r][k] += xs * w[k];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(p.y + (b0 + r) * p.n_out + c0, acc[r], sizeof acc[r]);
+}
+
+// Every row of x, kInputRows at a time, for a tile of V vectors of outputs.
+template <typename W, int V>
+TERRA_INLINE void InputMajorRows(const InputMajorProduct<W>& p, int64_t g, int64_t c0) {
+  int64_t b0 = 0;
+  for (; b0 + kInputRows <= p.batch; b0 += kInputRows) InputMajorTile<W, kInputRows, V>(p, g, c0, b0);
+  switch (p.batch - b0) {
+    case 1: return InputMajorTile<W, 1, V>(p, g, c0, b0);
+    case 2: return InputMajorTile<W, 2, V>(p, g, c0, b0);
+    case 3: return InputMajorTile<W, 3, V>(p, g, c0, b0);
+    case 4: return InputMajorTile<W, 4, V>(p, g, c0, b0);
+    case 5: return InputMajorTile<W, 5, V>(p, g, c0, b0);
+    default: return;
+  }
+}
+
+// Fewer than kLanes outputs (a group's last ones): plain loops, for every row of x.
+template <typename W>
+TERRA_INLINE void InputMajorNarrowTile(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t width) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    float acc[kLanes] = {};
+    for (int64_t i = 0; i < p.n_in; ++i) {
+      const W* v = p.values + i * p.n_out + c0;
+      const float xs = p.x[b * p.n_in + i] * (p.scale ? p.scale[i * p.groups + g] : 1.0f);
+      for (int64_t c = 0; c < width; ++c) acc[c] += xs * Widen(v[c]);
+    }
+    std::memcpy(p.y + b * p.n_out + c0, acc, width * sizeof(float));
+  }
+}
+
+// Work item `t` of InputMajorItems: a tile of outputs inside one scale group, for every row of x.
+template <typename W>
+TERRA_INLINE void InputMajorItem(const InputMajorProduct<W>& p, int64_t t) {
+  const int64_t group = p.n_out / p.groups, tiles_per_group = (group + kTile - 1) / kTile;
+  const int64_t g = t / tiles_per_group, c0 = g * group + (t % tiles_per_group) * kTile;
+  const int64_t width = std::min(kTile, (g + 1) * group - c0);
+  if (width == kTile) return InputMajorRows<W, 2>(p, g, c0);
+  int64_t c = c0;
+  if (width >= kLanes) InputMajorRows<W, 1>(p, g, c), c += kLanes;
+  if (c < c0 + width) InputMajorNarrowTile(p, g, c, c0 + width - c);
+}
+
+template <typename W>
+int64_t InputMajorItems(const InputMajorProduct<W>& p) {
+  return p.groups * ((p.n_out / p.groups + kTile - 1) / kTile);
+}
+
+// Gathered rows: `rows [batch, k]` index rows of `values [n_rows, d]` (scale [n_rows] or nullptr).
+//   dot: y[b, j] = scale[r] * sum_i x[b, i] * values[r, i],  r = rows[b, j]   (x [batch, d], y [batch, k])
+//   sum: y[b, i] = sum_j x[b, j] * scale[r] * values[r, i]                    (x [batch, k], y [batch, d])
+template <typename W>
+struct GatheredRows {
+  const float* x;
+  const W* values;
+  const float* scale;
+  const int32_t* rows;
+  float* y;
+  int64_t batch, k, d, n_rows;
+
+  // Clamped as jnp.take(mode='clip'): the indices are in range by construction (block offsets).
+  int64_t Index(int64_t b, int64_t j) const {
+    return std::min<int64_t>(std::max<int64_t>(rows[b * k + j], 0), n_rows - 1);
+  }
+  const W* Row(int64_t r) const { return values + r * d; }
+  float Scale(int64_t r) const { return scale ? scale[r] : 1.0f; }
+};
+
+// dot for entries [j0, j1) of every row of x.
+template <typename W>
+TERRA_INLINE void GatheredDotRange(const GatheredRows<W>& p, int64_t j0, int64_t j1) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const float* x = p.x + b * p.d;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t r = p.Index(b, j);
+      const W* v = p.Row(r);
+      // The next selected row is anywhere in the table: ask for its start while this one streams.
+      if (j + 1 < j1) __builtin_prefetch(p.Row(p.Index(b, j + 1)), 0, 0);
+      Lanes acc = {};
+      int64_t i = 0;
+      for (; i + kLanes <= p.d; i += kLanes) acc += LoadLanes(x + i) * WidenLanes(v + i);
+      float total = 0.0f;
+      for (; i < p.d; ++i) total += x[i] * Widen(v[i]);
+      for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
+      p.y[b * p.k + j] = total * p.Scale(r);
+    }
+  }
+}
+
+// sum for outputs [c0, c1) of every row of x.
+template <typename W>
+TERRA_INLINE void GatheredSumRange(const GatheredRows<W>& p, int64_t c0, int64_t c1) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    float* y = p.y + b * p.d;
+    std::fill(y + c0, y + c1, 0.0f);
+    for (int64_t j = 0; j < p.k; ++j) {
+      const int64_t r = p.Index(b, j);
+      const W* v = p.Row(r);
+      const float coefficient = p.x[b * p.k + j] * p.Scale(r);
+      for (int64_t c = c0; c < c1; ++c) y[c] += coefficient * Widen(v[c]);
+    }
+  }
+}
+
+// The three bodies above, compiled for each instruction set.
+#define TERRA_BODIES(SUFFIX, TARGET)                                                                     \
+  template <typename W>                                                                                 \
+  TARGET void InputMajorItems##SUFFIX(const InputMajorProduct<W>& p, int64_t t0, int64_t t1) {            \
+    for (int64_t t = t0; t < t1; ++t) InputMajorItem(p, t);                                             \
+  }                                                                                                     \
+  template <typename W>                                                                                 \
+  TARGET void GatheredDot##SUFFIX(const GatheredRows<W>& p, int64_t j0, int64_t j1) {                    \
+    GatheredDotRange(p, j0, j1);                                                                        \
+  }                                                                                                     \
+  template <typename W>                                                                                 \
+  TARGET void GatheredSum##SUFFIX(const GatheredRows<W>& p, int64_t c0, int64_t c1) {                    \
+    GatheredSumRange(p, c0, c1);                                                                        \
+  }
+
+TERRA_BODIES(Scalar, )
+#if TERRA_X86
+TERRA_BODIES(Avx2, TERRA_AVX2)
+TERRA_BODIES(Avx512, TERRA_AVX512)
+#define TERRA_DISPATCH(NAME, ...)                                    \
+  do {                                                               \
+    const int isa = g_isa.load(std::memory_order_relaxed);           \
+    if (isa == kAvx512) return NAME##Avx512(__VA_ARGS__);            \
+    if (isa == kAvx2) return NAME##Avx2(__VA_ARGS__);                \
+    return NAME##Scalar(__VA_ARGS__);                                \
+  } while (0)
+#else
+#define TERRA_DISPATCH(NAME, ...) return NAME##Scalar(__VA_ARGS__)
+#endif
+
+// Runs range(begin, end) over [0, n) in chunks of `chunk` on the calling thread and the pool, or
+// at once on the calling thread when `work_bytes` is too little to share.
+template <typename Range>
+void Chunked(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t work_bytes, Range range) {
+  if (work_bytes < kParallelBytes || n <= chunk) return range(0, n);
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  Parallel(pool, n_chunks, [&](int64_t c) { range(c * chunk, std::min(n, (c + 1) * chunk)); });
+}
+
+template <typename W>
+void InputMajor(ffi::ThreadPool& pool, const InputMajorProduct<W>& p) {
+  const int64_t items = InputMajorItems(p);
+  // A tile reads n_in x kTile weights once per call and does batch multiply-adds with each: its
+  // work is the weights times the rows (float32 multiply-adds cost about a streamed byte each).
+  const int64_t work = p.n_in * p.n_out * (static_cast<int64_t>(sizeof(W)) + p.batch);
+  const int64_t per_item = std::max<int64_t>(1, p.n_in * kTile * (static_cast<int64_t>(sizeof(W)) + p.batch));
+  Chunked(pool, items, std::max<int64_t>(1, kChunkBytes / per_item), work,
+          [&](int64_t t0, int64_t t1) { TERRA_DISPATCH(InputMajorItems, p, t0, t1); });
+}
+
+template <typename W>
+void GatheredDot(ffi::ThreadPool& pool, const GatheredRows<W>& p) {
+  const int64_t row_bytes = std::max<int64_t>(1, p.d * static_cast<int64_t>(sizeof(W)) * p.batch);
+  Chunked(pool, p.k, std::max<int64_t>(1, kChunkBytes / row_bytes), p.k * row_bytes,
+          [&](int64_t j0, int64_t j1) { TERRA_DISPATCH(GatheredDot, p, j0, j1); });
+}
+
+template <typename W>
+void GatheredSum(ffi::ThreadPool& pool, const GatheredRows<W>& p) {
+  // Columns in whole cache lines of float32 outputs, each chunk about kChunkBytes of weights.
+  const int64_t column_bytes = std::max<int64_t>(1, p.k * static_cast<int64_t>(sizeof(W)) * p.batch);
+  const int64_t columns = std::max<int64_t>(16, kChunkBytes / column_bytes / 16 * 16);
+  Chunked(pool, p.d, columns, p.d * column_bytes,
+          [&](int64_t c0, int64_t c1) { TERRA_DISPATCH(GatheredSum, p, c0, c1); });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Handlers.
 
 constexpr int64_t kMaxRows = 8;  // rows of x: decoding's batch or beams (kernels.MAX_ROWS)
@@ -433,6 +689,78 @@ ffi::Error OutputMajorBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+constexpr int64_t kMaxInputMajorRows = 256;  // kernels.MAX_INPUT_MAJOR_ROWS
+
+ffi::Error InputMajorShapes(ffi::Span<const int64_t> x, ffi::Span<const int64_t> values, ffi::Span<const int64_t> y) {
+  if (x.size() != 2 || values.size() != 2 || y.size() != 2)
+    return ffi::Error::InvalidArgument("input-major product: x, values and y must be 2-D");
+  if (x[1] != values[0] || y[0] != x[0] || y[1] != values[1])
+    return ffi::Error::InvalidArgument("input-major product: x [B, in], values [in, out] and y [B, out] disagree");
+  if (x[0] > kMaxInputMajorRows) return ffi::Error::InvalidArgument("input-major product: at most 256 rows of x");
+  return ffi::Error::Success();
+}
+
+ffi::Error InputMajorInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto error = InputMajorShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
+    return error;
+  const int64_t n_in = values.dimensions()[0], n_out = values.dimensions()[1];
+  const auto s = scale.dimensions();
+  const int64_t groups = s.size() == 2 ? s[1] : 1;
+  if (s.size() < 1 || s.size() > 2 || s[0] != n_in || groups < 1 || n_out % groups != 0)
+    return ffi::Error::InvalidArgument("input-major product: scale must be [in] or [in, groups], groups dividing out");
+  InputMajor<int8_t>(pool, {x.typed_data(), values.typed_data(), scale.typed_data(), y->typed_data(),
+                            x.dimensions()[0], n_in, n_out, groups});
+  return ffi::Error::Success();
+}
+
+ffi::Error InputMajorBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> values,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  if (auto error = InputMajorShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
+    return error;
+  InputMajor<uint16_t>(pool, {x.typed_data(), values.typed_data(), nullptr, y->typed_data(), x.dimensions()[0],
+                              values.dimensions()[0], values.dimensions()[1], 1});
+  return ffi::Error::Success();
+}
+
+// x, values [n_rows, d], rows [B, k]; `dot`: x [B, d] -> y [B, k]; else x [B, k] -> y [B, d].
+template <typename W>
+ffi::Error Gathered(ffi::ThreadPool& pool, bool dot, const float* x, ffi::Span<const int64_t> x_shape,
+                    const W* values, ffi::Span<const int64_t> values_shape, const float* scale,
+                    ffi::Span<const int64_t> scale_shape, const int32_t* rows, ffi::Span<const int64_t> rows_shape,
+                    float* y, ffi::Span<const int64_t> y_shape) {
+  if (x_shape.size() != 2 || values_shape.size() != 2 || rows_shape.size() != 2 || y_shape.size() != 2)
+    return ffi::Error::InvalidArgument("gathered rows: x, values, rows and y must be 2-D");
+  const int64_t batch = rows_shape[0], k = rows_shape[1], n_rows = values_shape[0], d = values_shape[1];
+  const int64_t x_width = dot ? d : k, y_width = dot ? k : d;
+  if (x_shape[0] != batch || y_shape[0] != batch || x_shape[1] != x_width || y_shape[1] != y_width || n_rows < 1)
+    return ffi::Error::InvalidArgument("gathered rows: x, values [rows, d], rows [B, k] and y disagree");
+  if (batch > kMaxRows) return ffi::Error::InvalidArgument("gathered rows: at most 8 rows of x");
+  if (scale && (scale_shape.size() != 1 || scale_shape[0] != n_rows))
+    return ffi::Error::InvalidArgument("gathered rows: scale must be [rows]");
+  const GatheredRows<W> p{x, values, scale, rows, y, batch, k, d, n_rows};
+  if (dot)
+    GatheredDot(pool, p);
+  else
+    GatheredSum(pool, p);
+  return ffi::Error::Success();
+}
+
+template <bool kDot>
+ffi::Error GatheredInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  return Gathered<int8_t>(pool, kDot, x.typed_data(), x.dimensions(), values.typed_data(), values.dimensions(),
+                          scale.typed_data(), scale.dimensions(), rows.typed_data(), rows.dimensions(),
+                          y->typed_data(), y->dimensions());
+}
+
+template <bool kDot>
+ffi::Error GatheredBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> values,
+                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  return Gathered<uint16_t>(pool, kDot, x.typed_data(), x.dimensions(), values.typed_data(), values.dimensions(),
+                            nullptr, {}, rows.typed_data(), rows.dimensions(), y->typed_data(), y->dimensions());
+}
+
 }  // namespace
 
 // The library is built with hidden visibility (no header internals exported); these are its API.
@@ -452,6 +780,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_output_major_bf16, OutputMajorBf16Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define TERRA_GATHERED_INT8(SYMBOL, DOT)                                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, GatheredInt8Impl<DOT>,                                    \
+                                ffi::Ffi::Bind()                                                  \
+                                    .Ctx<ffi::ThreadPool>()                                       \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                 \
+                                    .Arg<ffi::Buffer<ffi::S8>>()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+#define TERRA_GATHERED_BF16(SYMBOL, DOT)                                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, GatheredBf16Impl<DOT>,                                    \
+                                ffi::Ffi::Bind()                                                  \
+                                    .Ctx<ffi::ThreadPool>()                                       \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                 \
+                                    .Arg<ffi::Buffer<ffi::U16>>()                                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_input_major_int8, InputMajorInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_input_major_bf16, InputMajorBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+TERRA_GATHERED_INT8(terra_gathered_dot_int8, true)
+TERRA_GATHERED_INT8(terra_gathered_sum_int8, false)
+TERRA_GATHERED_BF16(terra_gathered_dot_bf16, true)
+TERRA_GATHERED_BF16(terra_gathered_sum_bf16, false)
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one
