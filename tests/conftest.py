@@ -11,6 +11,18 @@ if "TERRA_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["TERRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="terra-test-cache-")
+# XLA compilation is most of the suite's time, and many tests compile the same tiny programs (each
+# Trainer, model and subprocess jits its own functions): one persistent compilation cache per
+# session, shared by the xdist workers and the subprocesses the tests start (they inherit the
+# environment), compiles each program once. It starts empty and is removed when the session ends,
+# so every run compiles from scratch.
+_OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="terra-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import flax.linen as nn  # noqa: E402
 import gin  # noqa: E402
@@ -31,6 +43,14 @@ TINY_COPY_MODEL = [
     "TransformerConfig.n_decoder_layers = 1",
     "TransformerConfig.max_len = 64",
 ]
+
+
+def pytest_unconfigure(config):
+    # The process that made the compilation cache (the xdist controller, or pytest without xdist).
+    if _OWN_COMPILATION_CACHE is not None and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,9 @@ from terra.data import feature_converters, fixtures, pipeline, tasks
 from terra.errors import ConfigError, DataNotFoundError
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 TASK_CONFIGS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "tasks", "*.gin")))
 DOCS = [f"Document {i}: sparse layers make decoding fast. " * 8 for i in range(40)]
 

@@ -1,8 +1,10 @@
 """The decode-speed benchmark: the tiny preset end to end (schema, files) and its bytes/token
 accounting against the closed form. Timings are printed, never asserted."""
 
+import copy
 import json
 import os
+import shutil
 
 import pytest
 
@@ -31,12 +33,21 @@ ROW_KEYS = {
 }
 
 
-def test_tiny_preset_writes_the_table_json_and_plot(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_preset_run(tmp_path_factory):
+    """``(config, output folder, rows)`` of one run of the tiny preset, shared by the module (the
+    plots test redraws from a copy of its folder)."""
+    out = tmp_path_factory.mktemp("decode_speed")
     config = presets.tiny()
     config.tokens, config.warmup, config.bandwidth_buffer_mb = 4, 1, 16
-    rows = decode_speed.run_preset(config, str(tmp_path), "smoke", log=lambda *a: None)
+    rows = decode_speed.run_preset(config, str(out), "smoke", log=lambda *a: None)
+    return config, out, rows
+
+
+def test_tiny_preset_writes_the_table_json_and_plot(tiny_preset_run):
+    config, out, rows = tiny_preset_run
     assert len(rows) == len(config.rows)
-    saved = json.loads((tmp_path / "decode_speed.json").read_text())
+    saved = json.loads((out / "decode_speed.json").read_text())
     assert [r["name"] for r in saved] == [r.name for r in config.rows]
     for row in saved:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
@@ -49,16 +60,16 @@ def test_tiny_preset_writes_the_table_json_and_plot(tmp_path):
     if saved[0]["seconds_per_token_loop"] is not None:
         assert saved[0]["speedup_vs_dense_loop"] == pytest.approx(1.0)
     else:
-        assert saved[0]["speedup_vs_dense_loop"] is None and "In loop —" in (tmp_path / "decode_speed.md").read_text()
+        assert saved[0]["speedup_vs_dense_loop"] is None and "In loop —" in (out / "decode_speed.md").read_text()
     assert saved[0]["bytes_per_token"] > saved[2]["bytes_per_token"]  # the fully sparse row reads less
     # Its int8 row stores every weight in one byte plus a scale per row; the caches stay float32.
     sparse, narrow = saved[2], saved[3]
     assert (narrow["weights_dtype"], sparse["weights_dtype"]) == ("int8", "float32")
     assert narrow["cache_bytes_per_token"] == sparse["cache_bytes_per_token"]
     assert narrow["weight_bytes_per_token"] == int(sparse["weight_bytes_per_token"] / 4 * (1 + 4 / 64))  # d_model 64
-    assert "| baseline Transf. |" in (tmp_path / "decode_speed.md").read_text()
-    assert os.path.getsize(tmp_path / "decode_speed.png") > 1000
-    assert "bandwidth_gbps" in json.loads((tmp_path / "machine.json").read_text())
+    assert "| baseline Transf. |" in (out / "decode_speed.md").read_text()
+    assert os.path.getsize(out / "decode_speed.png") > 1000
+    assert "bandwidth_gbps" in json.loads((out / "machine.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +153,19 @@ def test_speedups_are_against_each_rows_baseline_with_the_papers_beside():
     assert rows[3]["paper_speedup"] == pytest.approx(20.0)
 
 
-def test_the_plots_draw_a_sweep_in_panels_and_bars_per_baseline_and_redraw_from_json(tmp_path):
-    config = presets.tiny()
-    config.tokens, config.warmup, config.repeats, config.bandwidth_buffer_mb = 4, 1, 2, 16
-    rows = decode_speed.run_preset(config, str(tmp_path), "smoke", log=lambda *a: None)
+def test_the_plots_draw_a_sweep_in_panels_and_bars_per_baseline_and_redraw_from_json(tiny_preset_run, tmp_path):
+    _, measured, measured_rows = tiny_preset_run
+    out = tmp_path / "run"
+    shutil.copytree(measured, out)  # the preset's outputs, redrawn here without touching the shared run
+    rows = copy.deepcopy(measured_rows)
     for i, r in enumerate(rows):  # a sweep of two series, from the rows just measured
         r["series"], r["sparsity"], r["paper_seconds"] = (
             ("ff_sparsity", 0, 0.16) if i < 2 else ("loss_sparsity", 1, 0.0)
         )
         r["sparsity"] = [0, 64, 1, 2, 4][i]
-    report.plot(rows, str(tmp_path / "sweep.png"), "sweep")
-    assert is_png(str(tmp_path / "sweep.png"))
-    (tmp_path / "decode_speed.png").unlink()
-    (tmp_path / "decode_speed.md").unlink()
-    table = report.rerender(str(tmp_path))
-    assert "| baseline Transf. |" in table and is_png(str(tmp_path / "decode_speed.png"))
+    report.plot(rows, str(out / "sweep.png"), "sweep")
+    assert is_png(str(out / "sweep.png"))
+    (out / "decode_speed.png").unlink()
+    (out / "decode_speed.md").unlink()
+    table = report.rerender(str(out))
+    assert "| baseline Transf. |" in table and is_png(str(out / "decode_speed.png"))

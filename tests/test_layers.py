@@ -19,6 +19,9 @@ from terra.layers import (
 from terra.layers.positional import sinusoid_table
 from terra.layers.sparse_feedforward import chunk_layout, to_chunks
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_dense_contracts_trailing_axes_with_output_major_kernel():
     layer = Dense((3, 5), kernel_axes=(axes.HEADS, axes.KV, axes.EMBED, axes.MLP), n_contract=2)

@@ -23,6 +23,10 @@ from terra.quantization import (
     quantize_params,
 )
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile); each side of
+# every comparison below is compiled alike.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def _weights(shape, seed=0):
     w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
@@ -191,11 +195,19 @@ def _decode_logits(model, params, batch):
     return jnp.stack(steps, axis=1)
 
 
+@pytest.fixture(scope="module")
+def family_params():
+    """``{gin file: float32 parameters}``, initialised once for both stores."""
+    return {}
+
+
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
-def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_file, kind, clean_gin):
+def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_file, kind, clean_gin, family_params):
     model, batch = _tiny_family(gin_file)
-    narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
+    if gin_file not in family_params:
+        family_params[gin_file] = model.init_params(jax.random.key(0))
+    narrow = quantize_params(family_params[gin_file], kind)
     wide = dequantize_params(narrow)
     quantized_leaves = [leaf for leaf in jax.tree.leaves(narrow, is_leaf=_is_quantized) if _is_quantized(leaf)]
     assert len(quantized_leaves) >= 8

@@ -7,6 +7,9 @@ import pytest
 
 from terra.decoding import filter_logits, sample_next_token
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 VOCAB = 13
 
 

@@ -19,6 +19,9 @@ VARIANTS = [
     "models/tiny_moe_ff.gin",
     "models/tiny.gin+loss",  # dense with the sparse loss (Table 7)
 ]
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 SMALL = [
     "TransformerConfig.vocab_size = 96",
     "TransformerConfig.max_len = 32",
@@ -58,7 +61,7 @@ def test_scaling_transformer_incremental_decode_matches_full_forward(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_tiny_sparse_model_trains(variant, fast_compile):
+def test_tiny_sparse_model_trains(variant):
     model = _build(variant)
     params = model.init_params(jax.random.key(0))
     inputs, targets = _batch(model.config.vocab_size, batch=4, seed=1)
@@ -94,15 +97,23 @@ def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, messa
         gin_utils.build_model()
 
 
-def _reads(gin_file):
-    gin_utils.parse_gin([gin_file])
-    model = gin_utils.build_model()
-    return model, model.params_read_per_token()
+@pytest.fixture(scope="module")
+def reads():
+    """``gin file -> model.params_read_per_token()``, each 800M model built once for the module."""
+    built = {}
+
+    def read(gin_file):
+        if gin_file not in built:
+            gin_utils.parse_gin([gin_file])
+            built[gin_file] = gin_utils.build_model().params_read_per_token()
+        return built[gin_file]
+
+    return read
 
 
-def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape():
-    dense_model, dense = _reads("models/dense_800m.gin")
-    _, sparse = _reads("models/sparse_ff_800m.gin")
+def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape(reads):
+    dense = reads("models/dense_800m.gin")
+    sparse = reads("models/sparse_ff_800m.gin")
     d, d_ff, n, layers = 1024, 4096, 64, 24
     dense_ff = 2 * d * d_ff + d_ff + d
     blocks = d_ff // n  # d_lowrank = blocks as well
@@ -112,9 +123,9 @@ def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape():
     assert dense["total"] - sparse["total"] == layers * (dense_ff - sparse_ff)
 
 
-def test_each_sparse_layer_lowers_the_weights_read_per_token():
+def test_each_sparse_layer_lowers_the_weights_read_per_token(reads):
     totals = {
-        f: _reads(f"models/{f}.gin")[1]["total"]
+        f: reads(f"models/{f}.gin")["total"]
         for f in ("dense_800m", "sparse_ff_800m", "sparse_ff_qkv_800m", "sparse_ff_qkv_loss4_800m", "fully_sparse_800m")
     }
     order = list(totals.values())

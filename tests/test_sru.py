@@ -11,6 +11,9 @@ import pytest
 from terra.layers import axes
 from terra.layers.sru import SRU_GATES, SRU_UNITS, LowRankSRU, linear_recurrence
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D_MODEL, N_UNITS, BATCH, LENGTH = 16, 8, 2, 13  # an odd length exercises the scan's edges
 
 

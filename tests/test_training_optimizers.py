@@ -15,6 +15,9 @@ from terra.errors import ConfigError
 from terra.training import metrics as metrics_lib
 from terra.training import optimizers as opt
 
+# XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def _apply(tx, params, grads_seq, jit=True):
     """Runs ``tx`` over a sequence of gradient trees; returns the params after each update and the state."""
