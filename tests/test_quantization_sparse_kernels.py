@@ -72,26 +72,42 @@ def _check_input_major(x, q):
 
 
 # [in, out] kernels (a scale per input row) and [in, groups, out / groups] ones (a scale per input
-# and group): widths below, at and past a vector of 16 and a tile of 32, groups not a multiple of 16.
-INPUT_MAJOR_KERNELS = [(1, 1), (17, 15), (3, 16), (300, 33), (5, 70), (40, 144), (5, 3, 19), (32, 8, 16), (7, 2, 40)]
+# and group): widths below, at and past a vector of 16 and a tile of 32, groups not a multiple of 16,
+# and inputs past one and several of the 64 that many rows widen at a time.
+INPUT_MAJOR_KERNELS = [
+    (1, 1),
+    (17, 15),
+    (3, 16),
+    (300, 33),
+    (5, 70),
+    (40, 144),
+    (5, 3, 19),
+    (32, 8, 16),
+    (7, 2, 40),
+    (130, 3, 40),
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("isa", kernels.ISAS)
 def test_input_major_kernel_equals_the_stored_product_on_odd_shapes_in_every_instruction_set(kind, isa):
-    # 1..7 rows leave every remainder of the 6 rows a pass takes; 64 is a multiplicative layer's S.
+    # 1..7 rows leave every remainder of the 6 rows a pass takes; past 6 rows the widened blocks are
+    # multiplied in register tiles of 8 (AVX-512), 3 (AVX2) or 2 rows, in chunks of 24 rows: 7, 29
+    # and 64 leave remainders of each; 64 is a multiplicative layer's S.
     _use_isa(isa)
     for index, shape in enumerate(INPUT_MAJOR_KERNELS):
         q = quantize(_normal(shape, index), kind)
-        for rows in (1, 5, 7, 64):
+        for rows in (1, 5, 7, 29, 64):
             _check_input_major(_normal((rows, shape[0]), 100 + rows), q)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_large_input_major_product_split_between_threads_equals_the_stored_product(kind):
-    # 2048 x 300 weights and 8 rows: above the work run on the calling thread alone.
+    # 2048 x 300 weights and 8 or 64 rows (chunks of rows and tiles of outputs): above the work run
+    # on the calling thread alone.
     q = quantize(_normal((2048, 300), 0), kind)
     _check_input_major(_normal((8, 2048), 1), q)
+    _check_input_major(_normal((64, 2048), 4), q)
     grouped = quantize(_normal((64, 64, 64), 2), kind)  # the controller's layout: 4096 outputs
     _check_input_major(_normal((1, 64), 3), grouped)
 

@@ -463,11 +463,20 @@ struct InputMajorProduct {
   int64_t batch, n_in, n_out, groups;
 };
 
-// Outputs per tile and rows of x per pass: a tile's run of kTile weights of each input is widened
-// once into two vectors of lanes and multiplied into kInputRows rows, whose 2 * kInputRows
-// accumulators stay in registers (12 of AVX-512's 32; AVX2 spills a few to L1).
+// Outputs per tile, and rows of x per pass when x has few rows (decoding's batch): a tile's run of
+// kTile weights of each input is widened once into two vectors of lanes and multiplied into
+// kInputRows rows, whose 2 * kInputRows accumulators stay in registers.
 constexpr int64_t kTile = 32;
 constexpr int kInputRows = 6;
+// Many rows (the S modules of a multiplicative layer, the windows of a convolution): the product
+// is arithmetic-bound, and widening each weight once per pass of kInputRows rows would cost more
+// than the multiply-adds. So a block of kBlockInputs inputs of the tile is widened (and scaled)
+// once into an L1-resident float32 buffer, and every row of the chunk multiplies it in register
+// tiles of R rows (R per instruction set: the accumulators fill the registers without spilling),
+// the partial sums kept in y between blocks. Rows are shared out in chunks of kRowChunk so that
+// both cores have work even when a layer has only a few tiles of outputs.
+constexpr int64_t kBlockInputs = 64;
+constexpr int64_t kRowChunk = 24;
 
 // Outputs [c0, c0 + V * kLanes) (within one scale group g) for rows [b0, b0 + R) of x.
 template <typename W, int R, int V>
@@ -486,12 +495,13 @@ TERRA_INLINE void InputMajorTile(const InputMajorProduct<W>& p, int64_t g, int64
   for (int r = 0; r < R; ++r) std::memcpy(p.y + (b0 + r) * p.n_out + c0, acc[r], sizeof acc[r]);
 }
 
-// Every row of x, kInputRows at a time, for a tile of V vectors of outputs.
+// Rows [b_begin, b_end) of x, kInputRows at a time, for a tile of V vectors of outputs.
 template <typename W, int V>
-TERRA_INLINE void InputMajorRows(const InputMajorProduct<W>& p, int64_t g, int64_t c0) {
-  int64_t b0 = 0;
-  for (; b0 + kInputRows <= p.batch; b0 += kInputRows) InputMajorTile<W, kInputRows, V>(p, g, c0, b0);
-  switch (p.batch - b0) {
+TERRA_INLINE void InputMajorRows(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b_begin,
+                                 int64_t b_end) {
+  int64_t b0 = b_begin;
+  for (; b0 + kInputRows <= b_end; b0 += kInputRows) InputMajorTile<W, kInputRows, V>(p, g, c0, b0);
+  switch (b_end - b0) {
     case 1: return InputMajorTile<W, 1, V>(p, g, c0, b0);
     case 2: return InputMajorTile<W, 2, V>(p, g, c0, b0);
     case 3: return InputMajorTile<W, 3, V>(p, g, c0, b0);
@@ -501,10 +511,57 @@ TERRA_INLINE void InputMajorRows(const InputMajorProduct<W>& p, int64_t g, int64
   }
 }
 
-// Fewer than kLanes outputs (a group's last ones): plain loops, for every row of x.
+// Rows [b0, b0 + R) times the widened block `w [n][V]` of inputs [i0, i0 + n), added to y (or
+// written, for the first block).
+template <int R, int V>
+TERRA_INLINE void BlockTile(const float* x, int64_t n_in, float* y, int64_t n_out, const Lanes (*w)[V],
+                            int64_t n, int64_t i0, int64_t c0, int64_t b0, bool first) {
+  Lanes acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) acc[r][k] = first ? Lanes{} : LoadLanes(y + (b0 + r) * n_out + c0 + k * kLanes);
+  const float* xr = x + b0 * n_in + i0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const float xi = xr[r * n_in + i];
+      for (int k = 0; k < V; ++k) acc[r][k] += xi * w[i][k];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + (b0 + r) * n_out + c0, acc[r], sizeof acc[r]);
+}
+
+template <int R, int V>
+TERRA_INLINE void BlockRows(const float* x, int64_t n_in, float* y, int64_t n_out, const Lanes (*w)[V], int64_t n,
+                            int64_t i0, int64_t c0, int64_t b_begin, int64_t b_end, bool first) {
+  int64_t b0 = b_begin;
+  for (; b0 + R <= b_end; b0 += R) BlockTile<R, V>(x, n_in, y, n_out, w, n, i0, c0, b0, first);
+  if constexpr (R > 1) {
+    if (b0 < b_end) {
+      // The chunk's last rows: halving R until it fits (R - 1 templates each would bloat the code).
+      BlockRows<(R + 1) / 2, V>(x, n_in, y, n_out, w, n, i0, c0, b0, b_end, first);
+    }
+  }
+}
+
+template <typename W, int R, int V>
+TERRA_INLINE void InputMajorBlocked(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b_begin,
+                                    int64_t b_end) {
+  alignas(64) Lanes w[kBlockInputs][V];
+  for (int64_t i0 = 0; i0 < p.n_in; i0 += kBlockInputs) {
+    const int64_t n = std::min(kBlockInputs, p.n_in - i0);
+    for (int64_t i = 0; i < n; ++i) {
+      const W* v = p.values + (i0 + i) * p.n_out + c0;
+      const float s = p.scale ? p.scale[(i0 + i) * p.groups + g] : 1.0f;
+      for (int k = 0; k < V; ++k) w[i][k] = WidenLanes(v + k * kLanes) * s;
+    }
+    BlockRows<R, V>(p.x, p.n_in, p.y, p.n_out, w, n, i0, c0, b_begin, b_end, i0 == 0);
+  }
+}
+
+// Fewer than kLanes outputs (a group's last ones): plain loops, for rows [b_begin, b_end) of x.
 template <typename W>
-TERRA_INLINE void InputMajorNarrowTile(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t width) {
-  for (int64_t b = 0; b < p.batch; ++b) {
+TERRA_INLINE void InputMajorNarrowTile(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t width,
+                                       int64_t b_begin, int64_t b_end) {
+  for (int64_t b = b_begin; b < b_end; ++b) {
     float acc[kLanes] = {};
     for (int64_t i = 0; i < p.n_in; ++i) {
       const W* v = p.values + i * p.n_out + c0;
@@ -515,21 +572,39 @@ TERRA_INLINE void InputMajorNarrowTile(const InputMajorProduct<W>& p, int64_t g,
   }
 }
 
-// Work item `t` of InputMajorItems: a tile of outputs inside one scale group, for every row of x.
+// Rows of x per work item: every row when there are few, else chunks of kRowChunk.
 template <typename W>
+TERRA_INLINE int64_t InputMajorRowChunks(const InputMajorProduct<W>& p) {
+  return p.batch <= kRowChunk ? 1 : (p.batch + kRowChunk - 1) / kRowChunk;
+}
+
+// Vectors of V * kLanes outputs from c0, rows [b_begin, b_end): blocked when the rows are many.
+template <typename W, int R, int V>
+TERRA_INLINE void InputMajorVectors(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b_begin,
+                                    int64_t b_end) {
+  if (b_end - b_begin > kInputRows) return InputMajorBlocked<W, R, V>(p, g, c0, b_begin, b_end);
+  InputMajorRows<W, V>(p, g, c0, b_begin, b_end);
+}
+
+// Work item `t` of InputMajorItems: a tile of outputs inside one scale group, for a chunk of rows
+// of x. R: the blocked path's register tile of rows.
+template <typename W, int R>
 TERRA_INLINE void InputMajorItem(const InputMajorProduct<W>& p, int64_t t) {
+  const int64_t chunks = InputMajorRowChunks(p), chunk = t % chunks;
+  const int64_t b_begin = chunk * kRowChunk, b_end = chunks == 1 ? p.batch : std::min(p.batch, b_begin + kRowChunk);
+  t /= chunks;
   const int64_t group = p.n_out / p.groups, tiles_per_group = (group + kTile - 1) / kTile;
   const int64_t g = t / tiles_per_group, c0 = g * group + (t % tiles_per_group) * kTile;
   const int64_t width = std::min(kTile, (g + 1) * group - c0);
-  if (width == kTile) return InputMajorRows<W, 2>(p, g, c0);
+  if (width == kTile) return InputMajorVectors<W, R, 2>(p, g, c0, b_begin, b_end);
   int64_t c = c0;
-  if (width >= kLanes) InputMajorRows<W, 1>(p, g, c), c += kLanes;
-  if (c < c0 + width) InputMajorNarrowTile(p, g, c, c0 + width - c);
+  if (width >= kLanes) InputMajorVectors<W, R, 1>(p, g, c, b_begin, b_end), c += kLanes;
+  if (c < c0 + width) InputMajorNarrowTile(p, g, c, c0 + width - c, b_begin, b_end);
 }
 
 template <typename W>
 int64_t InputMajorItems(const InputMajorProduct<W>& p) {
-  return p.groups * ((p.n_out / p.groups + kTile - 1) / kTile);
+  return p.groups * ((p.n_out / p.groups + kTile - 1) / kTile) * InputMajorRowChunks(p);
 }
 
 // Gathered rows: `rows [batch, k]` index rows of `values [n_rows, d]` (scale [n_rows] or nullptr).
@@ -589,10 +664,10 @@ TERRA_INLINE void GatheredSumRange(const GatheredRows<W>& p, int64_t c0, int64_t
 }
 
 // The three bodies above, compiled for each instruction set.
-#define TERRA_BODIES(SUFFIX, TARGET)                                                                     \
+#define TERRA_BODIES(SUFFIX, TARGET, ROWS)                                                               \
   template <typename W>                                                                                 \
   TARGET void InputMajorItems##SUFFIX(const InputMajorProduct<W>& p, int64_t t0, int64_t t1) {            \
-    for (int64_t t = t0; t < t1; ++t) InputMajorItem(p, t);                                             \
+    for (int64_t t = t0; t < t1; ++t) InputMajorItem<W, ROWS>(p, t);                                    \
   }                                                                                                     \
   template <typename W>                                                                                 \
   TARGET void GatheredDot##SUFFIX(const GatheredRows<W>& p, int64_t j0, int64_t j1) {                    \
@@ -603,10 +678,12 @@ TERRA_INLINE void GatheredSumRange(const GatheredRows<W>& p, int64_t c0, int64_t
     GatheredSumRange(p, c0, c1);                                                                        \
   }
 
-TERRA_BODIES(Scalar, )
+// The blocked input-major product's rows per register tile: 2 * ROWS accumulators of 16 lanes
+// are 2 * ROWS of AVX-512's 32 registers, 4 * ROWS of AVX2's 16.
+TERRA_BODIES(Scalar, , 2)
 #if TERRA_X86
-TERRA_BODIES(Avx2, TERRA_AVX2)
-TERRA_BODIES(Avx512, TERRA_AVX512)
+TERRA_BODIES(Avx2, TERRA_AVX2, 3)
+TERRA_BODIES(Avx512, TERRA_AVX512, 8)
 #define TERRA_DISPATCH(NAME, ...)                                    \
   do {                                                               \
     const int isa = g_isa.load(std::memory_order_relaxed);           \
@@ -633,7 +710,8 @@ void InputMajor(ffi::ThreadPool& pool, const InputMajorProduct<W>& p) {
   // A tile reads n_in x kTile weights once per call and does batch multiply-adds with each: its
   // work is the weights times the rows (float32 multiply-adds cost about a streamed byte each).
   const int64_t work = p.n_in * p.n_out * (static_cast<int64_t>(sizeof(W)) + p.batch);
-  const int64_t per_item = std::max<int64_t>(1, p.n_in * kTile * (static_cast<int64_t>(sizeof(W)) + p.batch));
+  const int64_t rows = std::min(p.batch, kRowChunk);  // an item's rows
+  const int64_t per_item = std::max<int64_t>(1, p.n_in * kTile * (static_cast<int64_t>(sizeof(W)) + rows));
   Chunked(pool, items, std::max<int64_t>(1, kChunkBytes / per_item), work,
           [&](int64_t t0, int64_t t1) { TERRA_DISPATCH(InputMajorItems, p, t0, t1); });
 }
