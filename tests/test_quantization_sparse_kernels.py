@@ -197,3 +197,21 @@ def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does
     with kernels.disabled():
         want = jax.jit(lambda x: decode(x))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_products_reject_operands_whose_shapes_disagree_naming_them():
+    q = quantize(_normal((40, 24), 0), "int8")  # input-major [in 40, out 24]; output-major [out 40, in 24]
+    with pytest.raises(Exception, match="values \\[in, out\\] and y \\[B, out\\] disagree"):
+        kernels.input_major(_normal((2, 41), 1), q.values, q.scale, "int8").block_until_ready()
+    with pytest.raises(Exception, match="at most 256 rows"):
+        kernels.input_major(_normal((257, 40), 1), q.values, q.scale, "int8").block_until_ready()
+    with pytest.raises(Exception, match="values \\[out, in\\] and y \\[B, out\\] disagree"):
+        kernels.output_major(_normal((2, 40), 1), q.values, q.scale, "int8").block_until_ready()
+    with pytest.raises(Exception, match="scale must be"):
+        kernels.output_major(_normal((2, 24), 1), q.values, q.scale[:39], "int8").block_until_ready()
+    np.testing.assert_allclose(  # the same operands with their shapes right
+        kernels.output_major(_normal((2, 24), 1), q.values, q.scale, "int8"),
+        np.asarray(_normal((2, 24), 1), np.float64) @ _stored(q).T,
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -60,8 +60,6 @@ def output_major_product(x: jax.Array, kernel) -> jax.Array:
     n_out = kernel.values.size // n_in
     values, scale = _rows(kernel, n_out)
     rows = math.prod(x.shape[:-1])
-    if not (x.dtype == jnp.float32 and 0 < rows <= kernels.MAX_ROWS and n_out > 0 and kernels.available()):
-        return _widened_product(x, values, scale, kernel.kind)
 
     def native(x, values, scale):
         # int8: one scale per output row, or per row and group of in_axes[-1] consecutive inputs.
@@ -72,9 +70,23 @@ def output_major_product(x: jax.Array, kernel) -> jax.Array:
     def widened(x, values, scale):
         return _widened_product(x, values, scale, kernel.kind)
 
-    # The kernels are registered for the CPU only; a computation lowered for another platform gets
-    # the XLA product (only the branch of the platform lowered is compiled).
-    return lax.platform_dependent(x, values, scale, cpu=native, default=widened)
+    use_native = n_out > 0 and _native_applies(x, rows, kernels.MAX_ROWS)
+    return _native_or_xla(use_native, native, widened, x, values, scale)
+
+
+def _native_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
+    """Whether a product of ``x`` (``rows`` rows of activations) may use a native kernel: float32
+    activations, 1 to ``max_rows`` rows (decoding), and the kernels built and switched on."""
+    return x.dtype == jnp.float32 and 0 < rows <= max_rows and kernels.available()
+
+
+def _native_or_xla(use_native: bool, native, xla, *operands) -> jax.Array:
+    """``native(*operands)`` where the computation is lowered for the CPU and ``use_native``, else
+    ``xla(*operands)``: the kernels are registered for the CPU only, and only the branch of the
+    platform lowered is compiled."""
+    if not use_native:
+        return xla(*operands)
+    return lax.platform_dependent(*operands, cpu=native, default=xla)
 
 
 def _widened_product(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
@@ -147,17 +159,16 @@ def input_major_product(x: jax.Array, kernel) -> jax.Array:
     values = kernel.values.reshape(n_in, -1)
     scale = kernel.scale if kernel.kind == "bfloat16" else kernel.scale.reshape(n_in, -1)
     rows = math.prod(x.shape[:-1])
-    if x.dtype == jnp.float32 and 0 < rows <= kernels.MAX_INPUT_MAJOR_ROWS and kernels.available():
 
-        def native(x, values, scale):
-            y = kernels.input_major(x.reshape(rows, n_in), values, scale, kernel.kind)
-            return y.reshape(x.shape[:-1] + (values.shape[1],))
+    def native(x, values, scale):
+        y = kernels.input_major(x.reshape(rows, n_in), values, scale, kernel.kind)
+        return y.reshape(x.shape[:-1] + (values.shape[1],))
 
-        def widened(x, values, scale):
-            return _widened_input_major(x, values, scale, kernel.kind)
+    def widened(x, values, scale):
+        return _widened_input_major(x, values, scale, kernel.kind)
 
-        return lax.platform_dependent(x, values, scale, cpu=native, default=widened)
-    return _widened_input_major(x, values, scale, kernel.kind)
+    use_native = _native_applies(x, rows, kernels.MAX_INPUT_MAJOR_ROWS)
+    return _native_or_xla(use_native, native, widened, x, values, scale)
 
 
 def _widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
@@ -179,31 +190,23 @@ def _widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind
     return _over_blocks(values.shape[0], values.shape[1], product, accumulate, x.shape[:-1] + (values.shape[1],))
 
 
-def _native_gather(x: jax.Array, matrix, rows: jax.Array) -> bool:
-    """Whether the gathered-row products of ``x [..., *]`` and ``rows [..., k]`` go to the native
-    kernels: a narrow ``matrix`` on the CPU, float32 ``x`` of at most ``kernels.MAX_ROWS`` rows."""
+def _gathered(kernel, x: jax.Array, matrix, rows: jax.Array, out_width: int, xla) -> jax.Array:
+    """``kernel`` (``kernels.gathered_dot`` or ``gathered_sum``) of ``x [..., *]``, ``matrix`` and
+    ``rows [..., k]`` -> ``[..., out_width]`` for a narrow ``matrix`` in decoding (at most
+    ``kernels.MAX_ROWS`` rows), else ``xla(x, matrix, rows)``."""
     batch = math.prod(rows.shape[:-1])
-    return (
-        isinstance(matrix, QuantizedTensor)
-        and x.dtype == jnp.float32
-        and 0 < batch <= kernels.MAX_ROWS
-        and rows.shape[-1] > 0
-        and kernels.available()
-    )
-
-
-def _gathered(product: str, x: jax.Array, matrix: QuantizedTensor, rows: jax.Array, out_width: int, xla):
-    batch = math.prod(rows.shape[:-1])
+    if not (isinstance(matrix, QuantizedTensor) and rows.shape[-1] > 0):
+        return xla(x, matrix, rows)
 
     def native(x, values, scale, rows):
-        call = kernels.gathered_dot if product == "dot" else kernels.gathered_sum
-        y = call(x.reshape(batch, -1), values, scale, rows.reshape(batch, -1).astype(jnp.int32), matrix.kind)
+        y = kernel(x.reshape(batch, -1), values, scale, rows.reshape(batch, -1).astype(jnp.int32), matrix.kind)
         return y.reshape(rows.shape[:-1] + (out_width,))
 
     def widened(x, values, scale, rows):
         return xla(x, QuantizedTensor(values, scale, matrix.kind), rows)
 
-    return lax.platform_dependent(x, matrix.values, matrix.scale, rows, cpu=native, default=widened)
+    use_native = _native_applies(x, batch, kernels.MAX_ROWS)
+    return _native_or_xla(use_native, native, widened, x, matrix.values, matrix.scale, rows)
 
 
 def gathered_rows_product(x: jax.Array, matrix, rows: jax.Array) -> jax.Array:
@@ -215,9 +218,7 @@ def gathered_rows_product(x: jax.Array, matrix, rows: jax.Array) -> jax.Array:
     def xla(x, matrix, rows):
         return jnp.einsum("...d,...kd->...k", x, take_rows(matrix, rows))
 
-    if _native_gather(x, matrix, rows):
-        return _gathered("dot", x, matrix, rows, rows.shape[-1], xla)
-    return xla(x, matrix, rows)
+    return _gathered(kernels.gathered_dot, x, matrix, rows, rows.shape[-1], xla)
 
 
 def gathered_rows_sum(h: jax.Array, matrix, rows: jax.Array) -> jax.Array:
@@ -228,9 +229,7 @@ def gathered_rows_sum(h: jax.Array, matrix, rows: jax.Array) -> jax.Array:
     def xla(h, matrix, rows):
         return jnp.einsum("...k,...kd->...d", h, take_rows(matrix, rows))
 
-    if _native_gather(h, matrix, rows):
-        return _gathered("sum", h, matrix, rows, matrix.values.shape[-1], xla)
-    return xla(h, matrix, rows)
+    return _gathered(kernels.gathered_sum, h, matrix, rows, matrix.shape[-1], xla)
 
 
 def slice_rows(matrix, start: jax.Array, length: int) -> jax.Array:

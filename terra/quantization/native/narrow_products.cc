@@ -736,68 +736,62 @@ void GatheredSum(ffi::ThreadPool& pool, const GatheredRows<W>& p) {
 // Handlers.
 
 constexpr int64_t kMaxRows = 8;  // rows of x: decoding's batch or beams (kernels.MAX_ROWS)
-
-ffi::Error CheckShapes(ffi::Span<const int64_t> x, ffi::Span<const int64_t> values, ffi::Span<const int64_t> y) {
-  if (x.size() != 2 || values.size() != 2 || y.size() != 2)
-    return ffi::Error::InvalidArgument("narrow product: x, values and y must be 2-D");
-  if (x[1] != values[1] || y[0] != x[0] || y[1] != values[0])
-    return ffi::Error::InvalidArgument("narrow product: x [B, in], values [out, in] and y [B, out] disagree");
-  if (x[0] > kMaxRows) return ffi::Error::InvalidArgument("narrow product: at most 8 rows of x");
-  return ffi::Error::Success();
-}
-
-ffi::Error OutputMajorInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
-                               ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = CheckShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure()) return error;
-  const int64_t n_out = values.dimensions()[0], n_in = values.dimensions()[1];
-  const auto s = scale.dimensions();
-  const int64_t groups = s.size() == 2 ? s[1] : 1;
-  if (s.size() < 1 || s.size() > 2 || s[0] != n_out || groups < 1 || n_in % groups != 0)
-    return ffi::Error::InvalidArgument("narrow product: scale must be [out] or [out, groups], groups dividing in");
-  OutputMajor<int8_t>(pool, {x.typed_data(), values.typed_data(), scale.typed_data(), y->typed_data(),
-                             x.dimensions()[0], n_in, n_out, groups});
-  return ffi::Error::Success();
-}
-
-ffi::Error OutputMajorBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> values,
-                               ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = CheckShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure()) return error;
-  OutputMajor<uint16_t>(pool, {x.typed_data(), values.typed_data(), nullptr, y->typed_data(), x.dimensions()[0],
-                               values.dimensions()[1], values.dimensions()[0], 1});
-  return ffi::Error::Success();
-}
-
 constexpr int64_t kMaxInputMajorRows = 256;  // kernels.MAX_INPUT_MAJOR_ROWS
 
-ffi::Error InputMajorShapes(ffi::Span<const int64_t> x, ffi::Span<const int64_t> values, ffi::Span<const int64_t> y) {
+// x [B, in], values [out, in] (output-major) or [in, out] (input-major), y [B, out].
+ffi::Error CheckShapes(bool input_major, ffi::Span<const int64_t> x, ffi::Span<const int64_t> values,
+                       ffi::Span<const int64_t> y) {
   if (x.size() != 2 || values.size() != 2 || y.size() != 2)
-    return ffi::Error::InvalidArgument("input-major product: x, values and y must be 2-D");
-  if (x[1] != values[0] || y[0] != x[0] || y[1] != values[1])
-    return ffi::Error::InvalidArgument("input-major product: x [B, in], values [in, out] and y [B, out] disagree");
-  if (x[0] > kMaxInputMajorRows) return ffi::Error::InvalidArgument("input-major product: at most 256 rows of x");
+    return ffi::Error::InvalidArgument("narrow product: x, values and y must be 2-D");
+  const int64_t n_in = values[input_major ? 0 : 1], n_out = values[input_major ? 1 : 0];
+  if (x[1] != n_in || y[0] != x[0] || y[1] != n_out)
+    return ffi::Error::InvalidArgument(input_major
+                                           ? "input-major product: x [B, in], values [in, out] and y [B, out] disagree"
+                                           : "narrow product: x [B, in], values [out, in] and y [B, out] disagree");
+  if (x[0] > (input_major ? kMaxInputMajorRows : kMaxRows))
+    return ffi::Error::InvalidArgument(input_major ? "input-major product: at most 256 rows of x"
+                                                   : "narrow product: at most 8 rows of x");
   return ffi::Error::Success();
 }
 
-ffi::Error InputMajorInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
-                              ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = InputMajorShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
-    return error;
-  const int64_t n_in = values.dimensions()[0], n_out = values.dimensions()[1];
-  const auto s = scale.dimensions();
-  const int64_t groups = s.size() == 2 ? s[1] : 1;
-  if (s.size() < 1 || s.size() > 2 || s[0] != n_in || groups < 1 || n_out % groups != 0)
-    return ffi::Error::InvalidArgument("input-major product: scale must be [in] or [in, groups], groups dividing out");
-  InputMajor<int8_t>(pool, {x.typed_data(), values.typed_data(), scale.typed_data(), y->typed_data(),
-                            x.dimensions()[0], n_in, n_out, groups});
+// int8 scales: one per row of values, or [rows, groups] with groups dividing the row's length.
+ffi::Error ScaleGroups(ffi::Span<const int64_t> scale, ffi::Span<const int64_t> values, int64_t* groups) {
+  *groups = scale.size() == 2 ? scale[1] : 1;
+  if (scale.size() < 1 || scale.size() > 2 || scale[0] != values[0] || *groups < 1 || values[1] % *groups != 0)
+    return ffi::Error::InvalidArgument("narrow product: scale must be [rows] or [rows, groups] of values, groups "
+                                       "dividing a row");
   return ffi::Error::Success();
 }
 
-ffi::Error InputMajorBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> values,
-                              ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = InputMajorShapes(x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
+template <typename W>
+void RunProduct(ffi::ThreadPool& pool, bool input_major, const float* x, const W* values, const float* scale,
+                float* y, ffi::Span<const int64_t> x_shape, ffi::Span<const int64_t> values_shape, int64_t groups) {
+  const int64_t batch = x_shape[0], n_in = x_shape[1], n_out = values_shape[input_major ? 1 : 0];
+  if (input_major)
+    InputMajor<W>(pool, {x, values, scale, y, batch, n_in, n_out, groups});
+  else
+    OutputMajor<W>(pool, {x, values, scale, y, batch, n_in, n_out, groups});
+}
+
+template <bool kInputMajor>
+ffi::Error ProductInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                           ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t groups = 1;
+  if (auto error = CheckShapes(kInputMajor, x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
     return error;
-  InputMajor<uint16_t>(pool, {x.typed_data(), values.typed_data(), nullptr, y->typed_data(), x.dimensions()[0],
-                              values.dimensions()[0], values.dimensions()[1], 1});
+  if (auto error = ScaleGroups(scale.dimensions(), values.dimensions(), &groups); error.failure()) return error;
+  RunProduct<int8_t>(pool, kInputMajor, x.typed_data(), values.typed_data(), scale.typed_data(), y->typed_data(),
+                     x.dimensions(), values.dimensions(), groups);
+  return ffi::Error::Success();
+}
+
+template <bool kInputMajor>
+ffi::Error ProductBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> values,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  if (auto error = CheckShapes(kInputMajor, x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
+    return error;
+  RunProduct<uint16_t>(pool, kInputMajor, x.typed_data(), values.typed_data(), nullptr, y->typed_data(),
+                       x.dimensions(), values.dimensions(), 1);
   return ffi::Error::Success();
 }
 
@@ -844,58 +838,26 @@ ffi::Error GatheredBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // The library is built with hidden visibility (no header internals exported); these are its API.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_output_major_int8, OutputMajorInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_output_major_bf16, OutputMajorBf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-#define TERRA_GATHERED_INT8(SYMBOL, DOT)                                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, GatheredInt8Impl<DOT>,                                    \
+// Every handler: the pool, x f32, the values (s8 or u16), then `EXTRA` arguments (an int8 scale
+// f32, gathered rows s32), returning y f32.
+#define TERRA_HANDLER(SYMBOL, IMPL, VALUES, EXTRA)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, IMPL,                                                     \
                                 ffi::Ffi::Bind()                                                  \
                                     .Ctx<ffi::ThreadPool>()                                       \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                 \
-                                    .Arg<ffi::Buffer<ffi::S8>>()                                  \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                 \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                                 \
+                                    .Arg<ffi::Buffer<VALUES>>() EXTRA                             \
                                     .Ret<ffi::Buffer<ffi::F32>>());
-#define TERRA_GATHERED_BF16(SYMBOL, DOT)                                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, GatheredBf16Impl<DOT>,                                    \
-                                ffi::Ffi::Bind()                                                  \
-                                    .Ctx<ffi::ThreadPool>()                                       \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                 \
-                                    .Arg<ffi::Buffer<ffi::U16>>()                                 \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                                 \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+#define TERRA_SCALE .Arg<ffi::Buffer<ffi::F32>>()
+#define TERRA_ROWS .Arg<ffi::Buffer<ffi::S32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_input_major_int8, InputMajorInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_input_major_bf16, InputMajorBf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-TERRA_GATHERED_INT8(terra_gathered_dot_int8, true)
-TERRA_GATHERED_INT8(terra_gathered_sum_int8, false)
-TERRA_GATHERED_BF16(terra_gathered_dot_bf16, true)
-TERRA_GATHERED_BF16(terra_gathered_sum_bf16, false)
+TERRA_HANDLER(terra_output_major_int8, ProductInt8Impl<false>, ffi::S8, TERRA_SCALE)
+TERRA_HANDLER(terra_output_major_bf16, ProductBf16Impl<false>, ffi::U16, )
+TERRA_HANDLER(terra_input_major_int8, ProductInt8Impl<true>, ffi::S8, TERRA_SCALE)
+TERRA_HANDLER(terra_input_major_bf16, ProductBf16Impl<true>, ffi::U16, )
+TERRA_HANDLER(terra_gathered_dot_int8, GatheredInt8Impl<true>, ffi::S8, TERRA_SCALE TERRA_ROWS)
+TERRA_HANDLER(terra_gathered_sum_int8, GatheredInt8Impl<false>, ffi::S8, TERRA_SCALE TERRA_ROWS)
+TERRA_HANDLER(terra_gathered_dot_bf16, GatheredBf16Impl<true>, ffi::U16, TERRA_ROWS)
+TERRA_HANDLER(terra_gathered_sum_bf16, GatheredBf16Impl<false>, ffi::U16, TERRA_ROWS)
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one
