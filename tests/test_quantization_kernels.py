@@ -250,3 +250,23 @@ def test_a_library_that_cannot_be_loaded_falls_back_with_one_warning(broken, rel
     assert ("could not be loaded" if broken else "not built") in message
     assert "XLA" in message and "make install" in message and kernels.ENV_SWITCH in message
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
+
+
+def test_the_products_benchmark_times_every_path_streamed_and_in_cache():
+    """``terra-bench products``: one row per shape and path, bytes at the stored width, and the
+    in-cache rows (the arithmetic rate) held to no memory floor."""
+    from terra.benchmarks import quantized_products
+
+    shapes = (("streamed", 64, 96, False), ("in cache", 64, 32, True))
+    results, bandwidth = quantized_products.measure(rows=1, repeats=1, shapes=shapes, bandwidth=10e9)
+    paths = [name for name, _, native in quantized_products.VARIANTS if kernels.available() or not native]
+    assert [(r["shape_name"], r["variant"]) for r in results] == [(s[0], p) for s in shapes for p in paths]
+    by = {(r["shape_name"], r["variant"]): r for r in results}
+    assert by["streamed", "float32"]["bytes"] == 64 * 96 * 4
+    assert by["streamed", "XLA int8"]["bytes"] == 64 * 96 + 96 * 4  # values and one scale per row
+    assert by["streamed", "XLA bfloat16"]["bytes"] == 64 * 96 * 2 + 4  # and its scalar scale of 1
+    for r in results:
+        assert r["seconds"] > 0 and (r["over_floor"] is None) == (r["shape_name"] == "in cache")
+        assert r["speedup"] == pytest.approx(by[r["shape_name"], "float32"]["seconds"] / r["seconds"])
+    table = quantized_products.format_table(results, bandwidth)
+    assert len(table.splitlines()) == 4 + len(results) and "in cache" in table

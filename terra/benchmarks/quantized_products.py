@@ -6,10 +6,13 @@ block-widening product of ``terra/quantization/products.py``) or by the native k
 Batch-1 decoding reads every weight once per token, from DRAM: a weight is never in cache when
 the step comes back to it. So each timed call runs one product on each of enough copies of the
 weights to overflow the last-level cache several times over, and the time per product is the call
-divided by the copies. A product whose weights fit in :data:`IN_CACHE_BYTES` (the tiny shape) is
-timed hot instead, :data:`LOOP_CALLS` products in one jitted loop: its time is the per-call
-overhead of the path. Each product depends on the previous one (a scalar of its output is added
-to the next input), so none overlaps another.
+divided by the copies. The shapes marked hot are timed in cache instead, :data:`LOOP_CALLS`
+products of the same weights in one jitted loop: the tiny one gives the per-call overhead of a path,
+the in-cache one its arithmetic rate, the most bytes per second it could stream were memory
+infinitely fast (for int8 and bfloat16, the widening and multiply-adds of every weight; every way
+of keeping the activations float32 takes one multiply instruction per 16 weights, whatever their
+width: docs/decode_speed.md#quantized-decoding). Each product depends on the previous one (a
+scalar of its output is added to the next input), so none overlaps another.
 
 Run: ``terra-bench products [--rows 1] [--repeats 15]``.
 """
@@ -25,13 +28,15 @@ import numpy as np
 from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
 from terra.quantization import kernels, products, quantize
 
-# (name, in, out): the products of a decode step at the paper's widths.
+# (name, in, out, hot): the products of a decode step at the paper's widths, streamed from memory,
+# and two timed in cache (hot).
 SHAPES = (
-    ("24 layers' FF weights", 1024, 98304),
-    ("one FF weight", 1024, 4096),
-    ("logits (32k vocab)", 1024, 32000),
-    ("d_model 9216, square", 9216, 9216),
-    ("tiny: per-call overhead", 64, 64),
+    ("24 layers' FF weights", 1024, 98304, False),
+    ("one FF weight", 1024, 4096, False),
+    ("logits (32k vocab)", 1024, 32000, False),
+    ("d_model 9216, square", 9216, 9216, False),
+    ("in cache: arithmetic rate", 1024, 1024, True),
+    ("tiny: per-call overhead", 64, 64, True),
 )
 # (name, stored dtype, native kernel): every path a decode step can take.
 VARIANTS = (
@@ -45,7 +50,6 @@ VARIANTS = (
 # a copy is evicted long before the next call reads it again.
 EVICT_BYTES = 192 << 20
 MAX_COPIES = 64
-IN_CACHE_BYTES = 1 << 20
 LOOP_CALLS = 1000
 
 
@@ -74,12 +78,12 @@ def _loop(x: jax.Array, w) -> jax.Array:
     return jax.lax.fori_loop(0, LOOP_CALLS, body, x)
 
 
-def time_product(x: jax.Array, weights, native: bool, repeats: int) -> float:
+def time_product(x: jax.Array, weights, native: bool, repeats: int, hot: bool = False) -> float:
     """Median seconds of one product ``x`` times ``weights`` (float32 or a QuantizedTensor) by
-    the native kernel or XLA, streamed from memory (or hot, for weights in cache)."""
+    the native kernel or XLA, streamed from memory, or (``hot``) the same weights over and over
+    from cache."""
     if native and not kernels.available():
         raise RuntimeError("the native kernels are not available")
-    hot = stored_bytes(weights) <= IN_CACHE_BYTES
     # A new function object per call: jit's cache must not hand one path's compilation to the other.
     if hot:
         copies, fn = 1, jax.jit(lambda x, w: _loop(x, w))
@@ -110,7 +114,7 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
     if bandwidth is None:
         bandwidth = measure_read_bandwidth()
     results = []
-    for shape_name, n_in, n_out in shapes:
+    for shape_name, n_in, n_out, hot in shapes:
         w = jax.random.normal(jax.random.key(0), (n_out, n_in), jnp.float32)
         x = jax.random.normal(jax.random.key(1), (rows, n_in), jnp.float32)
         base = None
@@ -118,7 +122,7 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
             if native and not kernels.available():
                 continue
             weights = _store(w, dtype)
-            seconds = time_product(x, weights, native, repeats)
+            seconds = time_product(x, weights, native, repeats, hot)
             size = stored_bytes(weights)
             base = seconds if dtype == "float32" else base
             results.append(
@@ -130,7 +134,8 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
                     "bytes": size,
                     "gb_per_s": size / seconds / 1e9,
                     "speedup": base / seconds if base else None,
-                    "over_floor": seconds / (size / bandwidth),
+                    # In cache, memory sets no floor.
+                    "over_floor": None if hot else seconds / (size / bandwidth),
                 }
             )
             del weights
@@ -149,9 +154,10 @@ def format_table(results: List[dict], bandwidth: float) -> str:
     for r in results:
         shown = f"{r['seconds'] * 1e3:.3f} ms" if r["seconds"] >= 1e-4 else f"{r['seconds'] * 1e6:.2f} us"
         speedup = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        over_floor = f"{r['over_floor']:.2f}" if r["over_floor"] else "-"
         lines.append(
             f"| {r['shape_name']:<26} | {r['shape']:<24} | {r['variant']:<15} | {shown:>10} | "
-            f"{r['gb_per_s']:>6.1f} | {speedup:>9} | {r['over_floor']:>7.2f} |"
+            f"{r['gb_per_s']:>6.1f} | {speedup:>9} | {over_floor:>7} |"
         )
     return "\n".join(lines)
 
