@@ -1,6 +1,7 @@
 """Test set-up: several CPU devices before JAX starts, a clean gin config per test."""
 
 import os
+import tempfile
 
 # Sharding tests need several devices; this must happen before JAX initialises its backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,8 +9,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The embedded corpus and its vocabulary are built once per test session, not in the user's cache.
 if "TERRA_CACHE_DIR" not in os.environ:
-    import tempfile
-
     os.environ["TERRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="terra-test-cache-")
 # XLA compilation is most of the suite's time, and many tests compile the same tiny programs (each
 # Trainer, model and subprocess jits its own functions): one persistent compilation cache per
@@ -18,8 +17,6 @@ if "TERRA_CACHE_DIR" not in os.environ:
 # so every run compiles from scratch.
 _OWN_COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
     _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="terra-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -396,15 +396,22 @@ void Parallel(ffi::ThreadPool& pool, int64_t n_chunks, std::function<void(int64_
   }
 }
 
+// Runs range(begin, end) over [0, n) in chunks of `chunk` on the calling thread and the pool, or
+// at once on the calling thread when `work_bytes` is too little to share.
+template <typename Range>
+void Chunked(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t work_bytes, Range range) {
+  if (work_bytes < kParallelBytes || n <= chunk) return range(0, n);
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  Parallel(pool, n_chunks, [&](int64_t c) { range(c * chunk, std::min(n, (c + 1) * chunk)); });
+}
+
 template <typename W>
 void OutputMajor(ffi::ThreadPool& pool, const Product<W>& p) {
   const int isa = g_isa.load(std::memory_order_relaxed);
   const int64_t row_bytes = std::max<int64_t>(1, p.n_in * static_cast<int64_t>(sizeof(W)));
-  if (p.n_out * row_bytes < kParallelBytes) return OutputMajorRange(isa, p, 0, p.n_out);
   // Whole groups of 4 rows per chunk, so that interleaved rows never leave a remainder mid-range.
   const int64_t rows = std::max<int64_t>(4, (kChunkBytes / row_bytes + 3) / 4 * 4);
-  const int64_t n_chunks = (p.n_out + rows - 1) / rows;
-  Parallel(pool, n_chunks, [&](int64_t c) { OutputMajorRange(isa, p, c * rows, std::min(p.n_out, (c + 1) * rows)); });
+  Chunked(pool, p.n_out, rows, p.n_out * row_bytes, [&](int64_t o0, int64_t o1) { OutputMajorRange(isa, p, o0, o1); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,10 +579,10 @@ TERRA_INLINE void InputMajorNarrowTile(const InputMajorProduct<W>& p, int64_t g,
   }
 }
 
-// Rows of x per work item: every row when there are few, else chunks of kRowChunk.
+// Chunks of kRowChunk rows of x (one when there are few): each is its own work item.
 template <typename W>
 TERRA_INLINE int64_t InputMajorRowChunks(const InputMajorProduct<W>& p) {
-  return p.batch <= kRowChunk ? 1 : (p.batch + kRowChunk - 1) / kRowChunk;
+  return (p.batch + kRowChunk - 1) / kRowChunk;
 }
 
 // Vectors of V * kLanes outputs from c0, rows [b_begin, b_end): blocked when the rows are many.
@@ -591,7 +598,7 @@ TERRA_INLINE void InputMajorVectors(const InputMajorProduct<W>& p, int64_t g, in
 template <typename W, int R>
 TERRA_INLINE void InputMajorItem(const InputMajorProduct<W>& p, int64_t t) {
   const int64_t chunks = InputMajorRowChunks(p), chunk = t % chunks;
-  const int64_t b_begin = chunk * kRowChunk, b_end = chunks == 1 ? p.batch : std::min(p.batch, b_begin + kRowChunk);
+  const int64_t b_begin = chunk * kRowChunk, b_end = std::min(p.batch, b_begin + kRowChunk);
   t /= chunks;
   const int64_t group = p.n_out / p.groups, tiles_per_group = (group + kTile - 1) / kTile;
   const int64_t g = t / tiles_per_group, c0 = g * group + (t % tiles_per_group) * kTile;
@@ -694,15 +701,6 @@ TERRA_BODIES(Avx512, TERRA_AVX512, 8)
 #else
 #define TERRA_DISPATCH(NAME, ...) return NAME##Scalar(__VA_ARGS__)
 #endif
-
-// Runs range(begin, end) over [0, n) in chunks of `chunk` on the calling thread and the pool, or
-// at once on the calling thread when `work_bytes` is too little to share.
-template <typename Range>
-void Chunked(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t work_bytes, Range range) {
-  if (work_bytes < kParallelBytes || n <= chunk) return range(0, n);
-  const int64_t n_chunks = (n + chunk - 1) / chunk;
-  Parallel(pool, n_chunks, [&](int64_t c) { range(c * chunk, std::min(n, (c + 1) * chunk)); });
-}
 
 template <typename W>
 void InputMajor(ffi::ThreadPool& pool, const InputMajorProduct<W>& p) {
