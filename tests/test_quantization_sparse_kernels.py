@@ -73,7 +73,8 @@ def _check_input_major(x, q):
 
 # [in, out] kernels (a scale per input row) and [in, groups, out / groups] ones (a scale per input
 # and group): widths below, at and past a vector of 16 and a tile of 32, groups not a multiple of 16,
-# and inputs past one and several of the 64 that many rows widen at a time.
+# and inputs past one and several of the 64 that many rows widen at a time (and below and past the 32
+# a tile asks for ahead).
 INPUT_MAJOR_KERNELS = [
     (1, 1),
     (17, 15),
@@ -130,7 +131,8 @@ def _check_gathered(kind, n, d, k, batch, seed=0):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("isa", kernels.ISAS)
 def test_gathered_row_kernels_equal_the_stored_products_on_odd_shapes_in_every_instruction_set(kind, isa):
-    # Rows shorter than a vector, with a tail, and repeated selections; up to MAX_ROWS rows of x.
+    # Rows shorter than a vector, with a tail, and repeated selections; fewer and more selected rows
+    # than the kernels ask for ahead (8); up to MAX_ROWS rows of x.
     _use_isa(isa)
     for n, d, k, batch in ((1, 1, 1, 1), (50, 17, 7, 3), (9, 1029, 5, 8), (64, 40, 64, 2)):
         _check_gathered(kind, n, d, k, batch)
