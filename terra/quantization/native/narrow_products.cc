@@ -71,6 +71,18 @@ const int kSupportedIsa = DetectIsa();
 // What the handlers use: the best supported, or a lower one asked for (terra_narrow_products_isa).
 std::atomic<int> g_isa{kSupportedIsa};
 
+#define TERRA_INLINE inline __attribute__((always_inline))
+
+// Asks for the line at `address` into L2 (any address: a prefetch never faults). An asm statement,
+// because GCC 12 drops __builtin_prefetch and _mm_prefetch from some of the loops below.
+TERRA_INLINE void PrefetchLine(uintptr_t address) {
+#if TERRA_X86
+  asm volatile("prefetcht1 (%0)" ::"r"(address));
+#else
+  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 2);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // One product's operands, all row-major.
 
@@ -144,7 +156,7 @@ inline void PrefetchRows(const W* rows, int64_t n, int64_t i, int count) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(rows) + (ahead < row_bytes ? ahead : (R - 1) * row_bytes + ahead);
   for (int r = 0; r < R; ++r)
     for (int64_t k = 0; k < step_bytes; k += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + r * row_bytes + k), _MM_HINT_T1);
+      PrefetchLine(base + r * row_bytes + k);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -428,8 +440,6 @@ void OutputMajor(ffi::ThreadPool& pool, const Product<W>& p) {
 // compiled once per instruction set by inlining them into functions with a target attribute: one
 // body, three machine codes, the same choice (g_isa) as the output-major kernels.
 
-#define TERRA_INLINE inline __attribute__((always_inline))
-
 // 16 lanes of float32 as a GCC/Clang vector: one AVX-512 register, two AVX2
 // ones, four SSE ones, whichever the target attribute of the function it is inlined into allows
 // (plain loops over a float[16] were vectorised only 4 lanes wide).
@@ -457,16 +467,6 @@ TERRA_INLINE Lanes WidenLanes(const uint16_t* v) {
   Uint16Lanes narrow;
   std::memcpy(&narrow, v, sizeof narrow);
   return reinterpret_cast<Lanes>(__builtin_convertvector(narrow, Uint32Lanes) << 16);
-}
-
-// Asks for the line at `address` into L2 (any address: a prefetch never faults). An asm statement,
-// because GCC 12 drops __builtin_prefetch and _mm_prefetch from some of the loops below.
-TERRA_INLINE void PrefetchLine(uintptr_t address) {
-#if TERRA_X86
-  asm volatile("prefetcht1 (%0)" ::"r"(address));
-#else
-  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 2);
-#endif
 }
 
 // Input-major: y[b, o] = sum_i x[b, i] * scale[i, o / group] * values[i, o], with `group` = out / G
@@ -659,9 +659,9 @@ constexpr int64_t kAheadRows = 8;
 
 template <typename W>
 TERRA_INLINE void PrefetchRow(const GatheredRows<W>& p, int64_t b, int64_t j, int64_t c0, int64_t c1) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p.Row(p.Index(b, j)) + c0);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p.Row(p.Index(b, j)) + c1);
-  for (uintptr_t a = begin & ~uintptr_t{63}; a < end; a += 64) PrefetchLine(a);
+  const W* row = p.Row(p.Index(b, j));
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + c1);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(row + c0) & ~uintptr_t{63}; a < end; a += 64) PrefetchLine(a);
 }
 
 // dot for entries [j0, j1) of every row of x.
