@@ -1,6 +1,7 @@
 """Weight-only quantization for decoding (terra/quantization): the int8 and bfloat16 stores, their
 error bounds, and the products that read them equal float32 products of the dequantized weights."""
 
+import contextlib
 import functools
 
 import jax
@@ -80,6 +81,37 @@ def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, m
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(q)), rtol=1e-6, atol=1e-5)
 
 
+def test_a_transposed_weight_has_one_scale_per_output_and_dequantizes_to_its_own_layout():
+    w = _weights((7, 5, 33)).transpose(2, 0, 1)  # input-major [in=33, 7, 5]; an outlier per output
+    q = quantize(w, "int8", transposed=True)
+    assert q.shape == (33, 7, 5) and q.scale.shape == (7, 5)  # Flax checks the parameter's shape
+    np.testing.assert_array_equal(
+        np.asarray(q.output_major().values), np.asarray(quantize(w.transpose(1, 2, 0), "int8").values)
+    )
+    step = np.asarray(q.scale)[None]
+    assert np.all(np.abs(np.asarray(dequantize(q)) - np.asarray(w)) <= step / 2 * (1 + 1e-6))
+    with pytest.raises(ValueError, match="transposed"):
+        q.reshape(33, 35)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("batch", [(1, 1), (19,)])  # one row; 3 chunks of the output-major kernel's rows
+def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(kind, native, batch):
+    """The decode tree's controller: ``[in, blocks, N]`` stored ``[blocks, N, in]``, read by the
+    output-major kernel or XLA's blocked product, equal to the dequantized product."""
+    q = quantize(_weights((11, 6, 4)), kind, transposed=True)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=batch + (11,)).astype(np.float32))
+    with contextlib.nullcontext() if native else kernels.disabled():
+        product = functools.partial(products.input_major_product)  # its own trace: the path is chosen at tracing
+        jaxpr = str(jax.make_jaxpr(product)(x, q))
+        got = jax.jit(product)(x, q)
+    assert ("terra_output_major" in jaxpr) == (native and kernels.available())
+    assert "terra_input_major" not in jaxpr
+    want = x @ dequantize(q).reshape(11, 24)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("features, n_contract, in_shape", [(19, 1, (24,)), ((3, 5), 1, (16,)), (11, 2, (4, 6))])
 def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel(
@@ -126,6 +158,20 @@ def test_quantize_params_converts_matrices_keeps_vectors_and_rejects_unknown_dty
         quantize_params(params, "int4")
 
 
+def test_the_controller_and_the_sparse_loss_kernel_are_stored_output_major():
+    params = {
+        "ff": {"controller_up": _weights((4, 3, 2))},
+        "logits": {"multiplicative": {"kernel": _weights((6, 5))}},
+        "attention": {"multiplicative": {"kernel": _weights((6, 5))}},  # a sparse QKV kernel: 16+ rows
+    }
+    narrow = quantize_params(params, "int8")
+    assert narrow["ff"]["controller_up"].transposed and narrow["logits"]["multiplicative"]["kernel"].transposed
+    assert not narrow["attention"]["multiplicative"]["kernel"].transposed
+    for got, want in zip(jax.tree.leaves(dequantize_params(narrow)), jax.tree.leaves(params)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=float(np.max(np.abs(want))) / 127)
+
+
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 def test_token_embedding_reading_a_quantized_table_equals_the_dequantized_table(kind):
     layer = TokenEmbedding(vocab_size=13, d_model=10)
@@ -156,6 +202,7 @@ def test_sparse_feedforward_reading_quantized_weights_equals_the_dequantized_wei
     )
     narrow = quantize_params(params, kind)
     assert isinstance(narrow["wi"], QuantizedTensor) and isinstance(narrow["wo"], QuantizedTensor)
+    assert narrow["controller_up"].transposed and narrow["controller_up"].shape == params["controller_up"].shape
     wide = dequantize_params(narrow)
     for decode in (True, False):  # the gathered rows (decode) and the masked product (eval)
         got = jax.jit(functools.partial(layer.apply, decode=decode))({"params": narrow}, x)

@@ -148,8 +148,8 @@ def input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) ->
 
     ``values``: ``int8 [in, out]`` with ``scale f32 [in]`` or ``f32 [in, groups]`` (``groups``
     dividing ``out``: each run of ``out / groups`` consecutive outputs has its own scale per input,
-    as the controller's ``[d_lowrank, d_ff / N, N]`` stores it); or ``uint16 [in, out]`` bfloat16
-    bits (``scale`` unused).
+    as a kernel ``[in, groups, out / groups]`` quantized per row of its last axis stores it); or
+    ``uint16 [in, out]`` bfloat16 bits (``scale`` unused).
     """
     return _call("input_major", kind, (x.shape[0], values.shape[1]), x, values, scale)
 

@@ -11,6 +11,13 @@ feed-forward layer or an embedding gathers, which then carries its own scale. A 
 contracts two input axes (the attention output, ``[d_model, heads, d_head]``) gets one scale per
 head of each output channel: finer, never coarser, than per channel.
 
+Two input-major weights are stored transposed for decoding (:data:`STORED_OUTPUT_MAJOR`): the
+sparse feed-forward controller's up-projection ``[d_lowrank, d_ff / N, N]`` and the sparse loss's
+multiplicative kernel ``[d_model, vocab / S]``. Read by a few rows of activations (one; S), an
+input-major product reads each tile of outputs from one line per input, each line in its own DRAM
+page, while output-major (``[*out, in]``, one scale per output) they stream: the fully sparse
+int8 800M step is 1.1 ms (9%) faster (``docs/architecture.md``, decisions).
+
 bfloat16 is kept as ``uint16`` bits because XLA:CPU converts a bfloat16 matrix to float32 whole
 before a product (3–10× slower than float32), while ``bitcast(uint32(bits) << 16)`` widens it
 exactly in a fused loop (``docs/design/cpu_decoding.md``).
@@ -26,6 +33,8 @@ import numpy as np
 from terra.errors import ConfigError
 
 WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+# Input-major weights that the decode tree stores output-major, by the last names of their path.
+STORED_OUTPUT_MAJOR = ("controller_up", "logits/multiplicative/kernel")
 INT8_MAX = 127.0
 
 
@@ -37,15 +46,28 @@ class QuantizedTensor(flax.struct.PyTreeNode):
       scale: ``float32 [...]`` for int8 (max |w| of the row / 127; 1 for an all-zero row);
         ``float32 []`` (unused, 1) for bfloat16.
       kind: ``"int8"`` or ``"bfloat16"``.
+      transposed: the tensor is an input-major weight ``[in, *out]`` stored output-major: the bytes
+        of ``values`` are the array ``[*out, in]`` (each output's inputs contiguous, one int8 scale
+        per output, ``scale [*out]``), kept in an array of the weight's own shape because Flax
+        checks a parameter's shape against its initializer's. :meth:`output_major` reads it.
     """
 
     values: jax.Array
     scale: jax.Array
     kind: str = flax.struct.field(pytree_node=False)
+    transposed: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self):
         return self.values.shape
+
+    def output_major(self) -> "QuantizedTensor":
+        """A transposed tensor's stored weights ``[*out, in]`` as an untransposed tensor (a reshape:
+        no copy)."""
+        if not self.transposed:
+            raise ValueError(f"the QuantizedTensor {self.shape} is not stored transposed")
+        shape = self.shape[1:] + self.shape[:1]
+        return QuantizedTensor(self.values.reshape(shape), self.scale, self.kind)
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +75,8 @@ class QuantizedTensor(flax.struct.PyTreeNode):
 
     def reshape(self, *shape: int) -> "QuantizedTensor":
         """The same weights as ``[*rows, n]``: only the row axes may change (scales follow them)."""
+        if self.transposed:
+            raise ValueError(f"a transposed QuantizedTensor {self.shape} is read whole, not reshaped")
         if shape[-1] != self.values.shape[-1]:
             raise ValueError(f"a QuantizedTensor keeps its last axis: {self.values.shape} -> {shape}")
         scale = self.scale if self.kind == "bfloat16" else self.scale.reshape(shape[:-1])
@@ -70,9 +94,13 @@ def widen(values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
     return values.astype(jnp.float32) * scale[..., None]
 
 
-def quantize(w: jax.Array, kind: str) -> QuantizedTensor:
-    """``w [..., n]`` (float) -> its :class:`QuantizedTensor` of ``kind`` (``int8``, ``bfloat16``)."""
+def quantize(w: jax.Array, kind: str, transposed: bool = False) -> QuantizedTensor:
+    """``w [..., n]`` (float) -> its :class:`QuantizedTensor` of ``kind`` (``int8``, ``bfloat16``);
+    ``transposed``: ``w [n, *out]`` stored as ``[*out, n]``, one int8 scale per output."""
     w = jnp.asarray(w, jnp.float32)
+    if transposed:
+        q = quantize(jnp.moveaxis(w, 0, -1), kind)
+        return QuantizedTensor(q.values.reshape(w.shape), q.scale, kind, transposed=True)
     if kind == "bfloat16":
         return QuantizedTensor(_bfloat16_bits(w), jnp.ones((), jnp.float32), kind)
     if kind != "int8":
@@ -85,6 +113,8 @@ def quantize(w: jax.Array, kind: str) -> QuantizedTensor:
 
 def dequantize(q: QuantizedTensor) -> jax.Array:
     """The float32 tensor ``q`` stands for."""
+    if q.transposed:
+        return jnp.moveaxis(dequantize(q.output_major()), -1, 0)
     return widen(q.values, q.scale, q.kind)
 
 
@@ -94,11 +124,23 @@ def as_float(w, dtype=jnp.float32) -> jax.Array:
     return dequantize(w).astype(dtype) if isinstance(w, QuantizedTensor) else jnp.asarray(w, dtype)
 
 
+def _name(path) -> str:
+    """The parameter's own name, the last key of its ``jax.tree_util`` path."""
+    return str(getattr(path[-1], "key", path[-1])) if path else ""
+
+
+def _stored_output_major(path) -> bool:
+    """Whether the parameter at ``path`` is one of :data:`STORED_OUTPUT_MAJOR` (matched on the
+    last names of its path: ``"multiplicative/kernel"`` is any ``.../multiplicative/kernel``)."""
+    names = [str(getattr(key, "key", key)) for key in path]
+    return any(names[-len(parts) :] == parts for parts in (suffix.split("/") for suffix in STORED_OUTPUT_MAJOR))
+
+
 def _is_weight(path, leaf: Any) -> bool:
     """A matrix or higher that is not a bias: what a decode step streams. Biases (of any rank, e.g.
     ``[heads, d_head]``) and vectors (norm scales) stay float32: a negligible share of the bytes,
     added rather than multiplied, so their rounding would not be spread over a row."""
-    name = str(getattr(path[-1], "key", path[-1])) if path else ""
+    name = _name(path)
     floating = hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
     return floating and np.ndim(leaf) >= 2 and "bias" not in name
 
@@ -115,10 +157,11 @@ def check_weights_dtype(weights_dtype: str) -> str:
 
 def quantize_leaf(path, leaf: Any, weights_dtype: str) -> Any:
     """One leaf of a parameter tree (``path`` as ``jax.tree_util`` gives it) as the decode tree
-    stores it: a weight matrix quantized, anything else unchanged."""
+    stores it: a weight matrix quantized (those named in :data:`STORED_OUTPUT_MAJOR` transposed),
+    anything else unchanged."""
     if weights_dtype == "float32" or not _is_weight(path, leaf):
         return leaf
-    return quantize(leaf, weights_dtype)
+    return quantize(leaf, weights_dtype, transposed=_stored_output_major(path))
 
 
 def quantize_params(params: Any, weights_dtype: str) -> Any:
