@@ -34,14 +34,16 @@ from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
 from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
+from terra.quantization import kernels
 from terra.quantization.products import (
+    fused_applies,
     gathered_rows_product,
     gathered_rows_sum,
     input_major_product,
     output_major_product,
     take_rows,
 )
-from terra.quantization.quantized import as_float
+from terra.quantization.quantized import QuantizedTensor, as_float
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
@@ -194,6 +196,10 @@ class SparseFeedForward(nn.Module):
         """``[tokens, d_model]`` (``[..., d_model]`` in decode) -> (output after dropout, block
         choices ``[tokens, d_ff/N]``): one call's (or one chunk's) worth, with one
         straight-through coin."""
+        if decode and indices is None and not train:
+            fused = self._fused_decode(x)
+            if fused is not None:
+                return fused
         logits = self.controller_logits(x)
         # The Gumbel key is drawn even when indices are given, so that the later draws (the
         # straight-through coin, dropout) see the same keys in a reversible layer's recomputation
@@ -252,6 +258,53 @@ class SparseFeedForward(nn.Module):
         h = nn.with_logical_constraint(h, tokens + (axes.MLP, axes.SPARSE_ELEMENTS))
         h = h.reshape(h.shape[:-2] + (self.d_ff,))
         return h @ as_float(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
+
+    def _fused_decode(self, x):
+        """Decode with narrow weights on the CPU: the whole layer in one native call
+        (``kernels.sparse_feed_forward``), the same floats as the controller, the choice and the
+        gathered products computed one by one; ``None`` where it does not apply (float32 weights,
+        the paper's first-layer bias, more rows than the kernels take)."""
+        down = self.variables["params"]["controller_down"]["kernel"]
+        weights = (down, self.controller_up, self.wi, self.wo)
+        kinds = {w.kind if isinstance(w, QuantizedTensor) else None for w in weights}
+        rows = math.prod(x.shape[:-1])
+        if (
+            len(kinds) != 1
+            or None in kinds
+            or not self.controller_up.transposed
+            or self.paper_formula
+            or self.dtype != jnp.float32
+            or not fused_applies(x, rows, kernels.MAX_ROWS)
+        ):
+            return None
+        kind = kinds.pop()
+        n_ff = self.d_ff
+
+        def pair(w, n_rows):
+            values = w.values.reshape(n_rows, -1)
+            return values, (w.scale.reshape(n_rows) if kind == "int8" else None)
+
+        def native(x, *leaves):
+            down_, up_, wi_, wo_ = jax.tree.unflatten(structure, leaves)
+            y, chosen = kernels.sparse_feed_forward(
+                x.reshape(rows, -1),
+                pair(down_, down_.shape[0]),
+                pair(up_.output_major(), n_ff),
+                self.controller_bias,
+                pair(wi_, n_ff),
+                pair(wo_, n_ff),
+                self.wo_bias,
+                kind,
+            )
+            return y.reshape(x.shape), chosen.reshape(x.shape[:-1] + chosen.shape[-1:])
+
+        def unfused(x, *leaves):
+            del leaves
+            chosen = block_argmax(self.controller_logits(x))
+            return self._gathered(x, chosen).astype(self.dtype), chosen
+
+        leaves, structure = jax.tree.flatten(weights)
+        return jax.lax.platform_dependent(x, *leaves, cpu=native, default=unfused)
 
     def _gathered(self, x, indices):
         """Decode: read only the selected row of every block of W1 and W2."""

@@ -27,8 +27,9 @@ from terra.layers import axes
 from terra.layers.attention import AttentionBase
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
-from terra.quantization.products import input_major_product
-from terra.quantization.quantized import as_float
+from terra.quantization import kernels
+from terra.quantization.products import fused_applies, input_major_product
+from terra.quantization.quantized import QuantizedTensor, as_float
 
 VARIANTS = ("multconv", "mult", "conv")
 
@@ -130,6 +131,59 @@ class ConvolutionCacheMixin:
         rows.value = window[:, -(length_kernel_size - 1) :]
         return window, False
 
+    def fused_projections(self, x: jax.Array, convolutions, length_kernel_size: int, decode: bool):
+        """A decode step's multiplicative layer ``mult``, its convolution window and the
+        convolutions ``convolutions`` (``(name, module kernel size)`` each) in one native call
+        (``kernels.sparse_attention``) when the weights are narrow and the step runs on the CPU:
+        the same floats as the layers one by one, in one call instead of about ten operations
+        (``docs/decode_speed.md``). Returns each convolution's output ``[b, 1, S, M]``, or ``None``
+        where it does not apply (training, prefill, float32 weights, a batch past the kernel's
+        rows), and the caller computes the layers one by one."""
+        batch = x.shape[0]
+        if not decode or length_kernel_size < 2 or x.ndim != 3 or x.shape[1] != 1 or self.dtype != jnp.float32:
+            return None
+        if not self.has_variable("cache", "conv_rows") or "mult" not in self.variables.get("params", {}):
+            return None
+        params = self.variables["params"]
+        mult = params["mult"]
+        weights = [mult["gate"], mult["kernel"]] + [params[name]["kernel"] for name, _ in convolutions]
+        kinds = {w.kind if isinstance(w, QuantizedTensor) else None for w in weights}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        kind, n_modules = kinds.pop(), mult["gate"].shape[0]
+        shapes = [w.shape[:2] for w in weights[2:]]
+        if shapes != [(length_kernel_size, k) for _, k in convolutions]:
+            return None
+        if not fused_applies(x, batch * n_modules, kernels.MAX_INPUT_MAJOR_ROWS):
+            return None
+        rows = self.variable("cache", "conv_rows")
+
+        def pair(w):
+            return w.values, (w.scale if kind == "int8" else None)
+
+        def native(x, conv_rows, *leaves):
+            gate, kernel, *kernels_ = jax.tree.unflatten(structure, leaves)
+            convs = [(pair(k), params[name]["bias"]) for (name, _), k in zip(convolutions, kernels_)]
+            outs, new_rows = kernels.sparse_attention(
+                x.reshape(batch, -1), pair(gate), pair(kernel), mult["bias"], conv_rows, convs, kind
+            )
+            return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
+
+        def unfused(x, conv_rows, *leaves):
+            del leaves
+            u = MultiplicativeDense(x.shape[-1], n_modules, split_modules=True, dtype=self.dtype, name="mult")(x)
+            window = jnp.concatenate([conv_rows, u], axis=1)
+            m = u.shape[-1]
+            outs = [
+                ModuleConvolution(m, length_kernel_size, k, dtype=self.dtype, name=name)(window, causal_pad=False)
+                for name, k in convolutions
+            ]
+            return outs, window[:, 1:]
+
+        leaves, structure = jax.tree.flatten(weights)
+        outs, rows.value = jax.lax.platform_dependent(x, rows.value, *leaves, cpu=native, default=unfused)
+        return outs
+
 
 class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
     """Decoder causal self-attention with sparse Q, K, V (the paper's "Sparse QKV").
@@ -175,20 +229,27 @@ class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
                 heads(MultiplicativeDense(self.d_model, s, dtype=self.dtype, name=name)(x)) for name in ("q", "k", "v")
             )
         else:
+            convolutions = (
+                ("q_conv", self.module_kernel_size),
+                ("k_conv", self.module_kernel_size),
+                ("v_conv", self.value_module_kernel_size),
+            )
+            fused = None
             if self.variant == "multconv":
-                u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-            else:
-                u = x.reshape(batch, length, s, m)
-            window, causal_pad = self.conv_window(u, self.length_kernel_size, decode, prefix_mask)
-
-            def conv(name, module_kernel):
-                return ModuleConvolution(m, self.length_kernel_size, module_kernel, dtype=self.dtype, name=name)(
-                    window, causal_pad=causal_pad
-                )
-
-            q = heads(conv("q_conv", self.module_kernel_size))
-            k = heads(conv("k_conv", self.module_kernel_size))
-            v = heads(conv("v_conv", self.value_module_kernel_size))
+                fused = self.fused_projections(x, convolutions, self.length_kernel_size, decode)
+            if fused is None:
+                if self.variant == "multconv":
+                    u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
+                else:
+                    u = x.reshape(batch, length, s, m)
+                window, causal_pad = self.conv_window(u, self.length_kernel_size, decode, prefix_mask)
+                fused = [
+                    ModuleConvolution(m, self.length_kernel_size, k, dtype=self.dtype, name=name)(
+                        window, causal_pad=causal_pad
+                    )
+                    for name, k in convolutions
+                ]
+            q, k, v = (heads(t) for t in fused)
         y = self._causal_attend(
             q,
             k,
@@ -225,11 +286,15 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
         s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
         m = self.d_model // s
         batch = x.shape[0]
-        u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-        window, causal_pad = self.conv_window(u, self.length_kernel_size, decode)
-        q = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")(
-            window, causal_pad=causal_pad
-        )
+        fused = self.fused_projections(x, (("q_conv", self.module_kernel_size),), self.length_kernel_size, decode)
+        if fused is not None:
+            q = fused[0]
+        else:
+            u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
+            window, causal_pad = self.conv_window(u, self.length_kernel_size, decode)
+            q = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")(
+                window, causal_pad=causal_pad
+            )
         q = self._heads_first(q.reshape(batch, -1, self.n_heads, self.d_head))
         keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
         y = self._attend(q, keys, values, bias, deterministic)

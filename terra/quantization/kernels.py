@@ -51,6 +51,14 @@ TARGETS = {
     for product in PRODUCTS
     for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
 }
+# Fused layers: one call for a sparse layer's decode step (the attention's takes either store).
+TARGETS.update(
+    {
+        ("sparse_feed_forward", kind): f"terra_sparse_feed_forward_{suffix}"
+        for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
+    }
+)
+TARGETS.update({("sparse_attention", kind): "terra_sparse_attention" for kind in ("int8", "bfloat16")})
 
 
 def library_path():
@@ -74,7 +82,7 @@ def _library():
     else:
         try:
             library = ctypes.CDLL(path)
-            for target in TARGETS.values():
+            for target in sorted(set(TARGETS.values())):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
             library.terra_narrow_products_isa.argtypes = [ctypes.c_int]
             library.terra_narrow_products_isa.restype = ctypes.c_int
@@ -108,6 +116,27 @@ def disabled():
         yield
     finally:
         _disabled -= 1
+
+
+_unfused = 0  # depth of `unfused()` blocks being traced
+
+
+def fused_available() -> bool:
+    """Whether a sparse layer's decode step may run as one fused call (:func:`sparse_feed_forward`,
+    :func:`sparse_attention`): the kernels are available and not turned off by :func:`unfused`."""
+    return not _unfused and available()
+
+
+@contextlib.contextmanager
+def unfused():
+    """Sparse layers traced inside this block call their products one by one (each still a native
+    kernel): to compare the fused layers with their parts, or to time them."""
+    global _unfused
+    _unfused += 1
+    try:
+        yield
+    finally:
+        _unfused -= 1
 
 
 def isa() -> str:
@@ -165,6 +194,73 @@ def gathered_sum(x: jax.Array, values: jax.Array, scale: jax.Array, rows: jax.Ar
     """``y [b] = sum_j x[b, j] values[rows[b, j]]`` (each row with its int8 scale): ``x f32 [batch,
     k]``, ``values [n, d]`` (``scale f32 [n]``), ``rows int32 [batch, k]`` -> ``f32 [batch, d]``."""
     return _call("gathered_sum", kind, (rows.shape[0], values.shape[1]), x, values, scale, rows)
+
+
+def sparse_feed_forward(x: jax.Array, down, up, up_bias: jax.Array, w1, w2, out_bias: jax.Array, kind: str):
+    """A sparse feed-forward layer's decode step (``terra/layers/sparse_feedforward.py``) in one call:
+    ``x f32 [batch, d]`` (``batch`` <= :data:`MAX_ROWS`); ``down``, ``up``, ``w1``, ``w2`` are
+    ``(values, scale)`` pairs of output-major narrow weights (``scale`` ``None`` for bfloat16):
+    the controller's C1 ``[L, d]`` and C2 ``[F, L]`` (scales ``[L]``, ``[F]``), W1 and W2 ``[F, d]``
+    (scales ``[F]``); ``up_bias f32 [F / N, N]``; ``out_bias f32 [d]``. Returns ``(y f32 [batch, d],
+    block choices int32 [batch, F / N])``."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    batch, d = x.shape
+    n_low, (n_blocks, n_units) = down[0].shape[0], up_bias.shape
+    f32, s32 = jnp.float32, jnp.int32
+    results = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in (
+            ((batch, d), f32),
+            ((batch, n_blocks), s32),
+            ((batch, n_low), f32),
+            ((batch, n_blocks * n_units), f32),
+            ((batch, n_blocks), f32),
+            ((batch, n_blocks), s32),
+        )
+    ]
+    call = jax.ffi.ffi_call(TARGETS["sparse_feed_forward", kind], results, vmap_method="sequential")
+    if kind == "int8":
+        operands = (x, *down, *up, up_bias, *w1, *w2, out_bias)
+    else:
+        operands = (x, down[0], up[0], up_bias, w1[0], w2[0], out_bias)
+    y, indices, *_ = call(*operands)
+    return y, indices
+
+
+def sparse_attention(x: jax.Array, gate, kernel, mult_bias: jax.Array, conv_rows: jax.Array, convolutions, kind: str):
+    """A sparse QKV layer's decode-step projections (``terra/layers/sparse_qkv.py``) in one call:
+    the multiplicative layer, the convolution window and its convolutions.
+
+    ``x f32 [batch, d]``, one new position per row (``batch * S`` <= :data:`MAX_INPUT_MAJOR_ROWS`);
+    ``gate`` D ``[S, d]`` and ``kernel`` E ``[d, M]`` as ``(values, scale)`` pairs (``scale``
+    ``None`` for bfloat16; int8 scales ``[S]``, ``[d]``); ``mult_bias f32 [S * M]``; ``conv_rows
+    f32 [batch, F - 1, S, M]`` (the cached rows of ``u``); ``convolutions``: one to three
+    ``((values, scale), bias)``, each kernel ``[F, k, M, M_out]`` (int8 scale ``[F, k, M]``), ``k``
+    odd. Returns ``([each convolution's f32 [batch, S, M_out]], new conv rows)``.
+    """
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    batch, d = x.shape
+    n_modules, module = gate[0].shape[0], kernel[0].shape[1]
+    length = conv_rows.shape[1] + 1
+    rows = batch * n_modules
+    f32 = jnp.float32
+    outputs = [jax.ShapeDtypeStruct((batch, n_modules, values.shape[3]), f32) for (values, _), _ in convolutions]
+    scratch = [jax.ShapeDtypeStruct((rows, d), f32), jax.ShapeDtypeStruct((rows, module), f32)]
+    windows = [jax.ShapeDtypeStruct((rows, length * values.shape[1] * module), f32) for (values, _), _ in convolutions]
+    results = outputs + [jax.ShapeDtypeStruct(conv_rows.shape, f32)] + scratch + windows
+
+    def weight(pair):
+        return pair if kind == "int8" else pair[:1]
+
+    operands = [x, *weight(gate), *weight(kernel), mult_bias, conv_rows]
+    for pair, bias in convolutions:
+        operands += [*weight(pair), bias]
+    call = jax.ffi.ffi_call(TARGETS["sparse_attention", kind], results, vmap_method="sequential")
+    out = call(*operands)
+    n = len(convolutions)
+    return list(out[:n]), out[n]
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

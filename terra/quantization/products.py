@@ -70,14 +70,20 @@ def output_major_product(x: jax.Array, kernel) -> jax.Array:
     def widened(x, values, scale):
         return _widened_product(x, values, scale, kernel.kind)
 
-    use_native = n_out > 0 and _native_applies(x, rows, kernels.MAX_ROWS)
+    use_native = n_out > 0 and native_applies(x, rows, kernels.MAX_ROWS)
     return _native_or_xla(use_native, native, widened, x, values, scale)
 
 
-def _native_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
+def native_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
     """Whether a product of ``x`` (``rows`` rows of activations) may use a native kernel: float32
     activations, 1 to ``max_rows`` rows (decoding), and the kernels built and switched on."""
     return x.dtype == jnp.float32 and 0 < rows <= max_rows and kernels.available()
+
+
+def fused_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
+    """Whether a sparse layer's decode step may run as one fused native call: as
+    :func:`native_applies`, with the fused kernels not turned off (``kernels.unfused``)."""
+    return native_applies(x, rows, max_rows) and kernels.fused_available()
 
 
 def _native_or_xla(use_native: bool, native, xla, *operands) -> jax.Array:
@@ -170,7 +176,7 @@ def input_major_product(x: jax.Array, kernel) -> jax.Array:
     def widened(x, values, scale):
         return _widened_input_major(x, values, scale, kernel.kind)
 
-    use_native = _native_applies(x, rows, kernels.MAX_INPUT_MAJOR_ROWS)
+    use_native = native_applies(x, rows, kernels.MAX_INPUT_MAJOR_ROWS)
     return _native_or_xla(use_native, native, widened, x, values, scale)
 
 
@@ -181,7 +187,7 @@ def _transposed_product(x: jax.Array, kernel: QuantizedTensor) -> jax.Array:
     with the sparse loss's ``[1024, 8000]`` kernel in int8 that is faster than the input-major
     kernel at 16 rows and within 1.2x of it at 32, where XLA's blocked product is 1.3-1.5x slower."""
     rows = math.prod(x.shape[:-1])
-    if rows <= kernels.MAX_ROWS or not _native_applies(x, rows, kernels.MAX_INPUT_MAJOR_ROWS):
+    if rows <= kernels.MAX_ROWS or not native_applies(x, rows, kernels.MAX_INPUT_MAJOR_ROWS):
         return output_major_product(x, kernel)
     flat = x.reshape(rows, x.shape[-1])
     chunks = [output_major_product(flat[i : i + kernels.MAX_ROWS], kernel) for i in range(0, rows, kernels.MAX_ROWS)]
@@ -222,7 +228,7 @@ def _gathered(kernel, x: jax.Array, matrix, rows: jax.Array, out_width: int, xla
     def widened(x, values, scale, rows):
         return xla(x, QuantizedTensor(values, scale, matrix.kind), rows)
 
-    use_native = _native_applies(x, batch, kernels.MAX_ROWS)
+    use_native = native_applies(x, batch, kernels.MAX_ROWS)
     return _native_or_xla(use_native, native, widened, x, matrix.values, matrix.scale, rows)
 
 

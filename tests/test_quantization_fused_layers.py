@@ -1,0 +1,212 @@
+"""The fused native decode steps of the sparse layers (terra/quantization/kernels.py): a sparse
+feed-forward layer (controller, block choice, the selected rows of W1 and W2) and a sparse QKV
+layer's projections (multiplicative layer, convolution window, convolutions) each in one call. Each
+equals the same layer computed product by product, on odd shapes, in every instruction set, in the
+threads' split and inside the generation loop, and the decode step of a narrow model uses them."""
+
+import functools
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra import gin_utils
+from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
+from terra.quantization import kernels, quantize, quantize_params
+
+KINDS = ("int8", "bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def kernels_switched_on(monkeypatch):
+    """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
+    switched = kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    if switched:
+        kernels._library.cache_clear()
+    if not kernels.available():
+        pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
+    yield
+    kernels.use_isa(kernels.ISAS[-1])
+    if switched:
+        kernels._library.cache_clear()
+
+
+def _use_isa(isa):
+    kernels.use_isa(isa)
+    assert kernels.ISAS.index(kernels.isa()) <= kernels.ISAS.index(isa)
+
+
+def _assert_close(got, want):
+    """Equal within float32 rounding of sums of a few hundred terms (the fused and unfused calls
+    group rows differently in a few cases, never the order of a sum)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(want)))))
+
+
+def _targets(fn, *args) -> str:
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+# --- sparse feed-forward -------------------------------------------------------------------------
+
+# (d_model, d_ff, N): widths below, at and past a vector; 4 rows of x; C1, C2 and the rows together
+# past the size split between threads (320 KiB of int8).
+FEED_FORWARD_SHAPES = [(40, 120, 8), (17, 96, 32), (1024, 2048, 32)]
+
+
+@functools.cache
+def _feed_forward(d_model, d_ff, n_units, kind):
+    layer = SparseFeedForward(d_model=d_model, d_ff=d_ff, ff_sparsity=n_units)
+    x = jnp.ones((1, 1, d_model))
+    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    # A controller bias large enough that the choice depends on it as well.
+    params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
+    return layer, quantize_params(params, kind)
+
+
+def _feed_forward_step(layer, narrow, x):
+    y, state = layer.apply({"params": narrow}, x, decode=True, mutable=["intermediates"])
+    return y, state["intermediates"]["indices"][0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", FEED_FORWARD_SHAPES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, shape, rows):
+    layer, narrow = _feed_forward(*shape, kind)
+    x = jax.random.normal(jax.random.key(rows), (rows, 1, shape[0]))
+    # A new function each time: jit's trace cache is keyed by the function, and the path is chosen
+    # when tracing.
+    step = functools.partial(_feed_forward_step, layer)
+    assert kernels.TARGETS["sparse_feed_forward", kind] in _targets(step, narrow, x)
+    with kernels.unfused():
+        step = functools.partial(_feed_forward_step, layer)
+        assert "terra_sparse_feed_forward" not in _targets(step, narrow, x)
+        want_y, want_indices = jax.jit(step)(narrow, x)
+    step = jax.jit(functools.partial(_feed_forward_step, layer))
+    for isa in kernels.ISAS:
+        _use_isa(isa)
+        y, indices = step(narrow, x)  # the instruction set is read at run time
+        np.testing.assert_array_equal(indices, want_indices)
+        _assert_close(y, want_y)
+
+
+def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
+    layer, narrow = _feed_forward(40, 120, 8, "int8")
+    x = jnp.ones((2, 1, 40))
+    float_params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), float_params, x)
+    eval_pass = jax.jit(lambda p, x: layer.apply({"params": p}, x))
+    assert "terra_sparse_feed_forward" not in _targets(eval_pass, narrow, x)
+    nine_rows = jnp.ones((9, 1, 40))  # more rows than the kernels take
+    assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), narrow, nine_rows)
+
+
+def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():
+    q = quantize(jnp.ones((12, 40)), "int8")
+    up = quantize(jnp.ones((96, 12)), "int8")
+    rows = quantize(jnp.ones((96, 40)), "int8")
+    wrong = quantize(jnp.ones((95, 40)), "int8")
+    with pytest.raises(Exception, match="sparse feed-forward"):
+        kernels.sparse_feed_forward(
+            jnp.ones((1, 40)),
+            (q.values, q.scale),
+            (up.values, up.scale),
+            jnp.zeros((12, 8)),
+            (rows.values, rows.scale),
+            (wrong.values, wrong.scale),
+            jnp.zeros((40,)),
+            "int8",
+        )[0].block_until_ready()
+
+
+# --- sparse QKV projections ----------------------------------------------------------------------
+
+# (d_model, heads): modules M of 8, 24 and 32 (a vector and a narrow tail, a whole tile); d_model
+# not a multiple of 16; the last past the multiply-adds split between threads.
+ATTENTION_SHAPES = [(40, 5), (96, 4), (512, 16)]
+
+
+@functools.cache
+def _attention(layer_class, d_model, heads, kind):
+    layer = layer_class(d_model=d_model, n_heads=heads)
+    x = jnp.ones((2, 3, d_model))
+    args = (jnp.ones((2, 5, d_model)), jnp.ones((2, 5))) if layer_class is SparseQueryCrossAttention else ()
+    variables = nn.unbox(layer.init(jax.random.key(0), x, *args))
+    params = jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, variables["params"])  # biases that count
+    return layer, quantize_params(params, kind), args
+
+
+def _decode_outputs(layer, narrow, args, xs):
+    """The layer's decode outputs for each position of ``xs`` after a cache-creating first call."""
+    first = {} if args else {"max_decode_length": 8}
+    _, cache = layer.apply({"params": narrow}, xs[:, :1], *args, decode=True, mutable=["cache"], **first)
+    step_args = (None, None) if args else ()
+    step = jax.jit(lambda p, c, x: layer.apply({"params": p, **c}, x, *step_args, decode=True, mutable=["cache"]))
+    outs = []
+    for t in range(xs.shape[1]):
+        out, cache = step(narrow, cache, xs[:, t : t + 1])
+        outs.append(out)
+    return jnp.concatenate(outs, axis=1), str(jax.make_jaxpr(step)(narrow, cache, xs[:, :1]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+@pytest.mark.parametrize("layer_class", [SparseQKVAttention, SparseQueryCrossAttention])
+def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape, layer_class):
+    layer, narrow, args = _attention(layer_class, *shape, kind)
+    xs = jax.random.normal(jax.random.key(3), (2, 5, shape[0]))  # 5 steps: the window fills and slides
+    with kernels.unfused():
+        want, jaxpr = _decode_outputs(layer, narrow, args, xs)
+    assert "terra_sparse_attention" not in jaxpr
+    for isa in kernels.ISAS:
+        _use_isa(isa)
+        got, jaxpr = _decode_outputs(layer, narrow, args, xs)
+        assert "terra_sparse_attention" in jaxpr
+        _assert_close(got, want)
+
+
+def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
+    gate, kernel = quantize(jnp.ones((4, 40)), "int8"), quantize(jnp.ones((40, 10)), "int8")
+    conv = quantize(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
+    with pytest.raises(Exception, match="sparse attention"):
+        outs, _ = kernels.sparse_attention(
+            jnp.ones((1, 40)),
+            (gate.values, gate.scale),
+            (kernel.values, kernel.scale),
+            jnp.zeros((40,)),
+            jnp.zeros((1, 2, 4, 10)),
+            [((conv.values, conv.scale), jnp.zeros((10,)))],
+            "int8",
+        )
+        outs[0].block_until_ready()
+
+
+# --- in a model ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, clean_gin):
+    gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], ["TransformerConfig.vocab_size = 96"])
+    model = gin_utils.build_model()
+    narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
+    decoder = model.decoder(12)
+    inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
+    start = jnp.zeros((2,), jnp.int32)
+
+    def generate():
+        cache = decoder.prefill(narrow, inputs)
+        tokens, _, _ = decoder.generate_tokens(narrow, cache, start, jax.random.key(0), 10, 0.0, -1, 0)
+        return np.asarray(tokens)
+
+    cache = decoder.prefill(narrow, inputs)
+    step = str(jax.make_jaxpr(decoder.step)(narrow, cache, start))
+    assert "terra_sparse_feed_forward" in step and "terra_sparse_attention" in step
+    fused = generate()
+    with kernels.unfused():
+        decoder = model.decoder(12)  # traced afresh: the choice is made when tracing
+        np.testing.assert_array_equal(generate(), fused)
