@@ -6,6 +6,7 @@ threads' split and inside the generation loop, and the decode step of a narrow m
 
 import functools
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -194,7 +195,7 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], ["TransformerConfig.vocab_size = 96"])
     model = gin_utils.build_model()
     narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
-    decoder = model.decoder(12)
+    decoder = model.decoder(37)  # a length no other array in the step has
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
     start = jnp.zeros((2,), jnp.int32)
 
@@ -206,7 +207,15 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     cache = decoder.prefill(narrow, inputs)
     step = str(jax.make_jaxpr(decoder.step)(narrow, cache, start))
     assert "terra_sparse_feed_forward" in step and "terra_sparse_attention" in step
+    # The fused calls write the KV caches and the convolution rows in place: the donated cache is
+    # never copied inside the step.
+    hlo = decoder.step.lower(narrow, cache, start).compile().as_text()
+    conv_rows = jax.tree.leaves(cache["decoder_0"]["self_attention"]["conv_rows"])[0].shape
+    cache_shapes = (",37,", "[" + ",".join(map(str, conv_rows)) + "]")
+    entry = hlo[hlo.index("ENTRY") :].splitlines()
+    copies = [line for line in entry if re.search(r"\bcopy\(", line) and any(s in line for s in cache_shapes)]
+    assert not copies, "a donated cache is copied inside the step:\n" + "\n".join(copies)
     fused = generate()
     with kernels.unfused():
-        decoder = model.decoder(12)  # traced afresh: the choice is made when tracing
+        decoder = model.decoder(37)  # traced afresh: the choice is made when tracing
         np.testing.assert_array_equal(generate(), fused)

@@ -36,6 +36,36 @@ def causal_bias(length: int) -> jax.Array:
     return jnp.where(idx[:, None] >= idx[None, :], 0.0, MASK_VALUE)[None, None].astype(jnp.float32)
 
 
+def decode_attention_step(q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None):
+    """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
+    position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
+    prefill padded some, ``key_mask [b, max_len]`` true for real ones). Returns ``y [b, h, 1, d]``
+    and the caches with k and v written at ``index``.
+
+    It attends over the cache as it was plus the new token, then writes the new key and value in
+    place. XLA:CPU copies a donated buffer that is both read and updated in one step unless the
+    update provably comes after the reads (two full copies of every cache per layer per token;
+    docs/architecture.md): ``write_after_read`` gives the update that data dependency."""
+    max_len = cached_key.shape[2]
+    scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    visible = jnp.arange(max_len)[None, :] < index
+    if key_mask is not None:
+        visible = visible & key_mask
+    past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
+    past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key).astype(jnp.float32)
+    past_logits = past_logits + past_bias[:, None, None, :]
+    self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
+    probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    probs = probs.astype(v.dtype)
+    past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value)
+    y = past_values + probs[..., max_len:] * v
+    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, past_logits, index), (0, 0, index, 0))
+    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, past_values, index), (0, 0, index, 0))
+    return y, cached_key, cached_value
+
+
 def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> jax.Array:
     """The heads' output projection ``[batch, length, heads, d_head] -> [batch, length, d_model]``,
     created as the submodule ``out`` of the calling (compact) attention module."""
@@ -160,30 +190,17 @@ class AttentionBase(nn.Module):
             raise ValueError(
                 f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
             )
-        max_len = cached_key.value.shape[2]
         index = cache_index.value
-        # Attend over the cache as it was (positions < index) plus the new token, then
-        # write the new key/value in place. XLA:CPU copies a donated buffer that is both
-        # read and updated in one step unless the update provably comes after the reads
-        # (two full copies of every cache per layer per token; docs/architecture.md).
-        # ``write_after_read`` gives the update that data dependency.
-        scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-        visible = jnp.arange(max_len)[None, :] < index
-        if self.has_variable("cache", "key_mask"):  # a prefilled cache with padded slots
-            visible = visible & self.get_variable("cache", "key_mask")
-        past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key.value).astype(jnp.float32)
-        past_logits = past_logits + past_bias[:, None, None, :]
-        self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
-        probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic).astype(v.dtype)
-        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value.value)
-        y = past_values + probs[..., max_len:] * v
-        cached_key.value = lax.dynamic_update_slice(
-            cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0)
-        )
-        cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
+        key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
+        y, cached_key.value, cached_value.value = decode_attention_step(
+            q,
+            k,
+            v,
+            cached_key.value,
+            cached_value.value,
+            index,
+            key_mask,
+            dropout=lambda probs: nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic),
         )
         cache_index.value = index + 1
         return y

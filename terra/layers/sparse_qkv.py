@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.attention import AttentionBase
+from terra.layers.attention import AttentionBase, decode_attention_step
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.quantization import kernels
@@ -131,14 +131,21 @@ class ConvolutionCacheMixin:
         rows.value = window[:, -(length_kernel_size - 1) :]
         return window, False
 
-    def fused_projections(self, x: jax.Array, convolutions, length_kernel_size: int, decode: bool):
-        """A decode step's multiplicative layer ``mult``, its convolution window and the
-        convolutions ``convolutions`` (``(name, module kernel size)`` each) in one native call
-        (``kernels.sparse_attention``) when the weights are narrow and the step runs on the CPU:
-        the same floats as the layers one by one, in one call instead of about ten operations
-        (``docs/decode_speed.md``). Returns each convolution's output ``[b, 1, S, M]``, or ``None``
-        where it does not apply (training, prefill, float32 weights, a batch past the kernel's
-        rows), and the caller computes the layers one by one."""
+    def fused_decode(
+        self, x: jax.Array, convolutions, length_kernel_size: int, decode: bool, deterministic: bool, attention=None
+    ):
+        """A decode step of the multiplicative layer ``mult``, its convolution window and the
+        convolutions ``convolutions`` (``(name, module kernel size)`` each), and with
+        ``attention`` the attention too, in one native call (``kernels.sparse_attention``) when the
+        weights are narrow and the step runs on the CPU: the same computation as the layers one by
+        one, in one call instead of about twenty operations (``docs/decode_speed.md``).
+
+        ``attention``: ``None`` returns each convolution's output ``[b, 1, S, M]``; ``"self"``
+        (Q, K, V) attends causally over this module's KV cache and ``("cross", keys, values,
+        bias)`` over the encoder's, each returning ``y [b, 1, d_model]``, where the S modules are
+        the heads (otherwise the convolutions' outputs are returned and the caller attends).
+        Returns ``None`` where the fused call does not apply (training, prefill, float32 weights, a
+        batch past the kernel's rows), and the caller computes the layers one by one."""
         batch = x.shape[0]
         if not decode or length_kernel_size < 2 or x.ndim != 3 or x.shape[1] != 1 or self.dtype != jnp.float32:
             return None
@@ -156,20 +163,42 @@ class ConvolutionCacheMixin:
             return None
         if not fused_applies(x, batch * n_modules, kernels.MAX_INPUT_MAJOR_ROWS):
             return None
+        if attention is not None and (n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0)):
+            attention = None
+        if attention == "self" and not self.has_variable("cache", "cached_key"):
+            attention = None
         rows = self.variable("cache", "conv_rows")
+        mode = attention if attention in (None, "self") else attention[0]
+        if mode == "self":
+            key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
+            cache = (self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value"))
+            cache += (self.get_variable("cache", "cache_index"), key_mask)
+        else:
+            cache = None if mode is None else tuple(attention[1:])
 
         def pair(w):
             return w.values, (w.scale if kind == "int8" else None)
 
-        def native(x, conv_rows, *leaves):
+        def native(x, conv_rows, cache, *leaves):
             gate, kernel, *kernels_ = jax.tree.unflatten(structure, leaves)
             convs = [(pair(k), params[name]["bias"]) for (name, _), k in zip(convolutions, kernels_)]
-            outs, new_rows = kernels.sparse_attention(
-                x.reshape(batch, -1), pair(gate), pair(kernel), mult["bias"], conv_rows, convs, kind
+            if mode == "self" and cache[3] is None:
+                cache = cache[:3] + (jnp.ones((batch, cache[0].shape[2]), bool),)
+            outs, new_rows, attended = kernels.sparse_attention(
+                x.reshape(batch, -1),
+                pair(gate),
+                pair(kernel),
+                mult["bias"],
+                conv_rows,
+                convs,
+                kind,
+                None if mode is None else (mode,) + tuple(cache),
             )
-            return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
+            if attended is None:
+                return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
+            return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:])
 
-        def unfused(x, conv_rows, *leaves):
+        def unfused(x, conv_rows, cache, *leaves):
             del leaves
             u = MultiplicativeDense(x.shape[-1], n_modules, split_modules=True, dtype=self.dtype, name="mult")(x)
             window = jnp.concatenate([conv_rows, u], axis=1)
@@ -178,11 +207,25 @@ class ConvolutionCacheMixin:
                 ModuleConvolution(m, length_kernel_size, k, dtype=self.dtype, name=name)(window, causal_pad=False)
                 for name, k in convolutions
             ]
-            return outs, window[:, 1:]
+            if mode is None:
+                return outs, window[:, 1:]
+            heads = [self._heads_first(o.reshape(batch, 1, self.n_heads, -1)) for o in outs]
+            if mode == "self":
+                y, keys, values = decode_attention_step(*heads, *cache)
+                extra = (keys, values)
+            else:
+                y, extra = self._attend(heads[0], *cache, deterministic=True), ()
+            return (self._heads_first(y).reshape(batch, 1, -1), window[:, 1:]) + extra
 
         leaves, structure = jax.tree.flatten(weights)
-        outs, rows.value = jax.lax.platform_dependent(x, rows.value, *leaves, cpu=native, default=unfused)
-        return outs
+        result = jax.lax.platform_dependent(x, rows.value, cache, *leaves, cpu=native, default=unfused)
+        rows.value = result[1]
+        if mode == "self":
+            self.put_variable("cache", "cached_key", result[2])
+            self.put_variable("cache", "cached_value", result[3])
+            index = self.get_variable("cache", "cache_index")
+            self.put_variable("cache", "cache_index", index + 1)
+        return result[0]
 
 
 class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
@@ -236,7 +279,11 @@ class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
             )
             fused = None
             if self.variant == "multconv":
-                fused = self.fused_projections(x, convolutions, self.length_kernel_size, decode)
+                fused = self.fused_decode(
+                    x, convolutions, self.length_kernel_size, decode, deterministic, attention="self"
+                )
+                if fused is not None and not isinstance(fused, list):  # the attention is in the call too
+                    return fused
             if fused is None:
                 if self.variant == "multconv":
                     u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
@@ -286,7 +333,15 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
         s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
         m = self.d_model // s
         batch = x.shape[0]
-        fused = self.fused_projections(x, (("q_conv", self.module_kernel_size),), self.length_kernel_size, decode)
+        if decode and self.has_variable("cache", "cached_key"):
+            cached = ("cross",) + self._encoder_keys_values(encoded, encoder_mask, decode=decode)
+            fused = self.fused_decode(
+                x, (("q_conv", self.module_kernel_size),), self.length_kernel_size, decode, deterministic, cached
+            )
+            if fused is not None and not isinstance(fused, list):  # the attention is in the call too
+                return fused
+        else:
+            fused = None
         if fused is not None:
             q = fused[0]
         else:

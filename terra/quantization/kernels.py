@@ -29,6 +29,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ENV_SWITCH = "TERRA_NATIVE_KERNELS"
 MAX_ROWS = 8
@@ -228,16 +229,25 @@ def sparse_feed_forward(x: jax.Array, down, up, up_bias: jax.Array, w1, w2, out_
     return y, indices
 
 
-def sparse_attention(x: jax.Array, gate, kernel, mult_bias: jax.Array, conv_rows: jax.Array, convolutions, kind: str):
-    """A sparse QKV layer's decode-step projections (``terra/layers/sparse_qkv.py``) in one call:
-    the multiplicative layer, the convolution window and its convolutions.
+def sparse_attention(
+    x: jax.Array, gate, kernel, mult_bias: jax.Array, conv_rows: jax.Array, convolutions, kind: str, attention=None
+):
+    """A sparse QKV layer's decode step (``terra/layers/sparse_qkv.py``) in one call: the
+    multiplicative layer, the convolution window and its convolutions, and optionally the attention.
 
     ``x f32 [batch, d]``, one new position per row (``batch * S`` <= :data:`MAX_INPUT_MAJOR_ROWS`);
     ``gate`` D ``[S, d]`` and ``kernel`` E ``[d, M]`` as ``(values, scale)`` pairs (``scale``
     ``None`` for bfloat16; int8 scales ``[S]``, ``[d]``); ``mult_bias f32 [S * M]``; ``conv_rows
     f32 [batch, F - 1, S, M]`` (the cached rows of ``u``); ``convolutions``: one to three
     ``((values, scale), bias)``, each kernel ``[F, k, M, M_out]`` (int8 scale ``[F, k, M]``), ``k``
-    odd. Returns ``([each convolution's f32 [batch, S, M_out]], new conv rows)``.
+    odd. Returns ``([each convolution's f32 [batch, S, M_out]], new conv rows, attention)``.
+
+    ``attention`` (the S modules being the heads, M = d_head): ``("self", keys, values, index,
+    key_mask)`` with the KV cache ``f32 [batch, S, L, M]``, the write position ``int32 []`` and
+    ``bool [batch, L]`` (Q, K, V the three convolutions), or ``("cross", keys, values, bias)`` with
+    the encoder's keys and values and an additive ``f32 [batch, L]`` bias (Q the one convolution).
+    The third result is then ``y f32 [batch, S * M]``, plus for ``"self"`` the updated keys and
+    values (the cache operands aliased, so a donated cache is written in place); else ``None``.
     """
     if _library() is None:
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
@@ -255,12 +265,29 @@ def sparse_attention(x: jax.Array, gate, kernel, mult_bias: jax.Array, conv_rows
         return pair if kind == "int8" else pair[:1]
 
     operands = [x, *weight(gate), *weight(kernel), mult_bias, conv_rows]
+    # The new conv rows are written over the cached ones (a donated cache is updated in place).
+    aliases = {len(operands) - 1: len(convolutions)}
     for pair, bias in convolutions:
         operands += [*weight(pair), bias]
-    call = jax.ffi.ffi_call(TARGETS["sparse_attention", kind], results, vmap_method="sequential")
-    out = call(*operands)
+    mode = 0
+    if attention is not None:
+        name, keys, values, *rest = attention
+        mode = {"self": 1, "cross": 2}[name]
+        results.append(jax.ShapeDtypeStruct((batch, n_modules * module), f32))
+        if name == "self":
+            index, key_mask = rest
+            aliases.update({len(operands): len(results), len(operands) + 1: len(results) + 1})
+            results += [jax.ShapeDtypeStruct(keys.shape, f32), jax.ShapeDtypeStruct(values.shape, f32)]
+            operands += [keys, values, jnp.asarray(index, jnp.int32), key_mask.astype(bool)]
+        else:
+            (bias,) = rest
+            operands += [keys, values, bias.reshape(batch, keys.shape[2])]
+    call = jax.ffi.ffi_call(
+        TARGETS["sparse_attention", kind], results, vmap_method="sequential", input_output_aliases=aliases
+    )
+    out = call(*operands, attention=np.int64(mode))
     n = len(convolutions)
-    return list(out[:n]), out[n]
+    return list(out[:n]), out[n], (tuple(out[2 * n + 3 :]) or None)
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

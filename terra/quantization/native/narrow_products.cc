@@ -28,10 +28,13 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports its own intrinsics' deliberately undefined lanes (_mm512_undefined_*) as
@@ -1026,6 +1029,82 @@ struct Convolution {
   int64_t k;                     // modules per window
 };
 
+// The attention of a decode step's one query per head over its keys and values (terra/layers/
+// attention.py), for layers whose S modules are the heads (M = d_head), so that row b * S + s of
+// the convolutions' outputs is head s of batch row b and the thread that computed a row attends
+// with it. kSelf: causal self-attention over the KV cache [B, H, L, Dh], positions < index visible
+// (and key_mask, where a prefill padded them), plus the new key and value, which are then written at
+// position min(index, L - 1) after the reads (the aliased cache is updated in place); kCross: over
+// the encoder's keys and values with an additive bias [B, L]. Masked positions are skipped: their
+// probability is exactly 0 in the layer's softmax too (exp(-1e9 - max) underflows), and a causal
+// query always sees its own key.
+struct DecodeAttention {
+  enum Mode : int64_t { kNone = 0, kSelf = 1, kCross = 2 };
+  int64_t mode = kNone;
+  float* keys = nullptr;     // [B, H, L, Dh]
+  float* values = nullptr;   // [B, H, L, Dh]
+  int64_t length = 0;        // L
+  int64_t index = 0;         // kSelf: the new position
+  const bool* key_mask = nullptr;  // kSelf: [B, L]
+  const float* bias = nullptr;     // kCross: [B, L]
+  float* y = nullptr;        // [B, H * Dh]
+};
+
+TERRA_INLINE float Dot(const float* a, const float* b, int64_t n) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += LoadLanes(a + i) * LoadLanes(b + i);
+  float total = 0.0f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+// Head row r (batch b = r / H, head h = r % H) of query q, new key k and value v (self only), each [Dh].
+TERRA_INLINE void AttendRow(const DecodeAttention& a, int64_t r, int64_t heads, int64_t dh, const float* q,
+                            const float* k, const float* v) {
+  const int64_t b = r / heads, length = a.length;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dh)));  // as the layer's q.shape[-1] ** -0.5
+  float* keys = a.keys + r * length * dh;
+  float* values = a.values + r * length * dh;
+  const int64_t past = a.mode == DecodeAttention::kSelf ? std::min(a.index, length) : length;
+  thread_local std::vector<float> scaled_buffer, logit_buffer;
+  thread_local std::vector<int64_t> seen_buffer;
+  scaled_buffer.resize(static_cast<size_t>(dh));
+  logit_buffer.resize(static_cast<size_t>(past + 1));
+  seen_buffer.resize(static_cast<size_t>(past + 1));
+  float* scaled = scaled_buffer.data();
+  float* logits = logit_buffer.data();
+  int64_t* seen = seen_buffer.data();
+  for (int64_t d = 0; d < dh; ++d) scaled[d] = q[d] * scale;
+  int64_t n = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < past; ++l) {
+    if (a.key_mask && !a.key_mask[b * length + l]) continue;
+    float logit = Dot(scaled, keys + l * dh, dh);
+    if (a.bias) logit += a.bias[b * length + l];
+    seen[n] = l, logits[n] = logit, top = std::max(top, logit), ++n;
+  }
+  const bool self = a.mode == DecodeAttention::kSelf;
+  if (self) logits[n] = Dot(scaled, k, dh), top = std::max(top, logits[n]);
+  float total = 0.0f;
+  for (int64_t j = 0; j < n + self; ++j) total += (logits[j] = std::exp(logits[j] - top));
+  float* y = a.y + r * dh;
+  std::fill(y, y + dh, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = logits[j] / total;
+    const float* value = values + seen[j] * dh;
+    for (int64_t d = 0; d < dh; ++d) y[d] += p * value[d];
+  }
+  if (self) {
+    const float p = logits[n] / total;
+    for (int64_t d = 0; d < dh; ++d) y[d] += p * v[d];
+    const int64_t position = std::max<int64_t>(0, std::min(a.index, length - 1));
+    std::memcpy(keys + position * dh, k, dh * sizeof(float));
+    std::memcpy(values + position * dh, v, dh * sizeof(float));
+  }
+}
+
 template <typename W>
 struct SparseAttentionStep {
   const float* x;           // [B, d]
@@ -1040,6 +1119,7 @@ struct SparseAttentionStep {
   int n_convs;
   float* gated;                       // mult.x
   float* windows[kMaxConvolutions];  // convs[c].product.x
+  DecodeAttention attention;          // after the convolutions, for the same rows (heads)
 
   // Rows b * S + s per chunk: a register tile of the blocked product (kernel R <= 8).
   static constexpr int64_t kRowsPerChunk = 8;
@@ -1098,6 +1178,13 @@ TERRA_INLINE void SparseAttentionChunk(const SparseAttentionStep<W>& s, int phas
     const int64_t n_out = conv.product.n_out;
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t o = 0; o < n_out; ++o) conv.product.y[r * n_out + o] += conv.bias[o];
+  }
+  if (s.attention.mode == DecodeAttention::kNone) return;
+  const bool self = s.attention.mode == DecodeAttention::kSelf;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* q = s.convs[0].product.y + r * m;
+    AttendRow(s.attention, r, s.n_modules, m, q, self ? s.convs[1].product.y + r * m : nullptr,
+              self ? s.convs[2].product.y + r * m : nullptr);
   }
 }
 
@@ -1297,14 +1384,22 @@ ffi::Error SparseFeedForwardBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
 //   rets: per convolution out [B, S, M_out]; new conv rows [B, F - 1, S, M]; then scratch: gated
 //         [B * S, d], u [B * S, M], per convolution windows [B * S, F * k * M]
 template <typename W>
-ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, ffi::RemainingArgs args, ffi::RemainingRets rets, bool scaled) {
+ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, int64_t mode, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                               bool scaled) {
+  if (mode < DecodeAttention::kNone || mode > DecodeAttention::kCross)
+    return ffi::Error::InvalidArgument("sparse attention: attention must be 0 (none), 1 (self) or 2 (cross)");
   const size_t per_weight = scaled ? 2 : 1;
   const size_t fixed = 1 + 2 * per_weight + 2;
-  if (args.size() < fixed + per_weight + 1 || (args.size() - fixed) % (per_weight + 1) != 0)
+  const size_t attention_args = mode == DecodeAttention::kSelf ? 4 : mode == DecodeAttention::kCross ? 3 : 0;
+  const size_t attention_rets = mode == DecodeAttention::kSelf ? 3 : mode == DecodeAttention::kCross ? 1 : 0;
+  if (args.size() < fixed + attention_args + per_weight + 1 ||
+      (args.size() - fixed - attention_args) % (per_weight + 1) != 0)
     return ffi::Error::InvalidArgument("sparse attention: wrong number of operands");
-  const int n_convs = static_cast<int>((args.size() - fixed) / (per_weight + 1));
-  if (n_convs > kMaxConvolutions || rets.size() != static_cast<size_t>(2 * n_convs + 3))
+  const int n_convs = static_cast<int>((args.size() - fixed - attention_args) / (per_weight + 1));
+  if (n_convs > kMaxConvolutions || rets.size() != static_cast<size_t>(2 * n_convs + 3) + attention_rets)
     return ffi::Error::InvalidArgument("sparse attention: at most 3 convolutions, with one result and one window each");
+  if (n_convs != (mode == DecodeAttention::kSelf ? 3 : 1) && mode != DecodeAttention::kNone)
+    return ffi::Error::InvalidArgument("sparse attention: self-attention takes Q, K and V, cross-attention Q alone");
   for (size_t i = 0; i < args.size(); ++i)
     if (!args.get<ffi::AnyBuffer>(i).has_value()) return ffi::Error::InvalidArgument("sparse attention: unreadable operand");
   for (size_t i = 0; i < rets.size(); ++i)
@@ -1333,7 +1428,12 @@ ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, ffi::RemainingArgs args, f
   s.mult = {s.gated, static_cast<const W*>(e.untyped_data()), e_scale, data_of(n_convs + 2),
             batch * n_modules, d, module, 1};
   s.mult_bias = static_cast<const float*>(mult_bias.untyped_data());
-  s.rows = static_cast<const float*>(rows.untyped_data());
+  // The new conv rows are written over the old ones (the result aliases the operand), which the
+  // windows read first: they read a copy (F - 1 rows of S x M floats).
+  thread_local std::vector<float> old_rows;
+  old_rows.assign(static_cast<const float*>(rows.untyped_data()),
+                  static_cast<const float*>(rows.untyped_data()) + rows.element_count());
+  s.rows = old_rows.data();
   s.new_rows = data_of(n_convs);
   s.batch = batch, s.d = d, s.n_modules = n_modules, s.module = module, s.length = length, s.n_convs = n_convs;
   for (int c = 0; c < n_convs; ++c) {
@@ -1349,16 +1449,49 @@ ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, ffi::RemainingArgs args, f
                    length * kd[1] * module, kd[3], 1},
                   static_cast<const float*>(bias.untyped_data()), kd[1]};
   }
+  if (mode != DecodeAttention::kNone) {
+    // self: keys, values [B, H, L, Dh], index s32[], key_mask pred [B, L]; cross: keys, values, bias
+    // f32 [B, L]. Results: y [B, H * Dh], and for self the keys and values (aliased to the operands).
+    const auto keys = arg(), values = arg();
+    const auto kd = keys.dimensions();
+    for (int c = 0; c < n_convs; ++c)
+      if (s.convs[c].product.n_out != module)
+        return ffi::Error::InvalidArgument("sparse attention: fused attention needs convolutions of M outputs");
+    if (kd.size() != 4 || kd[0] != batch || kd[1] != n_modules || kd[3] != module || values.dimensions().size() != 4 ||
+        values.element_count() != keys.element_count() || kd[2] < 1)
+      return ffi::Error::InvalidArgument("sparse attention: keys and values must be [B, S, L, M] (S heads of M)");
+    DecodeAttention& a = s.attention;
+    a.mode = mode, a.length = kd[2], a.y = data_of(2 * n_convs + 3);
+    if (mode == DecodeAttention::kSelf) {
+      const auto index = arg(), key_mask = arg();
+      if (index.element_type() != ffi::DataType::S32 || index.element_count() != 1 ||
+          key_mask.element_type() != ffi::DataType::PRED || static_cast<int64_t>(key_mask.element_count()) != batch * kd[2])
+        return ffi::Error::InvalidArgument("sparse attention: the cache index must be s32[] and the key mask pred [B, L]");
+      a.index = *static_cast<const int32_t*>(index.untyped_data());
+      a.key_mask = static_cast<const bool*>(key_mask.untyped_data());
+      a.keys = data_of(2 * n_convs + 4), a.values = data_of(2 * n_convs + 5);
+      // The results alias the operands; where XLA could not alias them it copied them in first.
+      if (a.keys != keys.untyped_data()) std::memcpy(a.keys, keys.untyped_data(), keys.size_bytes());
+      if (a.values != values.untyped_data()) std::memcpy(a.values, values.untyped_data(), values.size_bytes());
+    } else {
+      const auto bias = arg();
+      if (static_cast<int64_t>(bias.element_count()) != batch * kd[2])
+        return ffi::Error::InvalidArgument("sparse attention: the encoder bias must be [B, L]");
+      a.keys = static_cast<float*>(keys.untyped_data()), a.values = static_cast<float*>(values.untyped_data());
+      a.bias = static_cast<const float*>(bias.untyped_data());
+    }
+  }
   SparseAttentionDecode(pool, s);
   return ffi::Error::Success();
 }
 
-ffi::Error SparseAttention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error SparseAttention(ffi::ThreadPool pool, int64_t attention, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (args.size() < 2) return ffi::Error::InvalidArgument("sparse attention: wrong number of operands");
   auto gate = args.get<ffi::AnyBuffer>(1);
   if (!gate.has_value()) return ffi::Error::InvalidArgument("sparse attention: unreadable gate");
-  if (gate->element_type() == ffi::DataType::S8) return SparseAttentionImpl<int8_t>(pool, args, rets, true);
-  if (gate->element_type() == ffi::DataType::U16) return SparseAttentionImpl<uint16_t>(pool, args, rets, false);
+  if (gate->element_type() == ffi::DataType::S8) return SparseAttentionImpl<int8_t>(pool, attention, args, rets, true);
+  if (gate->element_type() == ffi::DataType::U16)
+    return SparseAttentionImpl<uint16_t>(pool, attention, args, rets, false);
   return ffi::Error::InvalidArgument("sparse attention: weights must be int8 or bfloat16 bits (uint16)");
 }
 
@@ -1408,7 +1541,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_feed_forward_bf16, SparseFeedForwardB
                                   .Arg<ffi::Buffer<ffi::U16>>() TERRA_F32 TERRA_FF_RETS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention, SparseAttention,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int64_t>("attention")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one
