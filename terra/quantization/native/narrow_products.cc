@@ -1019,7 +1019,7 @@ void SparseFeedForwardDecode(ffi::ThreadPool& pool, const SparseFeedForwardStep<
 // modules on either side) its windows and convolutions. Split by rows, a thread reads only rows it
 // wrote itself; split by tiles of outputs (the unfused products' work items), both threads read
 // every row of gated and windows, half of them from the other core's cache, and each reads half of
-// every line of the weights: the same layer took twice as long.
+// every line of the weights (the 800M self-attention layer: 56-65 against 51-58 us).
 constexpr int kMaxConvolutions = 3;
 
 template <typename W>
