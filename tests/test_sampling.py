@@ -118,3 +118,27 @@ def test_one_compilation_serves_every_top_k_and_top_p():
         kept.append(_kept(filtered).sum(axis=-1).tolist())
     assert len(traces) == 1 and sample._cache_size() == 1
     assert kept[:3] == [[VOCAB, VOCAB], [1, 1], [5, 5]]
+
+
+def test_greedy_is_jnp_argmax_with_its_ties_infinities_and_nans():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 37)).astype(np.float32)
+    logits[1, [3, 20]] = 9.0  # a tie: the lower id
+    logits[2, :] = -np.inf  # every token excluded: token 0, as jnp.argmax
+    logits[3, 11] = np.nan  # a NaN is the maximum, as in jnp.argmax
+    logits[4, [5, 30]] = np.nan
+    logits[5, 36] = np.inf
+    logits = jnp.asarray(logits)
+    greedy = jax.jit(lambda x: sample_next_token(x, jax.random.key(0), 0.0))(logits)
+    assert greedy.dtype == jnp.int32
+    np.testing.assert_array_equal(greedy, jnp.argmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_unfiltered_sampling_draws_what_jax_random_categorical_draws(temperature):
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 50)), jnp.float32)
+    sample = jax.jit(lambda x, key: sample_next_token(x, key, temperature))
+    for seed in range(20):
+        key = jax.random.key(seed)
+        expected = jax.random.categorical(key, logits / temperature, axis=-1)
+        np.testing.assert_array_equal(sample(logits, key), expected)

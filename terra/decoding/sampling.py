@@ -9,6 +9,8 @@ comparison after a sort rather than ``lax.top_k`` (whose ``k`` must be static).
 import jax
 import jax.numpy as jnp
 
+from terra.layers.selection import block_argmax
+
 # Cumulative probabilities are float32 sums, so a ``top_p`` that lands on the boundary between
 # two nucleus sizes in exact arithmetic can miss it by a few ulps either way. A ``top_p`` within
 # this much of a boundary counts as on it (the smaller nucleus), which makes the boundary case
@@ -70,11 +72,17 @@ def sample_next_token(logits: jax.Array, rng: jax.Array, temperature, top_k=0, t
     temperature = jnp.asarray(temperature, jnp.float32)
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-    # Filtering sorts the vocabulary twice; a traced cond runs it only when a filter is on, so
-    # greedy and plain sampling pay nothing for it per token (under vmap both branches run).
-    filtering = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
-    scaled = jax.lax.cond(filtering, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
-    sampled = jax.random.categorical(rng, scaled, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    def sample(logits):
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+        # Filtering sorts the vocabulary twice; a traced cond runs it only when a filter is on.
+        filtering = (top_k > 0) | (top_p < 1.0)
+        scaled = jax.lax.cond(filtering, lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+        # jax.random.categorical's own draw (the argmax of logits plus Gumbel noise), same samples.
+        return block_argmax(scaled + jax.random.gumbel(rng, scaled.shape, scaled.dtype))
+
+    # Greedy decoding draws no noise: the Gumbel draw and its argmax over a 32k vocabulary cost
+    # about 1 ms per token on a 2-core CPU, a sixth of a fully sparse int8 800M step
+    # (docs/decode_speed.md). Under vmap both branches run.
+    token = jax.lax.cond(temperature > 0, sample, block_argmax, logits)
+    return token.astype(jnp.int32)
