@@ -169,3 +169,66 @@ def test_the_plots_draw_a_sweep_in_panels_and_bars_per_baseline_and_redraw_from_
     (out / "decode_speed.md").unlink()
     table = report.rerender(str(out))
     assert "| baseline Transf. |" in table and is_png(str(out / "decode_speed.png"))
+
+
+def test_the_baseline_loop_is_timed_after_each_repetition_of_the_rows_own(dense_decode):
+    model, decoder, _ = dense_decode
+    params = decode_speed.random_params(model, seed=0)
+    calls = []
+
+    def beside(n):
+        calls.append(n)
+        return 0.5 * n  # seconds, as a loop over n steps would report
+
+    timing = decode_speed.measure_decode(
+        decoder, params, [[3, 4, 5, 6, 7]], n_tokens=6, n_skip=2, n_warmup=1, repeats=3, beside=beside
+    )
+    assert calls == [6, 2] * 3  # the same step counts as the row's loops, once per repetition
+    assert timing.beside_loop_s == [(3.0, 1.0)] * 3
+    assert timing.median_beside_loop_token_s == pytest.approx(0.5)
+    assert len(timing.loop_s) == 3
+
+
+def test_a_preset_with_the_baseline_beside_times_the_dense_row_first_and_keeps_row_order():
+    config = presets.tiny()
+    config.rows = [config.rows[2], config.rows[0]]  # fully sparse, then dense
+    config.dense_row, config.baseline_beside = 1, True
+    config.tokens, config.warmup, config.bandwidth_buffer_mb = 6, 1, 16
+    names = []
+    rows = decode_speed.run_preset(config, None, "beside", log=lambda line: names.append(line.split()[0]))
+    assert names[1:3] == ["baseline", "fully"]  # after the machine line: dense first, then the rest
+    assert [r["name"] for r in rows] == ["fully sparse", "baseline Transf."]
+    sparse, dense = rows
+    assert dense["dense_loop_beside_seconds"] == dense["seconds_per_token_loop"]
+    assert "dense_loop_beside_seconds" in sparse  # None only where the tiny loops' jitter hid it
+    if sparse["dense_loop_beside_seconds"] and sparse["seconds_per_token_loop"]:
+        expected = sparse["dense_loop_beside_seconds"] / sparse["seconds_per_token_loop"]
+        assert sparse["speedup_vs_dense_loop_beside"] == pytest.approx(expected)
+    else:
+        assert sparse["speedup_vs_dense_loop_beside"] is None
+
+
+def test_the_baseline_beside_is_refused_where_blocks_are_timed_as_differences():
+    config = presets.paper_17b_block()
+    config.baseline_beside = True
+    with pytest.raises(ValueError, match="baseline_beside"):
+        decode_speed.run_preset(config, None, "17b", log=lambda line: None)
+
+
+def test_the_table_shows_the_speedup_beside_and_the_loop_over_its_floor_and_arithmetic():
+    rows = [_row("dense", 0.040, 0.036), _row("sparse", 0.010, 0.006)]
+    for r, floor, arithmetic, beside in zip(rows, (0.030, 0.002), (0.004, 0.002), (0.036, 0.045)):
+        r.update(floor_seconds=floor, arithmetic_seconds=arithmetic, dense_loop_beside_seconds=beside)
+    report.add_speedups(rows, dense_row=0)
+    # The sparse row's loop beside a dense loop that ran slower in its minutes: 7.5x, not 6x.
+    assert rows[1]["speedup_vs_dense_loop"] == pytest.approx(6.0)
+    assert rows[1]["speedup_vs_dense_loop_beside"] == pytest.approx(7.5)
+    assert rows[1]["loop_over_floor_and_arithmetic"] == pytest.approx(1.5)
+    assert rows[0]["loop_over_floor_and_arithmetic"] == pytest.approx(36 / 34)
+    for r in rows:
+        r.update(params=1, seconds_per_block=0.001, bytes_per_token=1, achieved_gbps=1.0, fraction_of_bandwidth=0.1)
+        r.update(flops_per_token=1.0, seconds_per_token_min=r["seconds_per_token_median"])
+    machine = {"cpu": "x", "cores": 2, "xla_threads": 2, "bandwidth_after_gbps": 1.0, "product_gflops": 1.0}
+    machine.update(jax="0", backend="cpu")
+    table = report.markdown_table(rows, machine, 1.0, "t")
+    assert "| Speedup beside |" in table and "| 7.50x |" in table and "| 1.50 |" in table

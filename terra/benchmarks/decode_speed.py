@@ -17,13 +17,18 @@ decoder block, the FLOPs of a step (XLA's count) and the bytes
 each token must read (the parameters the decode step touches, by layer, plus every cache it
 reads), the achieved GB/s and the fraction of the machine's measured read bandwidth. Writes
 ``decode_speed.{json,md,png}`` and ``machine.json`` to ``--out``.
+
+With ``--config.baseline_beside`` (the quantized presets) the dense row is timed first and kept,
+and its generation loop is timed again right after each repetition of every other row's: the
+speed-up "dense beside" is the ratio of two loops that ran in the same minutes, which a shared
+machine's drifting bandwidth does not move the way it moves rows timed minutes apart.
 """
 
 import dataclasses
 import gc
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +65,8 @@ class DecodeTiming:
     token_s: List[float]
     loop_s: List[Tuple[float, float]] = dataclasses.field(default_factory=list)
     loop_steps: int = 1
+    # The baseline's loops over the same step counts, timed right after each repetition's own.
+    beside_loop_s: List[Tuple[float, float]] = dataclasses.field(default_factory=list)
 
     @property
     def median_token_s(self) -> float:
@@ -73,6 +80,15 @@ class DecodeTiming:
     def median_loop_token_s(self) -> Optional[float]:
         """In-loop seconds per token, or None when the loop's jitter hides it (tiny models)."""
         return measured_difference([a for a, _ in self.loop_s], [b for _, b in self.loop_s], self.loop_steps)
+
+    @property
+    def median_beside_loop_token_s(self) -> Optional[float]:
+        """The baseline's in-loop seconds per token timed beside this row (None: not timed, or
+        lost in jitter)."""
+        if not self.beside_loop_s:
+            return None
+        pairs = self.beside_loop_s
+        return measured_difference([a for a, _ in pairs], [b for _, b in pairs], self.loop_steps)
 
     def summary(self) -> dict:
         return {
@@ -96,10 +112,14 @@ def measure_decode(
     n_skip: int = 2,
     n_warmup: int = 4,
     repeats: int = 3,
+    beside: Optional[Callable[[int], float]] = None,
 ) -> DecodeTiming:
     """Times ``prefill``, each greedy ``step`` (``n_tokens`` per repetition, the first
     ``n_skip`` of each not counted) and the in-loop time per token of ``generate_tokens``
-    (one value per repetition: the loop over ``n_tokens`` minus the loop over ``n_skip``)."""
+    (one value per repetition: the loop over ``n_tokens`` minus the loop over ``n_skip``).
+    ``beside``: another model's ``generation_loop``, timed over the same step counts right after
+    each repetition's own loops, so that a ratio of the two compares the same minutes of a
+    shared machine."""
     if n_tokens > decoder.max_decode_length:
         raise ValueError(f"n_tokens={n_tokens} exceeds max_decode_length={decoder.max_decode_length}.")
     if n_tokens <= n_skip:
@@ -121,22 +141,33 @@ def measure_decode(
                 timing.token_s.append(time.perf_counter() - t0)
             token = _next_token(logits)
 
-    def loop(n: int) -> float:
-        cache = jax.block_until_ready(decoder.prefill(params, inputs))
-        start = jnp.zeros((batch,), jnp.int32)
-        t0 = time.perf_counter()
-        # Greedy (temperature 0) with an EOS id no token has, so every one of the n steps runs.
-        tokens, _, _ = decoder.generate_tokens(params, cache, start, jax.random.key(0), n, 0.0, -1, 0)
-        tokens.block_until_ready()
-        return time.perf_counter() - t0
-
+    loop = generation_loop(decoder, params, inputs)
     timing = DecodeTiming([], [], loop_steps=n_tokens - n_skip)
     run(min(n_warmup, decoder.max_decode_length), False, timing)
     loop(n_skip)  # compiles; the step count is traced, so both lengths share it
     for _ in range(repeats):
         run(n_tokens, True, timing)
         timing.loop_s.append((loop(n_tokens), loop(n_skip)))
+        if beside is not None:
+            timing.beside_loop_s.append((beside(n_tokens), beside(n_skip)))
     return timing
+
+
+def generation_loop(decoder: IncrementalDecoder, params, encoder_input_tokens) -> Callable[[int], float]:
+    """A function of ``n`` that prefills and times ``n`` greedy steps of the jitted generation
+    loop (``generate_tokens``), in seconds; the prefill is not timed."""
+    inputs = jnp.asarray(encoder_input_tokens, jnp.int32)
+    start = jnp.zeros((inputs.shape[0],), jnp.int32)
+
+    def loop(n: int) -> float:
+        cache = jax.block_until_ready(decoder.prefill(params, inputs))
+        t0 = time.perf_counter()
+        # Greedy (temperature 0) with an EOS id no token has, so every one of the n steps runs.
+        tokens, _, _ = decoder.generate_tokens(params, cache, start, jax.random.key(0), n, 0.0, -1, 0)
+        tokens.block_until_ready()
+        return time.perf_counter() - t0
+
+    return loop
 
 
 def bytes_per_weight(weights_dtype: str, d_model: int) -> float:
@@ -190,8 +221,10 @@ def _build(gin_files, bindings):
     return gin_utils.build_model()
 
 
-def _time_model(gin_files, bindings, config, weights_dtype: str, seed: int = 0):
-    """Builds one model with random weights stored as ``weights_dtype``, times it, frees it."""
+def _time_model(gin_files, bindings, config, weights_dtype: str, seed: int = 0, beside=None, keep: bool = False):
+    """Builds one model with random weights stored as ``weights_dtype`` and times it (with
+    ``beside``'s loops after each repetition's, see ``measure_decode``). Frees the model, or with
+    ``keep`` returns its ``generation_loop`` as well, which holds it for timing beside others."""
     model = _build(gin_files, bindings)
     cfg = model.config
     params = random_params(model, seed, weights_dtype)
@@ -206,23 +239,29 @@ def _time_model(gin_files, bindings, config, weights_dtype: str, seed: int = 0):
         n_skip=config.skip,
         n_warmup=config.warmup,
         repeats=config.repeats,
+        beside=beside,
     )
     itemsize = bytes_per_weight(weights_dtype, cfg.d_model)
     reads = decode_cost_per_token(model, decoder, config.input_length, itemsize)
     n_layers = cfg.n_decoder_layers
+    loop = generation_loop(decoder, params, inputs) if keep else None
     del params, decoder
     gc.collect()
-    return timing, reads, n_params, n_layers
+    return timing, reads, n_params, n_layers, loop
 
 
-def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
+def run_row(row, config, bandwidth: float, product_gflops: float, beside=None, keep: bool = False):
+    """Times one row. Returns its result and, with ``keep`` ('divide' block mode only), its
+    ``generation_loop`` for timing beside the rows after it (``beside``: such a loop)."""
     bindings = list(config.common_bindings) + list(row.bindings)
     # Weights stored narrow for decoding (terra.quantization); activations and caches stay float32.
     weights_dtype = row.get("weights_dtype") or config.weights_dtype
     if config.block_mode == "difference":
         one, two = (bindings + [f"TransformerConfig.n_decoder_layers = {n}"] for n in (1, 2))
-        t1, r1, _, _ = _time_model(row.gin_files, one, config, weights_dtype)
-        timing, reads, n_params, _ = _time_model(row.gin_files, two, config, weights_dtype)
+        if beside is not None or keep:
+            raise ValueError("baseline_beside times whole models; the 'difference' block mode cannot.")
+        t1, r1, _, _, _ = _time_model(row.gin_files, one, config, weights_dtype)
+        timing, reads, n_params, _, loop = _time_model(row.gin_files, two, config, weights_dtype)
         per_block = timing.median_token_s - t1.median_token_s
         # The 2-block model's loops against the 1-block model's, repetition by repetition.
         per_block_loop = measured_difference(
@@ -238,7 +277,9 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         achieved = block_bytes / max(per_block, 1e-9)
         floor = block_bytes / bandwidth
     else:
-        timing, reads, n_params, n_layers = _time_model(row.gin_files, bindings, config, weights_dtype)
+        timing, reads, n_params, n_layers, loop = _time_model(
+            row.gin_files, bindings, config, weights_dtype, beside=beside, keep=keep
+        )
         per_block = timing.median_token_s / n_layers
         loop_token = timing.median_loop_token_s
         per_block_loop = None if loop_token is None else loop_token / n_layers
@@ -246,7 +287,7 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         floor = reads["total"] / bandwidth
         flops = reads["flops"]
         extra = {}
-    return {
+    result = {
         "name": row.name,
         "baseline": row.baseline,
         "paper_seconds": row.paper,
@@ -280,11 +321,19 @@ def run_row(row, config, bandwidth: float, product_gflops: float) -> dict:
         # arithmetic behind the reads), sparse ones beyond the second.
         "arithmetic_seconds": flops / (product_gflops * 1e9),
         "timed_tokens": len(timing.token_s),
+        # The preset's dense row's in-loop time measured right after this row's (baseline_beside).
+        "dense_loop_beside_seconds": timing.median_beside_loop_token_s,
         **extra,
     }
+    return result, loop
 
 
 def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title: str, log=print) -> List[dict]:
+    beside_dense = config.get("baseline_beside", False)
+    if beside_dense and config.block_mode != "divide":
+        raise ValueError(
+            f"baseline_beside times whole models beside each other; set it False for block_mode='{config.block_mode}'."
+        )
     machine = describe_machine()
     bandwidth = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
     product_gflops = measure_product_gflops()
@@ -294,16 +343,31 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     )
     machine["bandwidth_before_gbps"] = bandwidth / 1e9
     machine["product_gflops"] = product_gflops
-    rows = []
-    for row in config.rows:
-        result = run_row(row, config, bandwidth, product_gflops)
-        rows.append(result)
+    # With baseline_beside the dense row is timed first and held, and its generation loop runs
+    # again after each repetition of every other row's: a shared VM's bandwidth drifts by tens
+    # of percent within minutes, and a ratio of two timings from the same minutes cancels it.
+    order = list(range(len(config.rows)))
+    if beside_dense:
+        order.remove(config.dense_row)
+        order.insert(0, config.dense_row)
+    results, dense_loop = {}, None
+    for index in order:
+        row = config.rows[index]
+        keep = beside_dense and index == config.dense_row
+        result, loop = run_row(row, config, bandwidth, product_gflops, beside=dense_loop, keep=keep)
+        if keep:
+            dense_loop = loop
+            result["dense_loop_beside_seconds"] = result["seconds_per_token_loop"]
+        results[index] = result
         log(
             f"  {row.name:<40} {result['seconds_per_token_median'] * 1e3:9.3f} ms/token  "
             f"({report.milliseconds(result['seconds_per_token_loop'])} in loop)  "
             f"{result['seconds_per_block'] * 1e3:8.3f} ms/block  {result['bytes_per_token'] / 1e6:9.1f} MB  "
             f"{100 * result['fraction_of_bandwidth']:5.1f}% of bandwidth"
         )
+    del dense_loop
+    gc.collect()
+    rows = [results[index] for index in range(len(config.rows))]
     # Bandwidth on a shared machine drifts; measure again and note both, so a reader can
     # tell whether the rows ran on a quiet or a busy machine.
     after = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)

@@ -62,6 +62,8 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
             "weights_dtype": "float32",  # or 'bfloat16', 'int8': rows without their own (terra.quantization)
             "bandwidth_buffer_mb": 1024,
             "dense_row": 0,  # the row speed-ups are relative to (unless a row names its baseline)
+            # Time the dense row's generation loop again beside every other row (decode_speed.py).
+            "baseline_beside": False,
             "title": "",  # the table's and plot's title (default: the preset's name)
         }
     )
@@ -186,6 +188,11 @@ def quantized_800m() -> ml_collections.ConfigDict:
         + _at_each_width("fully sparse", m("fully_sparse"))
         + _at_each_width("Terraformer", m("terraformer")),
         title="Quantized decoding at the 800M widths, 2+24-layer timing shape (batch 1, float32 activations)",
+        # A 6 ms row timed over 10 steps is 60 ms of loop, a few scheduler slices: 30 steps and
+        # 5 repetitions, with dense float32 timed beside each, give ratios a noisy VM keeps.
+        tokens=32,
+        repeats=5,
+        baseline_beside=True,
     )
 
 
