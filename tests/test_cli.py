@@ -146,6 +146,7 @@ def test_config_overrides_reach_the_chosen_preset():
         (["decdoe"], "Did you mean 'decode'?"),
         ([], "name a subcommand"),
         (["decode", "--gin.TransformerConfig.d_ff"], "write --gin.NAME=VALUE"),
+        (["decode", "--preset", "tiny", "--rows=nosuch"], "no row's name contains any of ['nosuch']; the rows are: "),
     ],
 )
 def test_a_bad_command_line_is_one_line_and_exit_status_2(argv, message, capsys):

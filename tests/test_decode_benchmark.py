@@ -232,3 +232,24 @@ def test_the_table_shows_the_speedup_beside_and_the_loop_over_its_floor_and_arit
     machine.update(jax="0", backend="cpu")
     table = report.markdown_table(rows, machine, 1.0, "t")
     assert "| Speedup beside |" in table and "| 7.50x |" in table and "| 1.50 |" in table
+
+
+def test_selected_rows_keep_the_rows_they_are_measured_against_in_the_presets_order():
+    config = presets.quantized_17b_block()
+    picked = presets.select_rows(config, ["FULLY sparse (+ sparse enc-dec attn) · int8", "terraformer sparse"])
+    assert [r.name for r in picked.rows] == [
+        "baseline Transf. · float32",  # the dense row, which the fully sparse row is measured against
+        "fully sparse (+ sparse enc-dec attn) · int8",
+        "Terraformer dense · float32",  # the Terraformer rows' own baseline
+        "Terraformer Sparse FF+QKV · float32",
+        "Terraformer Sparse FF+QKV · bfloat16",
+        "Terraformer Sparse FF+QKV · int8",
+    ]
+    assert picked.dense_row == 0 and picked.block_mode == config.block_mode and picked.repeats == config.repeats
+    assert len(config.rows) == 12  # the preset itself is unchanged
+    moved = presets.quantized_800m()
+    moved.dense_row = 2  # dense int8 as the reference: it stays the reference after the selection
+    assert presets.select_rows(moved, ["fully sparse · int8"]).dense_row == 0
+    assert presets.select_rows(moved, []) is moved
+    with pytest.raises(ValueError, match="no row's name contains any of"):
+        presets.select_rows(moved, ["nosuch"])

@@ -271,6 +271,26 @@ def tiny() -> ml_collections.ConfigDict:
     )
 
 
+def select_rows(config: ml_collections.ConfigDict, patterns: Sequence[str]) -> ml_collections.ConfigDict:
+    """``config`` with only the rows whose names contain one of ``patterns`` (case-insensitive),
+    plus the rows their speed-ups are measured against (the dense row always, and a row's own
+    ``baseline``), in the preset's order; ``dense_row`` follows its row. No patterns: unchanged."""
+    if not patterns:
+        return config
+    rows = list(config.rows)
+    wanted = {i for i, row in enumerate(rows) if any(p.lower() in row.name.lower() for p in patterns)}
+    if not wanted:
+        names = ", ".join(row.name for row in rows)
+        raise ValueError(f"no row's name contains any of {list(patterns)}; the rows are: {names}.")
+    index = {row.name: i for i, row in enumerate(rows)}
+    wanted |= {index[rows[i].baseline] for i in wanted if rows[i].baseline} | {config.dense_row}
+    kept = sorted(wanted)
+    selected = ml_collections.ConfigDict(config.to_dict())
+    selected.rows = [rows[i] for i in kept]
+    selected.dense_row = kept.index(config.dense_row)
+    return selected
+
+
 def single_model(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> ml_collections.ConfigDict:
     """One model, from its own gin files, with the default timing protocol."""
     return timing_config([make_row(" + ".join(gin_files), *gin_files, bindings=bindings)], common_bindings=[])

@@ -20,6 +20,7 @@ Writes decode_speed.{md,json,png} and machine.json to --out.
   terra-bench decode --preset tiny                                   # seconds: a smoke run
   terra-bench decode --gin_file=models/fully_sparse_800m.gin         # one config
   terra-bench decode --preset paper_800m --config.tokens=20 --config.weights_dtype=bfloat16
+  terra-bench decode --preset quantized_17b_block --rows="fully sparse"   # these rows and their baseline
   terra-bench decode --replot out/paper_800m                         # redraw table and plot only
 """
 
@@ -33,6 +34,13 @@ def define_decode_flags(flag_values: flags.FlagValues, argv) -> None:
     )
     flags.DEFINE_string(
         "out", None, "directory for decode_speed.{json,md,png} and machine.json", flag_values=flag_values
+    )
+    flags.DEFINE_multi_string(
+        "rows",
+        [],
+        "time only the preset's rows whose names contain one of these (case-insensitive), with the rows "
+        "they are measured against",
+        flag_values=flag_values,
     )
     flags.DEFINE_string(
         "replot",
@@ -61,6 +69,12 @@ def run_decode(flag_values: flags.FlagValues, _) -> int:
     else:
         config.common_bindings = list(config.common_bindings) + gin["gin_bindings"]
         title = config.title or f"decode speed, preset {flag_values.preset}"
+        if flag_values.rows:
+            try:
+                config = presets.select_rows(config, flag_values.rows)
+            except ValueError as e:
+                raise errors.UsageError(str(e)) from None
+            title += " (selected rows)"
     decode_speed.run_preset(config, flag_values.out, title)
     return 0
 
