@@ -127,9 +127,10 @@ def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():
 
 # --- sparse QKV projections ----------------------------------------------------------------------
 
-# (d_model, heads): modules M of 8, 24 and 32 (a vector and a narrow tail, a whole tile); d_model
-# not a multiple of 16; the last past the multiply-adds split between threads.
-ATTENTION_SHAPES = [(40, 5), (96, 4), (512, 16)]
+# (d_model, heads): modules M of 8, 24, 32 and 18 (a vector and a narrow tail, a whole tile); d_model
+# not a multiple of 16; the last two past the multiply-adds split between threads, the last with 64
+# rows (2 x 32 modules) shared out as one chunk of four register tiles per thread.
+ATTENTION_SHAPES = [(40, 5), (96, 4), (512, 16), (576, 32)]
 
 
 @functools.cache
