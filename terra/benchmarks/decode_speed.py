@@ -76,19 +76,21 @@ class DecodeTiming:
     def min_token_s(self) -> float:
         return float(np.min(self.token_s))
 
+    def _per_step(self, pairs: List[Tuple[float, float]]) -> Optional[float]:
+        if not pairs:
+            return None
+        return measured_difference([a for a, _ in pairs], [b for _, b in pairs], self.loop_steps)
+
     @property
     def median_loop_token_s(self) -> Optional[float]:
         """In-loop seconds per token, or None when the loop's jitter hides it (tiny models)."""
-        return measured_difference([a for a, _ in self.loop_s], [b for _, b in self.loop_s], self.loop_steps)
+        return self._per_step(self.loop_s)
 
     @property
     def median_beside_loop_token_s(self) -> Optional[float]:
         """The baseline's in-loop seconds per token timed beside this row (None: not timed, or
         lost in jitter)."""
-        if not self.beside_loop_s:
-            return None
-        pairs = self.beside_loop_s
-        return measured_difference([a for a, _ in pairs], [b for _, b in pairs], self.loop_steps)
+        return self._per_step(self.beside_loop_s)
 
     def summary(self) -> dict:
         return {
@@ -258,8 +260,7 @@ def run_row(row, config, bandwidth: float, product_gflops: float, beside=None, k
     weights_dtype = row.get("weights_dtype") or config.weights_dtype
     if config.block_mode == "difference":
         one, two = (bindings + [f"TransformerConfig.n_decoder_layers = {n}"] for n in (1, 2))
-        if beside is not None or keep:
-            raise ValueError("baseline_beside times whole models; the 'difference' block mode cannot.")
+        # Each row is two models timed one after the other: run_preset refuses baseline_beside.
         t1, r1, _, _, _ = _time_model(row.gin_files, one, config, weights_dtype)
         timing, reads, n_params, _, loop = _time_model(row.gin_files, two, config, weights_dtype)
         per_block = timing.median_token_s - t1.median_token_s

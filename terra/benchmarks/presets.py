@@ -8,6 +8,7 @@ timing protocol. ``terra-bench decode --preset NAME`` overrides any field from t
 (``ml_collections.config_flags``), e.g. ``--config.tokens=20 --config.input_length=32``.
 """
 
+import copy
 from typing import Callable, Dict, Sequence
 
 import ml_collections
@@ -285,7 +286,7 @@ def select_rows(config: ml_collections.ConfigDict, patterns: Sequence[str]) -> m
     index = {row.name: i for i, row in enumerate(rows)}
     wanted |= {index[rows[i].baseline] for i in wanted if rows[i].baseline} | {config.dense_row}
     kept = sorted(wanted)
-    selected = ml_collections.ConfigDict(config.to_dict())
+    selected = copy.deepcopy(config)
     selected.rows = [rows[i] for i in kept]
     selected.dense_row = kept.index(config.dense_row)
     return selected

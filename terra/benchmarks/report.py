@@ -56,18 +56,15 @@ def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
         beside = r.get("dense_loop_beside_seconds") if reference["name"] == default else None
         r["speedup_vs_dense_loop_beside"] = _ratio(beside, r[loop_key])
         # How far the generation loop is from what the step's bytes and arithmetic need at the
-        # least: 1.0 would overlap nothing and still reach the floor (the issue's bar is 1.5).
+        # least: 1.0 would overlap nothing and still reach the floor (docs/decode_speed.md sets
+        # 1.5 as the quantized rows' target).
         floor_and_arithmetic = r.get("floor_seconds", 0.0) + r.get("arithmetic_seconds", 0.0)
         r["loop_over_floor_and_arithmetic"] = _ratio(r[loop_key], floor_and_arithmetic)
         r["paper_speedup"] = _ratio(reference.get("paper_seconds"), r.get("paper_seconds"))
 
 
-def _speedup(value: Optional[float]) -> str:
-    return "—" if value is None else f"{value:.2f}x"
-
-
-def _ratio_cell(value: Optional[float]) -> str:
-    return "—" if value is None else f"{value:.2f}"
+def _speedup(value: Optional[float], unit: str = "x") -> str:
+    return "—" if value is None else f"{value:.2f}{unit}"
 
 
 def _paper(row: dict) -> str:
@@ -126,7 +123,7 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
             + f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
             f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms | "
             f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms | "
-            f"{_ratio_cell(r.get('loop_over_floor_and_arithmetic'))} | {_paper(r)} |"
+            f"{_speedup(r.get('loop_over_floor_and_arithmetic'), unit='')} | {_paper(r)} |"
         )
     if any(r[loop_key] is None for r in rows):
         lines += [

@@ -1292,8 +1292,7 @@ TERRA_ATTENTION_BODY(Avx512, kAvx512, TERRA_AVX512, 8)
 #endif
 
 template <typename W>
-void SparseAttentionDecode(ffi::ThreadPool& pool, SparseAttentionStep<W> s) {
-  s.workers = Workers(pool);
+void SparseAttentionDecode(ffi::ThreadPool& pool, const SparseAttentionStep<W>& s) {
   int64_t work = s.mult.n_in * s.mult.n_out * s.mult.batch;  // multiply-adds
   for (int c = 0; c < s.n_convs; ++c) work += s.convs[c].product.n_in * s.convs[c].product.n_out * s.convs[c].product.batch;
   RunPhases(pool, work >= kParallelBytes, {s.RowChunks(), s.RowChunks()},
@@ -1574,6 +1573,7 @@ ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, int64_t mode, ffi::Remaini
       a.bias = static_cast<const float*>(bias.untyped_data());
     }
   }
+  s.workers = Workers(pool);
   SparseAttentionDecode(pool, s);
   return ffi::Error::Success();
 }
