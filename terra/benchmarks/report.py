@@ -63,7 +63,7 @@ def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
         r["paper_speedup"] = _ratio(reference.get("paper_seconds"), r.get("paper_seconds"))
 
 
-def _speedup(value: Optional[float], unit: str = "x") -> str:
+def _ratio_cell(value: Optional[float], unit: str = "x") -> str:
     return "—" if value is None else f"{value:.2f}{unit}"
 
 
@@ -117,13 +117,13 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
         lines.append(
             f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
             f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
-            f"{_speedup(r['speedup_vs_dense'])} | {milliseconds(r[loop_key])} | "
-            f"{_speedup(r['speedup_vs_dense_loop'])} | "
-            + (f"{_speedup(r.get('speedup_vs_dense_loop_beside'))} | " if beside else "")
+            f"{_ratio_cell(r['speedup_vs_dense'])} | {milliseconds(r[loop_key])} | "
+            f"{_ratio_cell(r['speedup_vs_dense_loop'])} | "
+            + (f"{_ratio_cell(r.get('speedup_vs_dense_loop_beside'))} | " if beside else "")
             + f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
             f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms | "
             f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms | "
-            f"{_speedup(r.get('loop_over_floor_and_arithmetic'), unit='')} | {_paper(r)} |"
+            f"{_ratio_cell(r.get('loop_over_floor_and_arithmetic'), unit='')} | {_paper(r)} |"
         )
     if any(r[loop_key] is None for r in rows):
         lines += [

@@ -1204,24 +1204,22 @@ struct SparseAttentionStep {
   float* windows[kMaxConvolutions];  // convs[c].product.x
   DecodeAttention attention;          // after the convolutions, for the same rows (heads)
 
-  int64_t workers = 1;                // threads sharing the chunks (Workers)
-
   // Rows b * S + s per chunk: whole register tiles of the blocked product (kernel R <= 8), one
-  // chunk per worker. Each chunk widens every weight of E once: at the 17B widths (S = 64, E
-  // [9216, 144]) chunks of 8 rows widened E eight times per call, and two chunks of 32 rows take
-  // the encoder-decoder attention's call from 1.74-1.79 to 1.31-1.37 ms.
+  // chunk per thread that runs the call (ShareRows). Each chunk widens every weight of E once: at
+  // the 17B widths (S = 64, E [9216, 144]) chunks of 8 rows widened E eight times per call.
   static constexpr int64_t kRowTile = 8;
-  int64_t RowsPerChunk() const {
-    const int64_t per_chunk = (batch * n_modules + workers - 1) / workers;
-    return std::max(kRowTile, (per_chunk + kRowTile - 1) / kRowTile * kRowTile);
+  int64_t rows_per_chunk = kRowTile;
+  void ShareRows(int64_t threads) {
+    const int64_t per_thread = (batch * n_modules + threads - 1) / threads;
+    rows_per_chunk = std::max(kRowTile, (per_thread + kRowTile - 1) / kRowTile * kRowTile);
   }
-  int64_t RowChunks() const { return (batch * n_modules + RowsPerChunk() - 1) / RowsPerChunk(); }
+  int64_t RowChunks() const { return (batch * n_modules + rows_per_chunk - 1) / rows_per_chunk; }
 };
 
 template <int I, typename W, int R>
 TERRA_INLINE void SparseAttentionChunk(const SparseAttentionStep<W>& s, int phase, int64_t chunk) {
   const int64_t rows = s.batch * s.n_modules, m = s.module, f = s.length;
-  const int64_t r0 = chunk * s.RowsPerChunk(), r1 = std::min(rows, r0 + s.RowsPerChunk());
+  const int64_t r0 = chunk * s.rows_per_chunk, r1 = std::min(rows, r0 + s.rows_per_chunk);
   if (phase == 0) {
     // Gated rows r = b * S + module: x[b] * (gate[module] widened with its scale), as the layer's
     // x * widen(gate) computes them; then u = gated E + bias for these rows.
@@ -1292,10 +1290,12 @@ TERRA_ATTENTION_BODY(Avx512, kAvx512, TERRA_AVX512, 8)
 #endif
 
 template <typename W>
-void SparseAttentionDecode(ffi::ThreadPool& pool, const SparseAttentionStep<W>& s) {
+void SparseAttentionDecode(ffi::ThreadPool& pool, SparseAttentionStep<W>& s) {
   int64_t work = s.mult.n_in * s.mult.n_out * s.mult.batch;  // multiply-adds
   for (int c = 0; c < s.n_convs; ++c) work += s.convs[c].product.n_in * s.convs[c].product.n_out * s.convs[c].product.batch;
-  RunPhases(pool, work >= kParallelBytes, {s.RowChunks(), s.RowChunks()},
+  const bool parallel = work >= kParallelBytes;
+  s.ShareRows(parallel ? Workers(pool) : 1);
+  RunPhases(pool, parallel, {s.RowChunks(), s.RowChunks()},
             [&](int phase, int64_t c) { TERRA_DISPATCH(SparseAttentionChunk, s, phase, c); });
 }
 
@@ -1573,7 +1573,6 @@ ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, int64_t mode, ffi::Remaini
       a.bias = static_cast<const float*>(bias.untyped_data());
     }
   }
-  s.workers = Workers(pool);
   SparseAttentionDecode(pool, s);
   return ffi::Error::Success();
 }
