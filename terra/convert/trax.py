@@ -19,7 +19,7 @@ import gin
 from terra import gin_utils
 from terra.convert.trax_arguments import read_trax_arguments, trax_gin
 from terra.convert.trax_file import read_trax_weights
-from terra.convert.trax_layout import to_terra_params
+from terra.convert.trax_layout import leaf_line, to_terra_params, trax_leaves
 from terra.errors import CheckpointError, ConfigError
 
 
@@ -74,8 +74,10 @@ def convert_trax_checkpoint(
     files, bindings = _model_gin(trax_config, gin_files)
     gin_utils.parse_gin(files, [*bindings, *gin_bindings], finalize=False, search_paths=search_paths)
     model = gin_utils.build_model("building the model for the Trax checkpoint")
-    flat = read_trax_weights(checkpoint)
-    params = to_terra_params(flat, model.abstract_params(), where=checkpoint)
+    abstract = model.abstract_params()
+    leaves = trax_leaves(abstract)  # the limits and shape checks of the read come from the model
+    flat = read_trax_weights(checkpoint, leaves, describe=leaf_line)
+    params = to_terra_params(flat, abstract, where=checkpoint, leaves=leaves)
     config = (
         f"# Converted by terra.convert from the Trax checkpoint {os.path.abspath(checkpoint)}\n"
         f"# ({len(flat)} arrays, {sum(a.size for a in flat):,d} parameters; terra parameters at step 0).\n\n"

@@ -1,75 +1,48 @@
-"""Reading the weight files of the paper's own code (Trax) without Trax.
+"""Reading the weight files of the paper's own code (Trax) without Trax, as files from strangers.
 
 Trax writes weights with ``Layer.save_to_file`` (``gzip(pickle({'flat_weights': [...],
-'flat_state': [...]}))``) and training checkpoints with ``Loop.save_checkpoint``; since the
-2021 version of that format the checkpoint's ``'flat_weights'`` is an int (the gzip level) and
-the arrays sit in a sibling ``<name>.weights.npy.gz``: one gzip stream of consecutive
-``np.save`` records, bfloat16 stored as uint16 bit patterns. Either way ``flat_weights`` is the
-depth-first list of the model's weight arrays (``fastmath.tree_flatten`` with empty entries
-dropped), which :mod:`terra.convert.trax_layout` maps onto terra's parameters.
+'flat_state': [...], 'input_signature': ...}))``) and training checkpoints with
+``Loop.save_checkpoint``. Under JAX the arrays in those pickles are jax arrays. Since the 2021
+version of the Loop format the checkpoint's ``'flat_weights'`` is an int (the gzip level) and the
+arrays sit in a sibling ``<name>.weights.npy.gz``: one gzip stream of consecutive ``np.save``
+records, bfloat16 stored as uint16 bit patterns. Either way ``flat_weights`` is the depth-first
+list of the model's weight arrays (``fastmath.tree_flatten`` with empty entries dropped), which
+:mod:`terra.convert.trax_layout` maps onto terra's parameters.
 
-Unpickling runs code named by the file; only numpy's array reconstruction and plain
-containers are allowed here, and Trax's own classes (``ShapeDtype`` in a checkpoint's
-``input_signature``) are read as inert placeholders, so a file that names anything else is
-refused instead of executed.
+Nothing the file names is run (:mod:`terra.convert.safe_pickle` allows an exact list of names,
+each bound to a function that builds a numpy array), and nothing is allocated past what the
+model needs: given the model's expected arrays (``leaves``), decompression of the pickle stops
+at three times the model's float32 weight bytes plus 16 MiB (a 2020-format Loop checkpoint
+keeps the weights and up to two optimizer slots inline), and every record of a sibling
+``.weights.npy.gz`` has its shape and dtype checked against the model before its bytes are read.
 """
 
 import gzip
+import io
+import math
 import os
-import pickle
-from typing import Any, List
+import stat
+import zlib
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from terra.convert import safe_pickle
+from terra.convert.limited_reader import LimitedReader
 from terra.errors import CheckpointError
 
-_ALLOWED_MODULES = ("numpy", "numpy.core", "numpy._core", "collections", "builtins", "_codecs")
-_ALLOWED_BUILTINS = {"list", "tuple", "dict", "set", "frozenset", "int", "float", "bool", "complex", "bytes", "str"}
-
-
-class TraxObject:
-    """Stands in for an object of a Trax class found in a checkpoint (never needed for the
-    weights): it accepts any constructor arguments and pickled state."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _WeightsUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        top = module.split(".")[0]
-        if top == "trax":
-            return type(name, (TraxObject,), {"__module__": module})
-        if module == "builtins" and name not in _ALLOWED_BUILTINS:
-            raise CheckpointError(f"the file asks to run builtins.{name} while unpickling; refusing to load it.")
-        if top == "numpy" or module in _ALLOWED_MODULES:
-            if module.startswith("numpy._core") and not hasattr(np, "_core"):  # numpy 1.x reading a numpy 2 pickle
-                module = "numpy.core" + module[len("numpy._core") :]
-            return super().find_class(module, name)
-        raise CheckpointError(
-            f"the file asks to import {module}.{name} while unpickling; a Trax weight file holds only "
-            "numpy arrays in lists and dicts, so it was not loaded."
-        )
-
-
-def _flatten(tree: Any, out: List[np.ndarray]) -> None:
-    """Depth-first leaves of nested lists/tuples/dicts, empty entries and Trax's shared-layer
-    markers (``{'__marker_for_cached_weights_': ()}``) dropped, as ``tree_flatten`` does."""
-    if isinstance(tree, np.ndarray):
-        out.append(tree)
-    elif isinstance(tree, dict):
-        for key in sorted(tree):  # tree_flatten's order
-            _flatten(tree[key], out)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            _flatten(item, out)
-    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
-        out.append(np.asarray(tree))
-    elif tree is not None:
-        raise CheckpointError(f"unexpected {type(tree).__name__} among the weights; expected numpy arrays.")
+# Without the model's expected arrays (a direct call of read_trax_weights), a file may inflate
+# to this much.
+DEFAULT_MAX_BYTES = 2 << 30
+PICKLE_MARGIN_BYTES = 16 << 20
+# A 2020-format Loop checkpoint holds the weights and the optimizer's slots (Adam: two per
+# weight) inline; later formats and save_to_file hold less.
+PICKLE_WEIGHT_COPIES = 3
+# Pickle opcodes: about 20 per array (weights, state, slots) plus a training history's entries.
+OPS_PER_ARRAY = 64
+OPS_MARGIN = 2_000_000
+NPY_MAX_HEADER = 10_000
+_FLOATING = ("f", "bf16")
 
 
 def sibling_weights_path(path: str) -> str:
@@ -78,63 +51,185 @@ def sibling_weights_path(path: str) -> str:
     return stem + ".weights.npy.gz"
 
 
-def _read_sibling_arrays(path: str) -> List[np.ndarray]:
-    arrays = []
+def _regular_file(path: str, missing: str) -> None:
     try:
-        with gzip.open(path, "rb") as f:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(missing) from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e.strerror}.") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory); give the weight file.")
+
+
+def _shape_line(index: int, leaves, describe) -> str:
+    return describe(index, leaves[index]) if describe else f"[{index}] {tuple(leaves[index].shape)}"
+
+
+def _read_npy_header(f: LimitedReader, path: str, index: int):
+    """``(shape, fortran, dtype)`` of the next ``np.save`` record, or None at the end of the file.
+    The header's length is checked before it is read; its text is parsed by numpy's own
+    literal parser (``ast.literal_eval``), which runs no code."""
+    magic = f.read(8)
+    if not magic:
+        return None
+    if len(magic) < 8 or magic[:6] != b"\x93NUMPY":
+        raise CheckpointError(f"{path}: record {index} is not an np.save record.")
+    major = magic[6]
+    if major not in (1, 2, 3):
+        raise CheckpointError(f"{path}: record {index} has np.save format version {major}, which numpy does not write.")
+    length_bytes = f.read(2 if major == 1 else 4)
+    length = int.from_bytes(length_bytes, "little")
+    if len(length_bytes) != (2 if major == 1 else 4) or length > NPY_MAX_HEADER:
+        raise CheckpointError(f"{path}: record {index} declares a {length}-byte header; np.save writes under 10 KB.")
+    header = f.read(length)
+    reread = io.BytesIO(magic + length_bytes + header)
+    reread.seek(8)
+    try:
+        reader = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = reader(reread, max_header_size=NPY_MAX_HEADER)
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise CheckpointError(f"{path}: record {index} has an unreadable np.save header ({e}).") from None
+    if dtype.hasobject or dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+        raise CheckpointError(
+            f"{path}: record {index} declares dtype {dtype}; a Trax weights file holds numeric arrays only, so it "
+            "was not read."
+        )
+    if len(shape) > safe_pickle.MAX_NDIM:
+        raise CheckpointError(f"{path}: record {index} declares {len(shape)} dimensions.")
+    return shape, fortran, dtype
+
+
+def _read_sibling_arrays(path: str, leaves: Optional[Sequence[Any]], describe) -> List[np.ndarray]:
+    _regular_file(path, f"{path} does not exist.")
+    if leaves is None:
+        budget = DEFAULT_MAX_BYTES
+    else:  # float64 at most per element, plus every header
+        budget = sum(8 * math.prod(leaf.shape) for leaf in leaves) + (len(leaves) + 1) * (NPY_MAX_HEADER + 16)
+    arrays: List[np.ndarray] = []
+    try:
+        with gzip.open(path, "rb") as raw:
+            f = LimitedReader(raw, budget, path, "the model's weights take in float64")
             while True:
-                try:
-                    array = np.load(f, allow_pickle=False)
-                except EOFError:
+                index = len(arrays)
+                header = _read_npy_header(f, path, index)
+                if header is None:
                     break
-                except ValueError as e:
-                    raise CheckpointError(f"{path}: record {len(arrays)} is not an np.save record ({e}).") from e
+                shape, fortran, dtype = header
+                if leaves is not None and index >= len(leaves):
+                    raise CheckpointError(
+                        f"{path} holds more than the {len(leaves)} arrays the model expects: extra [{index}] shape "
+                        f"{shape}. The file's model has more layers or weights than the arguments describe."
+                    )
+                if leaves is not None and tuple(shape) != tuple(leaves[index].shape):
+                    raise CheckpointError(
+                        f"{path}: array [{index}] has shape {shape}, but the model expects "
+                        f"{_shape_line(index, leaves, describe)}. The Trax arguments (or gin config) do not "
+                        "describe the model that wrote the file."
+                    )
+                nbytes = math.prod(shape) * dtype.itemsize
+                data = f.read(nbytes)
+                if len(data) != nbytes:
+                    raise CheckpointError(f"{path}: record {index} ends after {len(data)} of its {nbytes} bytes.")
+                array = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
                 # Trax stores bfloat16 as its uint16 bit pattern; widen exactly to float32.
-                if array.dtype == np.uint16:
+                if dtype.kind == "u" and dtype.itemsize == 2:
                     array = (array.astype(np.uint32) << 16).view(np.float32)
                 arrays.append(array)
-    except OSError as e:
-        raise CheckpointError(f"{path} is not a readable gzip file: {e}") from e
+    except (OSError, EOFError, zlib.error) as e:
+        raise CheckpointError(f"{path} is not a readable gzip file: {e}") from None
     return arrays
 
 
-def read_trax_weights(path: str) -> List[np.ndarray]:
+def _flatten(tree: Any, out: List[np.ndarray], depth: int = 0) -> None:
+    """Depth-first leaves of nested lists/tuples/dicts, empty entries and Trax's shared-layer
+    markers (``{'__marker_for_cached_weights_': ()}``) dropped, as ``tree_flatten`` does."""
+    if depth > safe_pickle.MAX_NESTING:
+        raise CheckpointError(f"the weights nest more than {safe_pickle.MAX_NESTING} deep.")
+    if isinstance(tree, (np.ndarray, np.generic)):
+        out.append(np.asarray(tree))
+    elif isinstance(tree, dict):
+        if not all(isinstance(key, str) for key in tree):
+            raise CheckpointError("a dict among the weights has keys that are not strings.")
+        for key in sorted(tree):  # tree_flatten's order
+            _flatten(tree[key], out, depth + 1)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _flatten(item, out, depth + 1)
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        out.append(np.asarray(tree, np.float32))
+    elif tree is not None:
+        raise CheckpointError(f"unexpected {type(tree).__name__} among the weights; expected numeric arrays.")
+
+
+def _pickle_budget(leaves: Optional[Sequence[Any]]):
+    if leaves is None:
+        return DEFAULT_MAX_BYTES, "terra reads without a model to check against", 4 * OPS_MARGIN
+    weights = sum(4 * math.prod(leaf.shape) for leaf in leaves)
+    why = (
+        f"that {PICKLE_WEIGHT_COPIES} float32 copies of the model's weights ({len(leaves)} arrays) plus 16 MiB take "
+        "(weights and two optimizer slots)"
+    )
+    return PICKLE_WEIGHT_COPIES * weights + PICKLE_MARGIN_BYTES, why, OPS_PER_ARRAY * 4 * len(leaves) + OPS_MARGIN
+
+
+def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None, describe=None) -> List[np.ndarray]:
     """The flat weight list of a Trax weight file or checkpoint (``*.pkl.gz``), as float32
     numpy arrays in Trax's order.
 
+    Args:
+      path: the ``.pkl.gz`` file.
+      leaves: the arrays the model expects, in file order (anything with a ``shape``:
+        :func:`terra.convert.trax_layout.trax_leaves`); they size the read limits and are
+        checked against a sibling ``.weights.npy.gz`` record by record. Without them the file
+        may inflate to ``DEFAULT_MAX_BYTES``.
+      describe: ``describe(index, leaf)`` names an expected array in errors.
+
     Raises:
-      CheckpointError: the file is missing, not gzip, not a pickle of Trax's layout, or needs
-        a missing sibling ``.weights.npy.gz`` file; the message names the file.
+      CheckpointError: the file is missing, not gzip, not a pickle of Trax's layout, names
+        anything outside the allowed list, exceeds the limits, holds non-numeric arrays, or
+        needs a missing sibling ``.weights.npy.gz`` file; the message names the file.
     """
-    if not os.path.isfile(path):
-        raise CheckpointError(
-            f"{path} does not exist: give the Trax weight file (model.pkl.gz, written by Layer.save_to_file "
-            "or a training Loop's checkpoint)."
-        )
+    _regular_file(
+        path,
+        f"{path} does not exist: give the Trax weight file (model.pkl.gz, written by Layer.save_to_file or a "
+        "training Loop's checkpoint).",
+    )
+    budget, why, max_ops = _pickle_budget(leaves)
     try:
-        with gzip.open(path, "rb") as f:
-            content = _WeightsUnpickler(f).load()
+        with gzip.open(path, "rb") as raw:
+            content = safe_pickle.load(LimitedReader(raw, budget, path, why), max_ops)
     except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, IndexError, TypeError) as e:
-        raise CheckpointError(
-            f"{path} is not a Trax weight file (gzip-compressed pickle): {type(e).__name__}: {e}"
-        ) from e
+        message = str(e)
+        if not message.startswith(path):
+            message = f"{path} {message}" if message.startswith("is not") else f"{path}: {message}"
+        raise CheckpointError(message) from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise CheckpointError(f"{path} is not a Trax weight file (gzip-compressed pickle): {e}") from None
     if not isinstance(content, dict) or "flat_weights" not in content:
-        found = sorted(content) if isinstance(content, dict) else type(content).__name__
+        found = sorted(map(str, content)) if isinstance(content, dict) else type(content).__name__
         raise CheckpointError(f"{path} has no 'flat_weights' entry (found {found}); it is not a Trax weight file.")
     weights = content["flat_weights"]
     if isinstance(weights, int) and not isinstance(weights, bool):
         sibling = sibling_weights_path(path)
-        if not os.path.isfile(sibling):
+        if not os.path.exists(sibling):
             raise CheckpointError(
                 f"{path} keeps its weights in a separate file, and {sibling} does not exist; copy it next to "
                 f"{os.path.basename(path)}."
             )
-        flat = _read_sibling_arrays(sibling)
+        flat = _read_sibling_arrays(sibling, leaves, describe)
     else:
         flat = []
-        _flatten(weights, flat)
+        try:
+            _flatten(weights, flat)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     if not flat:
         raise CheckpointError(f"{path} holds no weight arrays.")
+    for index, array in enumerate(flat):
+        if array.dtype.kind != "f":
+            raise CheckpointError(
+                f"{path}: weight array [{index}] has dtype {array.dtype}; Trax's weights are floating-point, so the "
+                "file is not a weight file of this kind."
+            )
     return [np.asarray(a, dtype=np.float32) for a in flat]

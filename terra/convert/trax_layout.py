@@ -294,11 +294,14 @@ def trax_leaves(params: Dict[str, Any]) -> List[TraxLeaf]:
     return b.leaves
 
 
-def _leaf_line(i: int, leaf: TraxLeaf) -> str:
+def leaf_line(i: int, leaf: TraxLeaf) -> str:
+    """``[i] what Trax calls it (shape) -> terra/parameter/path``: an expected array in errors."""
     return f"[{i}] {leaf.describe} {leaf.shape} -> {'/'.join(leaf.path)}"
 
 
-def to_terra_params(flat: Sequence[np.ndarray], params: Dict[str, Any], where: str = "the Trax file") -> Dict:
+def to_terra_params(
+    flat: Sequence[np.ndarray], params: Dict[str, Any], where: str = "the Trax file", leaves=None
+) -> Dict:
     """terra parameters (nested dicts of float32 numpy arrays shaped like ``params``) from the
     Trax file's flat weight list.
 
@@ -306,15 +309,15 @@ def to_terra_params(flat: Sequence[np.ndarray], params: Dict[str, Any], where: s
       CheckpointError: an array of the wrong shape, missing arrays or extra ones, each named by
         its index in the file, what Trax calls it and the terra parameter it would fill.
     """
-    leaves = trax_leaves(params)
+    leaves = trax_leaves(params) if leaves is None else leaves
     for i, (leaf, array) in enumerate(zip(leaves, flat)):
         if tuple(array.shape) != leaf.shape:
             raise CheckpointError(
-                f"{where}: array [{i}] has shape {tuple(array.shape)}, but the model expects {_leaf_line(i, leaf)}. "
+                f"{where}: array [{i}] has shape {tuple(array.shape)}, but the model expects {leaf_line(i, leaf)}. "
                 "The Trax arguments (or gin config) do not describe the model that wrote the file."
             )
     if len(flat) < len(leaves):
-        missing = "; ".join(_leaf_line(i, leaves[i]) for i in range(len(flat), min(len(leaves), len(flat) + 5)))
+        missing = "; ".join(leaf_line(i, leaves[i]) for i in range(len(flat), min(len(leaves), len(flat) + 5)))
         raise CheckpointError(
             f"{where} holds {len(flat)} arrays, the model expects {len(leaves)}: missing {missing}"
             f"{' ...' if len(leaves) - len(flat) > 5 else ''}."

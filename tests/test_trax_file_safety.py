@@ -1,0 +1,301 @@
+"""A Trax weight file is a file from a stranger: it must never run code, never allocate past what
+the model needs, and every refusal is one `error:` line with exit status 2. Each route that ran
+code in an earlier loader has a test here, plus a generated test over gadget globals."""
+
+import gzip
+import io
+import os
+import pickle
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from terra.cli import convert as convert_cli
+from terra.convert import safe_pickle
+from terra.convert.trax_file import read_trax_weights
+from terra.errors import CheckpointError
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "trax")
+DENSE = os.path.join(FIXTURES, "dense")
+
+
+def _unicode(text: str) -> bytes:
+    data = text.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+
+def _global(module: str, name: str, stack_global: bool) -> bytes:
+    if stack_global:  # protocol 4: module and name from the stack, dotted names possible
+        return _unicode(module) + _unicode(name) + pickle.STACK_GLOBAL
+    return pickle.GLOBAL + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _call(module: str, name: str, args: tuple, stack_global: bool = True) -> bytes:
+    """Pickle bytes (no PROTO, no STOP) that call ``module.name(*args)`` with string/None args."""
+    body = _global(module, name, stack_global) + pickle.MARK
+    for arg in args:
+        body += pickle.NONE if arg is None else _unicode(arg) if isinstance(arg, str) else pickle.dumps(arg, 3)[2:-1]
+    return body + pickle.TUPLE + pickle.REDUCE
+
+
+def _weights_file(path, flat_state_payload: bytes = b"", flat_weights=None) -> str:
+    """The dense fixture's dict with ``flat_state`` replaced by the payload's result."""
+    with gzip.open(os.path.join(DENSE, "model.pkl.gz"), "rb") as f:
+        content = safe_pickle.load(f, max_ops=10**6)
+    weights = content["flat_weights"] if flat_weights is None else flat_weights
+    # Protocol 3 has no frames, so the bytes after the dict can be spliced in.
+    prefix = pickle.dumps({"flat_weights": weights}, protocol=3)[:-1]  # drop STOP; the dict stays on the stack
+    state = _unicode("flat_state") + (flat_state_payload or pickle.EMPTY_LIST) + pickle.SETITEM
+    with gzip.open(path, "wb") as f:
+        f.write(prefix + state + pickle.STOP)
+    return str(path)
+
+
+def _convert(tmp_path, checkpoint, capsys, out_name="run"):
+    out = tmp_path / out_name
+    status = convert_cli.main(
+        ["trax", f"--checkpoint={checkpoint}", f"--trax_config={os.path.join(DENSE, 'config.json')}", f"--out={out}"]
+    )
+    err = capsys.readouterr().err
+    return status, [line for line in err.splitlines() if line.strip()], out
+
+
+def test_the_dense_fixture_still_reads_through_the_allow_list(tmp_path):
+    path = _weights_file(tmp_path / "model.pkl.gz")
+    assert len(read_trax_weights(path)) == 93
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        "runstring",  # numpy.testing._private.utils.runstring: an exec
+        "numpy_load",  # numpy.load(path, None, True) on an object .npy
+        "npyio_os_system",  # STACK_GLOBAL('numpy', 'lib._npyio_impl.os.system')
+        "f2py_os_system",  # STACK_GLOBAL('numpy.f2py', 'os.system')
+        "collections_sys_modules",  # collections reaches sys.modules
+    ],
+)
+def test_a_code_execution_route_in_the_ignored_state_is_refused_with_exit_2(tmp_path, capsys, route):
+    marker = tmp_path / "ran"
+    touch = f"open({str(marker)!r}, 'w').close()"
+    if route == "runstring":
+        payload = _call("numpy.testing._private.utils", "runstring", (touch, {}))
+    elif route == "numpy_load":
+        evil = tmp_path / "evil.npy"
+
+        class Touch:
+            def __reduce__(self):
+                return (exec, (touch,))
+
+        np.save(evil, np.array([Touch()], dtype=object), allow_pickle=True)
+        payload = _call("numpy", "load", (str(evil), None, True))
+    elif route == "npyio_os_system":
+        payload = _call("numpy", "lib._npyio_impl.os.system", (f"touch {marker}",))
+    elif route == "f2py_os_system":
+        payload = _call("numpy.f2py", "os.system", (f"touch {marker}",))
+    else:
+        payload = _global("collections", "_sys.modules", True)
+    checkpoint = _weights_file(tmp_path / "model.pkl.gz", payload)
+    status, err, out = _convert(tmp_path, checkpoint, capsys)
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and "asks to import" in err[0], err
+    assert not marker.exists(), "the file ran code"
+    assert not out.exists()
+
+
+GADGETS = [
+    ("numpy", "load"),
+    ("numpy", "fromfile"),
+    ("numpy", "frombuffer"),
+    ("numpy", "array"),
+    ("numpy", "lib"),
+    ("numpy", "testing"),
+    ("numpy.testing._private.utils", "runstring"),
+    ("numpy.lib._npyio_impl", "os"),
+    ("numpy.f2py", "os"),
+    ("numpy.ctypeslib", "load_library"),
+    ("numpy", "_core.multiarray._reconstruct"),  # an allowed name reached by a dotted path
+    ("numpy._core.multiarray", "_reconstruct.__globals__"),
+    ("jax._src.array", "api"),
+    ("jax._src.array", "device_put"),
+    ("ml_dtypes", "bfloat16.__reduce__"),
+    ("trax.shapes", "tf"),
+    ("collections", "namedtuple"),
+    ("collections", "_sys"),
+    ("collections", "abc"),
+    ("codecs", "open"),
+    ("codecs", "decode"),
+    ("_codecs", "encode"),
+    ("functools", "partial"),
+    ("functools", "reduce"),
+    ("operator", "attrgetter"),
+    ("operator", "methodcaller"),
+    ("operator", "getitem"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("builtins", "open"),
+    ("builtins", "compile"),
+    ("builtins", "setattr"),
+    ("builtins", "dict"),
+    ("builtins", "object"),
+    ("os", "system"),
+    ("posix", "system"),
+    ("subprocess", "Popen"),
+    ("subprocess", "check_output"),
+    ("importlib", "import_module"),
+    ("runpy", "run_path"),
+    ("pickle", "loads"),
+    ("_pickle", "loads"),
+    ("shutil", "rmtree"),
+    ("sys", "modules"),
+    ("types", "FunctionType"),
+    ("copyreg", "_reconstructor"),
+    ("ctypes", "CDLL"),
+    ("pty", "spawn"),
+    ("code", "InteractiveInterpreter"),
+    ("timeit", "timeit"),
+    ("tensorflow", "io"),
+]
+
+
+@pytest.mark.parametrize("stack_global", [False, True], ids=["GLOBAL", "STACK_GLOBAL"])
+@pytest.mark.parametrize("module, name", GADGETS, ids=[f"{m}.{n}" for m, n in GADGETS])
+def test_no_gadget_global_is_reachable(tmp_path, module, name, stack_global):
+    marker = tmp_path / "ran"
+    payload = pickle.PROTO + b"\x04" + _call(module, name, (f"touch {marker}",), stack_global) + pickle.STOP
+    with pytest.raises(CheckpointError, match=f"asks to import {module}.{name} while unpickling"):
+        safe_pickle.load(io.BytesIO(payload), max_ops=1000)
+    assert not marker.exists()
+
+
+def test_every_allowed_name_is_bound_to_this_module_not_to_the_library():
+    """The allow-list hands out only the loader's own functions, classes and inert markers."""
+    for (module, name), target in safe_pickle.ALLOWED_NAMES.items():
+        owner = getattr(target, "__module__", type(target).__module__)
+        assert owner == safe_pickle.__name__, (module, name, target)
+
+
+@pytest.mark.parametrize("opcode", [pickle.EXT1 + b"\x01", pickle.PERSID + b"x\n", pickle.INST + b"os\nsystem\n"])
+def test_opcodes_that_reach_other_registries_are_not_run(opcode):
+    with pytest.raises(CheckpointError, match="opcode|asks to import"):
+        safe_pickle.load(io.BytesIO(pickle.PROTO + b"\x04" + pickle.MARK + opcode + pickle.STOP), max_ops=100)
+
+
+def test_state_can_be_set_only_on_the_loaders_placeholders():
+    payload = pickle.dumps([[]], protocol=2)[:-1]  # a list on the stack
+    payload += pickle.EMPTY_DICT + pickle.BUILD + pickle.STOP
+    with pytest.raises(CheckpointError, match="sets the state of a list"):
+        safe_pickle.load(io.BytesIO(payload), max_ops=100)
+
+
+def test_an_object_array_is_refused_in_the_pickle_and_in_a_sibling_file(tmp_path):
+    path = _weights_file(tmp_path / "model.pkl.gz", flat_weights=[np.array([1, "a"], dtype=object)])
+    with pytest.raises(CheckpointError, match="dtype object"):
+        read_trax_weights(path)
+    checkpoint = tmp_path / "loop.pkl.gz"
+    with gzip.open(checkpoint, "wb") as f:
+        pickle.dump({"flat_weights": 2}, f)
+    with gzip.open(tmp_path / "loop.weights.npy.gz", "wb") as f:
+        np.save(f, np.array([1, "a"], dtype=object), allow_pickle=True)
+    with pytest.raises(CheckpointError, match=r"record 0 declares dtype object"):
+        read_trax_weights(str(checkpoint))
+
+
+@pytest.mark.parametrize("form", ["one declared length", "many chunks"])
+def test_a_gzip_bomb_stops_at_the_models_budget_without_allocating_it(tmp_path, capsys, form):
+    bomb = tmp_path / "model.pkl.gz"
+    chunk = b"\0" * (1 << 20)
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # 256 MiB of zeros, under 1 MB on disk
+        if form == "one declared length":
+            f.write(pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 256 << 20))
+            for _ in range(256):
+                f.write(chunk)
+        else:  # a list of 1 MiB strings: each fits, their sum does not
+            f.write(pickle.PROTO + b"\x04" + pickle.EMPTY_LIST)
+            for _ in range(256):
+                f.write(pickle.BINBYTES + struct.pack("<I", len(chunk)) + chunk + pickle.APPEND)
+        f.write(pickle.STOP)
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    status, err, out = _convert(tmp_path, str(bomb), capsys)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert status == 2 and len(err) == 1, err
+    assert "more than the" in err[0] and "float32 copies of the model's weights" in err[0]
+    assert peak < 96 << 20, f"peak {peak / 2**20:.0f} MiB while refusing a gzip bomb"
+    assert not out.exists()
+
+
+def test_a_declared_terabyte_is_refused_before_it_is_read():
+    payload = pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 10**12) + b"tiny"
+    with pytest.raises(CheckpointError, match="asks for"):
+        safe_pickle.load(_limited(payload, 1 << 20), max_ops=100)
+    framed = pickle.PROTO + b"\x04" + pickle.FRAME + struct.pack("<Q", 10**12)
+    with pytest.raises(CheckpointError, match="asks for"):
+        safe_pickle.load(_limited(framed, 1 << 20), max_ops=100)
+    array = pickle.PROTO + b"\x05" + pickle.BYTEARRAY8 + struct.pack("<Q", 10**12)
+    with pytest.raises(CheckpointError, match="asks for"):
+        safe_pickle.load(_limited(array, 1 << 20), max_ops=100)
+
+
+def _limited(data: bytes, budget: int):
+    from terra.convert.limited_reader import LimitedReader
+
+    return LimitedReader(io.BytesIO(data), budget, "the file", "allowed")
+
+
+def test_an_array_whose_bytes_disagree_with_its_shape_is_refused():
+    good = pickle.dumps(np.zeros((2, 3), np.float32), protocol=4)
+    assert safe_pickle.load(io.BytesIO(good), max_ops=100).shape == (2, 3)
+    lying = pickle.dumps(np.zeros((2, 3), np.float32), protocol=4).replace(b"K\x02K\x03", b"K\x20K\x30", 1)
+    with pytest.raises(CheckpointError, match=r"shape \(32, 48\) and dtype f4 comes with 24 bytes"):
+        safe_pickle.load(io.BytesIO(lying), max_ops=100)
+
+
+def test_a_sibling_record_declaring_a_huge_shape_is_refused_from_its_header(tmp_path, capsys):
+    checkpoint = tmp_path / "model.pkl.gz"
+    with gzip.open(checkpoint, "wb") as f:
+        pickle.dump({"flat_weights": 2, "flat_state": 2, "step": 1}, f)
+    header = {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)}
+    with gzip.open(tmp_path / "model.weights.npy.gz", "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.write(b"\0" * 64)
+    status, err, out = _convert(tmp_path, str(checkpoint), capsys)
+    assert status == 2 and len(err) == 1, err
+    assert "array [0] has shape (1000000, 1000000), but the model expects [0] token embedding" in err[0]
+
+
+def test_a_truncated_or_nested_pickle_is_one_error():
+    truncated = pickle.dumps({"flat_weights": [np.zeros(3, np.float32)]}, protocol=4)[:-20]
+    with pytest.raises(CheckpointError, match="not a Trax weight file"):
+        safe_pickle.load(io.BytesIO(truncated), max_ops=1000)
+    nested = pickle.PROTO + b"\x04" + pickle.EMPTY_LIST + (pickle.MARK + pickle.EMPTY_LIST) * 200
+    nested += (pickle.APPENDS) * 200 + pickle.STOP
+    with pytest.raises(CheckpointError, match="nests"):
+        safe_pickle.load(io.BytesIO(nested), max_ops=10_000)
+
+
+def test_a_small_file_cannot_run_more_operations_than_the_model_needs():
+    many = pickle.PROTO + b"\x04" + pickle.EMPTY_LIST + pickle.MARK + pickle.NONE * 5000 + pickle.APPENDS + pickle.STOP
+    with pytest.raises(CheckpointError, match="more pickle operations"):
+        safe_pickle.load(io.BytesIO(many), max_ops=1000)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_a_fifo_named_like_a_checkpoint_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "model.pkl.gz"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_trax_weights(str(fifo))
+
+
+def test_a_file_cannot_change_the_allowed_names_for_the_next_file():
+    """A BUILD on an allowed dtype changes the file's own copy, never the shared entry."""
+    big_endian = pickle.dumps((3, ">", None, None, None, -1, -1, 0), protocol=3)[2:-1]
+    payload = pickle.PROTO + b"\x04" + _global("numpy", "float32", True) + big_endian + pickle.BUILD + pickle.STOP
+    assert safe_pickle.load(io.BytesIO(payload), max_ops=100).order == ">"
+    assert safe_pickle.ALLOWED_NAMES[("numpy", "float32")].order == "<"
