@@ -70,7 +70,9 @@ _BFLOAT16 = _Marker("ml_dtypes.bfloat16")
 
 
 def _refuse(what: str) -> CheckpointError:
-    return CheckpointError(f"{what}; a Trax weight file holds only numeric arrays in lists and dicts, so it was not loaded.")
+    return CheckpointError(
+        f"{what}; a Trax weight file holds only numeric arrays in lists and dicts, so it was not loaded."
+    )
 
 
 class Dtype:
@@ -241,10 +243,7 @@ class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python unpickler: ever
     def find_class(self, module, name):
         target = ALLOWED_NAMES.get((module, name))
         if target is None:
-            raise CheckpointError(
-                f"the file asks to import {module}.{name} while unpickling; a Trax weight file holds only numeric "
-                "arrays in lists and dicts, so it was not loaded."
-            )
+            raise _refuse(f"the file asks to import {module}.{name} while unpickling")
         return target.fresh() if isinstance(target, Dtype) else target
 
     def load_build(self):
