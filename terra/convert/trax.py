@@ -9,6 +9,7 @@ written, and the directory appears whole (written beside it, then renamed), so a
 conversion leaves nothing behind.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -69,6 +70,11 @@ def convert_trax_checkpoint(
     from terra.training import checkpointing
 
     out = os.path.abspath(out)
+    if os.path.islink(out):  # dangling or not: the run would land somewhere else than named
+        raise CheckpointError(
+            f"{out} is a symbolic link (to {os.readlink(out)}); convert into a new directory, or name the "
+            "link's target."
+        )
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise CheckpointError(f"{out} already exists and is not empty; convert into a new directory.")
     files, bindings = _model_gin(trax_config, gin_files)
@@ -78,14 +84,18 @@ def convert_trax_checkpoint(
     leaves = trax_leaves(abstract)  # the limits and shape checks of the read come from the model
     flat = read_trax_weights(checkpoint, leaves, describe=leaf_line)
     params = to_terra_params(flat, abstract, where=checkpoint, leaves=leaves)
+    # The file name is quoted (JSON escapes newlines), so no name can add a line to the config.
     config = (
-        f"# Converted by terra.convert from the Trax checkpoint {os.path.abspath(checkpoint)}\n"
+        f"# Converted by terra.convert from the Trax checkpoint {json.dumps(os.path.abspath(checkpoint))}\n"
         f"# ({len(flat)} arrays, {sum(a.size for a in flat):,d} parameters; terra parameters at step 0).\n\n"
         + gin.config_str()
     )
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=parent)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the run directory {out}: {e.strerror} ({e.filename}).") from None
     try:
         with open(os.path.join(staging, "config.gin"), "w") as f:
             f.write(config)
@@ -97,6 +107,9 @@ def convert_trax_checkpoint(
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.rename(staging, out)
+    except OSError as e:  # a full disk, a read-only folder: nothing is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"cannot write the run directory {out}: {e.strerror or e}.") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -43,10 +43,7 @@ _COMMON_DEFAULTS: Dict[str, Any] = {
     "loss_d_lowrank": 0,
     "loss_sparsity_prob": None,
     "attention_chunk_size": 0,
-    "pos_axial_shape": None,
     "pos_d_axial_embs": None,
-    "pos_start_from_zero_prob": 1.0,
-    "pos_max_offset_to_add": 0,
     "mode": "train",
 }
 DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -57,6 +54,7 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "encoder_attention_type": {"trax_layer": "Attention", "partial_kwargs": {}},
         "encoder_decoder_attention_type": {"trax_layer": "CausalAttention", "partial_kwargs": {}},
         "pos_type": None,
+        "pos_axial_shape": None,
         "enc_dec_attention_sparsity": 0,
     },
     TERRAFORMER: {
@@ -66,6 +64,10 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
         "encoder_attention_type": {"trax_layer": "SelfAttention", "partial_kwargs": {}},
         "encoder_decoder_attention_type": {"trax_layer": "SelfAttention", "partial_kwargs": {}},
         "pos_type": "fixed-base",
+        "pos_axial_shape": (),
+        "pos_start_from_zero_prob": 1.0,
+        "pos_max_offset_to_add": 0,
+        "ff_dropout": None,  # None: the value of `dropout` (reformer's blocks)
         "n_layers_forget": 0,
         "forget_dense": True,
         "n_decoder_attention_layers": 2,
@@ -78,8 +80,10 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
     },
 }
 BASE_CONFIG = {TRANSFORMER: "models/dense_800m.gin", TERRAFORMER: "models/terraformer_800m.gin"}
-# Trax's MultiplicativeConvCausalAttention defaults.
-_MULTCONV_DEFAULTS = {"sparsity": 16, "length_kernel_size": 3}
+# Trax's MultiplicativeConvCausalAttention defaults (sparsity None means the model's n_heads).
+_MULTCONV_DEFAULTS = {"sparsity": None, "length_kernel_size": 3}
+# Trax's SparseFF defaults when ff_sparsity is N or (N, d_lowrank).
+_SPARSE_FF_TEMPERATURE, _SPARSE_FF_QUANT_PROB = 0.1, 0.3
 
 
 def read_trax_arguments(path: str) -> Tuple[str, Dict[str, Any]]:
@@ -142,11 +146,21 @@ class _Arguments:
         return value
 
 
-def _positive_int(args: _Arguments, name: str) -> int:
-    value = args.take(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{args.constructor}({name}={value!r}) must be a positive integer.")
+def _integer(constructor: str, name: str, value, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise ConfigError(f"{constructor}({name}={value!r}) must be {kind}.")
     return value
+
+
+def _number(constructor: str, name: str, value, low: float = 0.0, high: float = 1.0) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{constructor}({name}={value!r}) must be a number in [{low}, {high}].")
+    return float(value)
+
+
+def _positive_int(args: _Arguments, name: str) -> int:
+    return _integer(args.constructor, name, args.take(name), minimum=1)
 
 
 def _sizes(args: _Arguments) -> List[str]:
@@ -161,12 +175,14 @@ def _sizes(args: _Arguments) -> List[str]:
     for name in ("d_model", "d_ff", "n_heads", "max_len"):
         bindings.append(f"TransformerConfig.{name} = {_positive_int(args, name)}")
     for name in ("n_encoder_layers", "n_decoder_layers"):
-        bindings.append(f"TransformerConfig.{name} = {int(args.take(name))}")
-    dropout = float(args.take("dropout"))
+        bindings.append(f"TransformerConfig.{name} = {_integer(args.constructor, name, args.take(name))}")
+    dropout = _number(args.constructor, "dropout", args.take("dropout"))
+    ff_dropout = args.take("ff_dropout")
+    ff_dropout = dropout if ff_dropout is None else _number(args.constructor, "ff_dropout", ff_dropout)
     bindings += [
         f"TransformerConfig.dropout = {dropout}",
         f"TransformerConfig.attention_dropout = {dropout}",  # Trax passes `dropout` to the attention layers
-        f"TransformerConfig.ff_dropout = {float(args.take('ff_dropout'))}",
+        f"TransformerConfig.ff_dropout = {ff_dropout}",
         "TransformerConfig.dtype = 'float32'",
     ]
     activation, _ = _layer(args.take("ff_activation"), "ff_activation")
@@ -178,8 +194,11 @@ def _sizes(args: _Arguments) -> List[str]:
     )
     args.require("pos_axial_shape", (None, [], ()), "terra has no axial positional embeddings.")
     args.require("pos_d_axial_embs", (None,), "terra has no axial positional embeddings.")
-    start = float(args.take("pos_start_from_zero_prob"))
-    offset = int(args.take("pos_max_offset_to_add"))
+    # ConfigurableTransformer has neither argument: its positions always start from zero.
+    start, offset = 1.0, 0
+    if "pos_start_from_zero_prob" in args.values:
+        start = _number(args.constructor, "pos_start_from_zero_prob", args.take("pos_start_from_zero_prob"))
+        offset = _integer(args.constructor, "pos_max_offset_to_add", args.take("pos_max_offset_to_add"))
     bindings += [
         f"TransformerConfig.position_start_from_zero_prob = {start}",
         f"TransformerConfig.position_max_offset = {offset}",
@@ -190,29 +209,38 @@ def _sizes(args: _Arguments) -> List[str]:
 
 def _feed_forward(args: _Arguments, selector: str) -> List[str]:
     sparsity = args.take("ff_sparsity")
+    chunk = _integer(args.constructor, "ff_chunk_size", args.take("ff_chunk_size") or 0)
     if sparsity in (0, None):
-        args.take("ff_chunk_size")  # terra's dense FF is unchunked: the same outputs, more training memory
+        # terra's dense FF is unchunked: the same outputs, more training memory
         return [f"{selector}.feed_forward = @FeedForward"]
-    if isinstance(sparsity, int) and not isinstance(sparsity, bool):
-        n, rest = sparsity, []
-    elif isinstance(sparsity, (list, tuple)) and 2 <= len(sparsity) <= 4:
-        n, rest = sparsity[0], list(sparsity[1:])
+    if isinstance(sparsity, str):  # Trax's sweep-file form, "N d_lowrank [temperature quant_prob]"
+        try:
+            sparsity = [float(x) if "." in x else int(x) for x in sparsity.split()]
+        except ValueError:
+            sparsity = [sparsity]
+    # Trax's SparseFF takes N, (N, d_lowrank) or (N, d_lowrank, temperature, quant_prob).
+    if isinstance(sparsity, (list, tuple)) and len(sparsity) in (2, 4):
+        n, d_lowrank = sparsity[0], sparsity[1]
+        temperature, quant_prob = (
+            sparsity[2:] if len(sparsity) == 4 else (_SPARSE_FF_TEMPERATURE, _SPARSE_FF_QUANT_PROB)
+        )
+    elif not isinstance(sparsity, (list, tuple)):
+        n, d_lowrank, temperature, quant_prob = sparsity, None, _SPARSE_FF_TEMPERATURE, _SPARSE_FF_QUANT_PROB
     else:
         raise ConfigError(
-            f"{args.constructor}(ff_sparsity={sparsity!r}): expected 0, N, or "
-            "(N, d_lowrank[, temperature, quant_prob])."
+            f"{args.constructor}(ff_sparsity={sparsity!r}): expected 0, N, (N, d_lowrank) or "
+            "(N, d_lowrank, temperature, quant_prob), as Trax's SparseFF unpacks it."
         )
-    bindings = [
+    d_lowrank = None if d_lowrank is None else _integer(args.constructor, "ff_sparsity's d_lowrank", d_lowrank, 1)
+    return [
         f"{selector}.feed_forward = @SparseFeedForward",
-        f"SparseFeedForward.ff_sparsity = {int(n)}",
+        f"SparseFeedForward.ff_sparsity = {_integer(args.constructor, 'ff_sparsity', n, 1)}",
         # One straight-through coin per chunk, computed chunk by chunk (training only).
-        f"SparseFeedForward.ff_chunk_size = {int(args.take('ff_chunk_size') or 0)}",
+        f"SparseFeedForward.ff_chunk_size = {chunk}",
+        f"SparseFeedForward.d_lowrank = {d_lowrank}",
+        f"SparseFeedForward.temperature = {_number(args.constructor, 'ff_sparsity temperature', temperature, 0, 1e3)}",
+        f"SparseFeedForward.quant_prob = {_number(args.constructor, 'ff_sparsity quant_prob', quant_prob)}",
     ]
-    names = ("d_lowrank", "temperature", "quant_prob")
-    bindings.append(f"SparseFeedForward.d_lowrank = {int(rest[0]) if rest else None}")
-    for name, value in zip(names[1:], rest[1:]):
-        bindings.append(f"SparseFeedForward.{name} = {float(value)}")
-    return bindings
 
 
 def _logits(args: _Arguments, selector: str) -> List[str]:
@@ -227,7 +255,8 @@ def _logits(args: _Arguments, selector: str) -> List[str]:
             f"{args.constructor}(loss_sparsity_type={kind!r}): terra's sparse loss is the multiplicative "
             "layer ('mult')."
         )
-    return [f"{selector}.logits_layer = @SparseLossLogits", f"SparseLossLogits.loss_sparsity = {int(sparsity)}"]
+    sparsity = _integer(args.constructor, "loss_sparsity", sparsity, 1)
+    return [f"{selector}.logits_layer = @SparseLossLogits", f"SparseLossLogits.loss_sparsity = {sparsity}"]
 
 
 def _decoder_attention(args: _Arguments, name: str, selector: str) -> List[str]:
@@ -242,14 +271,17 @@ def _decoder_attention(args: _Arguments, name: str, selector: str) -> List[str]:
         options = {**_MULTCONV_DEFAULTS, **options}
         options.pop("dropout", None)
         sparsity, length_kernel = options.pop("sparsity"), options.pop("length_kernel_size")
+        sparsity = args.values["n_heads"] if sparsity is None else sparsity
+        sparsity = _integer(args.constructor, f"{name} sparsity", sparsity, 1)
+        length_kernel = _integer(args.constructor, f"{name} length_kernel_size", length_kernel, 1)
         if options:
             raise ConfigError(
                 f"{name}: MultiplicativeConvCausalAttention options {sorted(options)} have no terra counterpart."
             )
         return [
             f"{selector} = @SparseQKVAttention",
-            f"SparseQKVAttention.attention_sparsity = {int(sparsity)}",
-            f"SparseQKVAttention.length_kernel_size = {int(length_kernel)}",
+            f"SparseQKVAttention.attention_sparsity = {sparsity}",
+            f"SparseQKVAttention.length_kernel_size = {length_kernel}",
             "SparseQKVAttention.variant = 'multconv'",
         ]
     raise ConfigError(
@@ -291,6 +323,17 @@ def _transformer(args: _Arguments) -> List[str]:
     return bindings
 
 
+def _boolean(args: _Arguments, name: str) -> bool:
+    value = args.take(name)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{args.constructor}({name}={value!r}) must be true or false.")
+    return value
+
+
+def _decoder_attention_layers(args: _Arguments) -> int:
+    return _integer(args.constructor, "n_decoder_attention_layers", args.take("n_decoder_attention_layers"), 1)
+
+
 def _terraformer(args: _Arguments) -> List[str]:
     # ConfigurableTerraformer shares every dropout mask over the length axis ([-2]).
     bindings = [*_sizes(args), "TransformerConfig.share_dropout_over_length = True"]
@@ -300,8 +343,9 @@ def _terraformer(args: _Arguments) -> List[str]:
         args.require(name, (None, d_head), f"terra's attention heads are d_model / n_heads = {d_head} wide.")
     sru = args.take("ff_use_sru")
     if isinstance(sru, (list, tuple)) and len(sru) == 2:
-        sru_layers, sru_units = int(sru[0]), int(sru[1])
-    elif isinstance(sru, int) and not isinstance(sru, bool):
+        sru_layers = _integer(args.constructor, "ff_use_sru n_layers", sru[0])
+        sru_units = _integer(args.constructor, "ff_use_sru n_units", sru[1], 1)
+    elif isinstance(sru, int) and not isinstance(sru, bool) and sru >= 0:
         sru_layers, sru_units = sru, 32  # Trax: an int n means (n, 32)
     else:
         raise ConfigError(f"{args.constructor}(ff_use_sru={sru!r}): expected 0, n or (n_layers, n_units).")
@@ -314,9 +358,11 @@ def _terraformer(args: _Arguments) -> List[str]:
     bindings += _decoder_attention(args, "encoder_decoder_attention_type", "Terraformer.decoder_attention")
     bindings += _logits(args, "Terraformer")
     bindings += [
-        f"Terraformer.n_decoder_attention_layers = {int(args.take('n_decoder_attention_layers'))}",
-        f"Terraformer.reversible_encoder = {bool(args.take('reversible_encoder'))}",
-        f"Terraformer.center_layernorm = {bool(args.take('center_layernorm'))}",
+        f"Terraformer.n_decoder_attention_layers = {_decoder_attention_layers(args)}",
+        f"Terraformer.reversible_encoder = {_boolean(args, 'reversible_encoder')}",
+        # Trax's center_layernorm reaches the norms inside the blocks and the SRU branch; the norm
+        # after a non-reversible encoder and the final norm are centred either way, as in terra.
+        f"Terraformer.center_layernorm = {_boolean(args, 'center_layernorm')}",
         # Trax's Attention, CausalAttention and MultiplicativeConvCausalAttention have no output dropout.
         "Terraformer.attention_output_dropout = False",
     ]

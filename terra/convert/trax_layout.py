@@ -38,7 +38,7 @@ class TraxLeaf:
 
     describe: str
     shape: Tuple[int, ...]
-    path: Tuple[str, ...]
+    path: Tuple[str, ...]  # () for an array Trax stores but never uses: checked, then dropped
     to_terra: Transform = np.asarray
     index: Tuple[Any, ...] = ()
 
@@ -65,9 +65,14 @@ class _Builder:
         self.add(describe, self.shape(path), path)
 
     def norm(self, describe: str, path: Sequence[str]) -> None:
-        for name in ("scale", "bias"):
-            if name in self.subtree(path):
-                self.copy(f"{describe} LayerNorm {name}", [*path, name])
+        """Trax's ``LayerNorm`` stores a scale and a bias even with ``center=False``, where the
+        bias is never added; terra's RMS norm has no bias, so that array is read and dropped."""
+        node = self.subtree(path)
+        self.copy(f"{describe} LayerNorm scale", [*path, "scale"])
+        if "bias" in node:
+            self.copy(f"{describe} LayerNorm bias", [*path, "bias"])
+        else:
+            self.add(f"{describe} LayerNorm bias (unused without centring; dropped)", node["scale"].shape, ())
 
     def dense(self, describe: str, path: Sequence[str]) -> None:
         """Trax ``Dense``: ``w [d_in, d_out]``, ``b [d_out]``; terra's kernel is
@@ -296,7 +301,7 @@ def trax_leaves(params: Dict[str, Any]) -> List[TraxLeaf]:
 
 def leaf_line(i: int, leaf: TraxLeaf) -> str:
     """``[i] what Trax calls it (shape) -> terra/parameter/path``: an expected array in errors."""
-    return f"[{i}] {leaf.describe} {leaf.shape} -> {'/'.join(leaf.path)}"
+    return f"[{i}] {leaf.describe} {leaf.shape} -> {'/'.join(leaf.path) or '(dropped)'}"
 
 
 def to_terra_params(
@@ -334,6 +339,8 @@ def to_terra_params(
     out = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), params)
     written = jax.tree.map(lambda a: np.zeros(a.shape, np.bool_), params)
     for leaf, array in zip(leaves, flat):
+        if not leaf.path:
+            continue
         _at(out, leaf.path)[leaf.index] = leaf.to_terra(np.asarray(array, np.float32))
         _at(written, leaf.path)[leaf.index] = True
     unset = [

@@ -26,7 +26,8 @@ class FeedForwardWithSRU(nn.Module):
       d_model: model width.
       sru_units: SRU bottleneck width (32 in the paper); 0 drops the branch.
       sru_layers: stacked SRU layers in the branch (1).
-      center_layernorm: LayerNorm (True) or RMSNorm (False) before the feed-forward.
+      center_layernorm: LayerNorm (True) or RMSNorm (False) before the feed-forward and in the SRU
+        branch.
 
     ``indices`` replays a sparse feed-forward's block choices (reversible recomputation) and
     the ones used are sown as ``intermediates/indices``, so ``HalfResidual(...,
@@ -60,7 +61,14 @@ class FeedForwardWithSRU(nn.Module):
         if sown is not None:
             self.sow("intermediates", "indices", sown[-1])
         if self.sru_units:
-            sru = LowRankSRU(self.d_model, self.sru_units, self.sru_layers, dtype=self.dtype, name="sru")
+            sru = LowRankSRU(
+                self.d_model,
+                self.sru_units,
+                self.sru_layers,
+                center_layernorm=self.center_layernorm,
+                dtype=self.dtype,
+                name="sru",
+            )
             y = y + sru(x, deterministic=deterministic, decode=decode, prefix_mask=prefix_mask).astype(y.dtype)
         return y
 

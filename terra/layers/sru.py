@@ -152,6 +152,8 @@ class LowRankSRU(nn.Module):
       n_units: the bottleneck and SRU width (32 in the paper and configs; 64 in the 54B
         timing template).
       n_layers: stacked SRU layers (the first entry of the reference's ``ff_use_sru``; 1).
+      center_layernorm: LayerNorm (True) or RMSNorm (False) at the branch's input, the
+        Terraformer's ``center_layernorm`` (the reference's ``FeedForwardWithOptions``).
       dtype: computation dtype (the recurrence itself is float32).
       parallel_scan: associative scan over the length (True), a sequential scan (False) or, by
         default (None), the faster of the two for the backend (sequential on CPU); the same
@@ -169,6 +171,7 @@ class LowRankSRU(nn.Module):
     d_model: int
     n_units: int = 32
     n_layers: int = 1
+    center_layernorm: bool = True
     dtype: jnp.dtype = jnp.float32
     parallel_scan: Optional[bool] = None
 
@@ -183,7 +186,7 @@ class LowRankSRU(nn.Module):
         prefix_mask: Optional[jax.Array] = None,
     ) -> jax.Array:
         del deterministic  # No dropout in the reference's SRU branch.
-        h = LayerNorm(dtype=self.dtype, name="norm")(x)
+        h = LayerNorm(center=self.center_layernorm, dtype=self.dtype, name="norm")(x)
         h = Dense(self.n_units, kernel_axes=(SRU_UNITS, axes.EMBED), dtype=self.dtype, name="down")(h)
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, SRU_UNITS))
         for i in range(self.n_layers):

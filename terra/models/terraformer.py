@@ -87,7 +87,9 @@ class Terraformer(nn.Module):
         depth). False runs the same functions under plain autodiff (same values and grads).
       reversible_encoder: keep the encoder's two streams separate into the decoder (the C4
         and arXiv configs); False merges them with ``(x1+x2)/2 -> Dense -> LayerNorm``.
-      center_layernorm: LayerNorm (True) or RMSNorm (False) everywhere in the blocks.
+      center_layernorm: LayerNorm (True) or RMSNorm (False) for the norms inside the blocks (before
+        attention, the feed-forward and the SRU branch); the norm after a non-reversible encoder and
+        the final norm are centred either way, as in the reference.
       attention_output_dropout: apply ``config.dropout`` to every attention sublayer's output
         (False, the reference with the attentions the configs use: none of them has an output
         dropout; True for Trax's ``SelfAttention``/``LSHSelfAttention``, which have one).
@@ -132,7 +134,8 @@ class Terraformer(nn.Module):
         if not self.reversible_encoder:
             # d_model -> d_model; the input side takes the "mlp" name so the two axes shard apart.
             self.encoder_merge = Dense(cfg.d_model, kernel_axes=(axes.EMBED, axes.MLP), dtype=dtype)
-            self.encoder_norm = LayerNorm(center=self.center_layernorm, dtype=dtype)
+            # Centred whatever center_layernorm says: the reference's plain tl.LayerNorm() here.
+            self.encoder_norm = LayerNorm(dtype=dtype)
         decoder_halves = []
         for _ in range(cfg.n_decoder_layers):
             decoder_halves += [
@@ -141,7 +144,7 @@ class Terraformer(nn.Module):
             ]
             decoder_halves.append(self._feed_forward_half(True))
         self.decoder_stack = ReversibleStack(decoder_halves, reversible=self.reversible)
-        self.decoder_norm = LayerNorm(center=self.center_layernorm, dtype=dtype)
+        self.decoder_norm = LayerNorm(dtype=dtype)  # centred always, as the reference's final tl.LayerNorm()
         self.logits = self.logits_layer(vocab_size=cfg.vocab_size, dtype=dtype)
 
     # ----- blocks -------------------------------------------------------------------------
