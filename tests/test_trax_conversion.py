@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +280,281 @@ def test_the_command_line_reports_bad_input_with_exit_status_2(tmp_path, capsys)
     assert status == 2
     assert "missing.pkl.gz does not exist" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+# ----- files as Trax writes them under JAX ------------------------------------------------------
+
+
+class _ShapeDtype:
+    """Pickles as trax.shapes.ShapeDtype does (a __slots__ record of shape and dtype)."""
+
+    __slots__ = ["shape", "dtype"]
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+_ShapeDtype.__module__, _ShapeDtype.__qualname__, _ShapeDtype.__name__ = "trax.shapes", "ShapeDtype", "ShapeDtype"
+
+
+@pytest.fixture
+def trax_shapes_module(monkeypatch):
+    """A stand-in `trax.shapes` module so the test pickles name the class Trax's files name."""
+    import types
+
+    trax_module, shapes = types.ModuleType("trax"), types.ModuleType("trax.shapes")
+    shapes.ShapeDtype = _ShapeDtype
+    trax_module.shapes = shapes
+    monkeypatch.setitem(sys.modules, "trax", trax_module)
+    monkeypatch.setitem(sys.modules, "trax.shapes", shapes)
+
+
+def _signature():
+    return (_ShapeDtype((2, 12), np.dtype("int32")), _ShapeDtype((2, 8), np.int32))
+
+
+def _jax_state():
+    import jax
+
+    return [jax.random.PRNGKey(0), jnp.zeros((), jnp.int32), jnp.ones((3,), jnp.float32)]
+
+
+def _save_to_file(path, flat, dtype=jnp.float32):
+    """``Layer.save_to_file`` under JAX: jax arrays, pickle.HIGHEST_PROTOCOL, gzip level 2."""
+    content = {
+        "flat_weights": [jnp.asarray(w, dtype) for w in flat],
+        "flat_state": _jax_state(),
+        "input_signature": _signature(),
+    }
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=2) as f:
+        pickle.dump(content, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _history():
+    import collections
+
+    values = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    values["train"]["metrics/loss"] += [(1, jnp.float32(4.2)), (100, np.float64(3.1))]
+    values["eval"]["metrics/Accuracy"] += [(100, 0.25)]
+    return {"_values": values}
+
+
+def _loop_checkpoint_2021(stem, flat, dtype=jnp.float32):
+    """``Loop.save_checkpoint`` (version 'Mar-10-2021'): weights and optimizer slots as np.save
+    records beside the pickle (bfloat16 as uint16 bits, Trax's _to_bits); state, history and
+    the input signature in the pickle."""
+
+    def to_bits(arrays):
+        bits = []
+        for w in arrays:
+            w = jnp.asarray(w, dtype)
+            if w.dtype == jnp.bfloat16:
+                bits.append(np.asarray(jax.lax.bitcast_convert_type(w, np.uint16)))
+            else:
+                bits.append(np.asarray(w))
+        return bits
+
+    import jax
+
+    for name, arrays in (("weights", flat), ("opt_slots0", [w for w in flat for _ in range(2)])):
+        with open(f"{stem}.{name}.npy.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=2) as f:
+            for array in to_bits(arrays):
+                np.save(f, array, allow_pickle=False)
+    content = {
+        "step": 100,
+        "flat_weights": 2,
+        "flat_state": _jax_state(),
+        "flat_eval_state": _jax_state(),
+        "history": _history(),
+        "slots_per_task": 2,
+        "input_signature": _signature(),
+        "version_timestamp": "Mar-10-2021",
+    }
+    with open(f"{stem}.pkl.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=2) as f:
+        pickle.dump(content, f)
+    return f"{stem}.pkl.gz"
+
+
+def _loop_checkpoint_2020(path, flat):
+    """``Loop.save_checkpoint`` (version 'Aug-21-2020'): everything inline, Adam's two slots per
+    weight as jax arrays."""
+    weights = [jnp.asarray(w) for w in flat]
+    content = {
+        "step": 10,
+        "flat_weights": weights,
+        "flat_state": _jax_state(),
+        "slots_per_task": (tuple((jnp.zeros_like(w), jnp.ones_like(w)) for w in weights),),
+        "input_signature": _signature(),
+        "version_timestamp": "Aug-21-2020",
+    }
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=2) as f:
+        pickle.dump(content, f)
+    return str(path)
+
+
+@pytest.mark.usefixtures("trax_shapes_module")
+@pytest.mark.parametrize("form", ["save_to_file", "loop_2021", "loop_2020"])
+def test_files_trax_writes_under_jax_read_as_the_same_arrays(tmp_path, form):
+    flat = read_trax_weights(fixture("terraformer", "model.pkl.gz"))
+    if form == "save_to_file":
+        path = tmp_path / "model.pkl.gz"
+        _save_to_file(path, flat)
+    elif form == "loop_2021":
+        path = _loop_checkpoint_2021(str(tmp_path / "model_100"), flat)
+    else:
+        path = _loop_checkpoint_2020(tmp_path / "model.pkl.gz", flat)
+    read = read_trax_weights(str(path))
+    assert len(read) == len(flat)
+    for got, want in zip(read, flat):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.usefixtures("trax_shapes_module")
+@pytest.mark.parametrize("form", ["save_to_file", "loop_2021"])
+def test_bfloat16_files_widen_to_the_exact_bfloat16_values(tmp_path, form):
+    flat = read_trax_weights(fixture("dense", "model.pkl.gz"))
+    if form == "save_to_file":
+        path = tmp_path / "model.pkl.gz"
+        _save_to_file(path, flat, jnp.bfloat16)
+    else:
+        path = _loop_checkpoint_2021(str(tmp_path / "model"), flat, jnp.bfloat16)
+    read = read_trax_weights(str(path))
+    for got, want in zip(read, flat):
+        np.testing.assert_array_equal(got, np.asarray(jnp.asarray(want, jnp.bfloat16).astype(jnp.float32)))
+        assert np.abs(got - want).max() <= np.abs(want).max() * 2**-8
+
+
+@pytest.mark.usefixtures("trax_shapes_module")
+def test_a_loop_checkpoint_saved_under_jax_converts_to_traxs_logits(tmp_path, capsys):
+    """The 2021 Loop form end to end through the command line (the fixture's weights)."""
+    flat = read_trax_weights(fixture("scaling_transformer", "model.pkl.gz"))
+    checkpoint = _loop_checkpoint_2021(str(tmp_path / "model_200000"), flat)
+    out = tmp_path / "run"
+    status = convert_cli.main(
+        [
+            "trax",
+            f"--checkpoint={checkpoint}",
+            f"--trax_config={fixture('scaling_transformer', 'config.json')}",
+            f"--out={out}",
+        ]
+    )
+    assert status == 0, capsys.readouterr().err
+    run = terra.load(str(out))
+    encoder_tokens, _, shifted = _inputs("scaling_transformer")
+    logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+    expected = np.load(fixture("scaling_transformer", "eval_logits.npz"))["logits"]
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
+
+
+# ----- Trax's constructor arguments, exactly -----------------------------------------------------
+
+
+def test_sparse_qkv_sparsity_defaults_to_n_heads_as_in_trax():
+    constructor, kwargs = _arguments("scaling_transformer")
+    attention = dict(kwargs["encoder_decoder_attention_type"])
+    attention["partial_kwargs"] = {k: v for k, v in attention["partial_kwargs"].items() if k != "sparsity"}
+    _, bindings = trax_gin(constructor, {**kwargs, "encoder_decoder_attention_type": attention})
+    assert f"SparseQKVAttention.attention_sparsity = {kwargs['n_heads']}" in bindings
+
+
+def test_an_omitted_terraformer_ff_dropout_is_the_dropout():
+    constructor, kwargs = _arguments("terraformer")
+    kwargs = {k: v for k, v in kwargs.items() if k != "ff_dropout"}
+    _, bindings = trax_gin(constructor, {**kwargs, "dropout": 0.05})
+    assert "TransformerConfig.ff_dropout = 0.05" in bindings
+    _, bindings = trax_gin("ConfigurableTransformer", {"input_vocab_size": 100, "dropout": 0.05})
+    assert "TransformerConfig.ff_dropout = 0.1" in bindings  # ConfigurableTransformer's own default
+
+
+@pytest.mark.parametrize(
+    "model, change, named",
+    [
+        ("scaling_transformer", {"pos_start_from_zero_prob": 0.5}, "no argument(s) ['pos_start_from_zero_prob']"),
+        ("scaling_transformer", {"pos_max_offset_to_add": 8}, "no argument(s) ['pos_max_offset_to_add']"),
+        ("scaling_transformer", {"ff_sparsity": [8, 16, 0.1]}, "ff_sparsity=[8, 16, 0.1]"),
+        ("scaling_transformer", {"ff_sparsity": "8 x"}, "ff_sparsity=['8 x']"),
+        ("scaling_transformer", {"n_encoder_layers": "2\nTransformerConfig.d_model = 7"}, "n_encoder_layers="),
+        ("scaling_transformer", {"dropout": 2.0}, "dropout=2.0"),
+        ("terraformer", {"center_layernorm": "no"}, "center_layernorm='no'"),
+        ("terraformer", {"reversible": True}, "no argument(s) ['reversible']"),
+    ],
+)
+def test_arguments_trax_does_not_take_are_refused_by_name(model, change, named):
+    constructor, kwargs = _arguments(model)
+    with pytest.raises(ConfigError) as error:
+        trax_gin(constructor, {**kwargs, **change})
+    assert named in str(error.value)
+
+
+def test_ff_sparsity_takes_traxs_two_and_four_element_and_string_forms():
+    constructor, kwargs = _arguments("scaling_transformer")
+    _, pair = trax_gin(constructor, {**kwargs, "ff_sparsity": [8, 4]})
+    assert "SparseFeedForward.d_lowrank = 4" in pair and "SparseFeedForward.temperature = 0.1" in pair
+    _, four = trax_gin(constructor, {**kwargs, "ff_sparsity": "8 4 0.5 0.2"})
+    assert "SparseFeedForward.temperature = 0.5" in four and "SparseFeedForward.quant_prob = 0.2" in four
+    _, single = trax_gin(constructor, kwargs)
+    assert "SparseFeedForward.d_lowrank = None" in single and "SparseFeedForward.quant_prob = 0.3" in single
+
+
+def test_center_layernorm_false_converts_with_traxs_norm_choices(tmp_path):
+    """Trax keeps an unused bias in every RMS-style LayerNorm (read and dropped); its final norm and
+    the norm after a non-reversible encoder are centred whatever the flag; the SRU branch's norm
+    follows it."""
+    constructor, kwargs = _arguments("terraformer")
+    kwargs = {**kwargs, "center_layernorm": False, "reversible_encoder": False}
+    files, bindings = trax_gin(constructor, kwargs)
+    gin_utils.parse_gin(files, bindings, finalize=False)
+    abstract = gin_utils.build_model().abstract_params()
+    assert "bias" in abstract["decoder_norm"] and "bias" in abstract["encoder_norm"]
+    half = abstract["decoder_stack"]["layer_2"]["layer"]  # the decoder's first feed-forward half
+    assert "bias" not in half["norm"] and "bias" not in half["sru"]["norm"]
+    assert "bias" not in abstract["decoder_stack"]["layer_0"]["norm"]
+    leaves = trax_leaves(abstract)
+    dropped = [leaf for leaf in leaves if not leaf.path]
+    assert dropped and all("unused without centring" in leaf.describe for leaf in dropped)
+    rng = np.random.default_rng(0)
+    flat = [rng.normal(size=leaf.shape).astype(np.float32) for leaf in leaves]
+    params = to_terra_params(flat, abstract)
+    kept = [(leaf, array) for leaf, array in zip(leaves, flat) if leaf.path]
+    for leaf, array in kept:
+        if leaf.path[-1] == "scale":
+            np.testing.assert_array_equal(params_at(params, leaf.path), array)
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"trax_constructor": constructor, "constructor_kwargs": kwargs}))
+    checkpoint = tmp_path / "model.pkl.gz"
+    _write_weights(checkpoint, flat)
+    run = terra.load(convert_trax_checkpoint(str(checkpoint), str(tmp_path / "run"), trax_config=str(arguments)))
+    np.testing.assert_array_equal(run.params["decoder_norm"]["bias"], params["decoder_norm"]["bias"])
+
+
+def params_at(params, path):
+    for key in path:
+        params = params[key]
+    return params
+
+
+def test_a_checkpoint_name_cannot_add_lines_to_config_gin(tmp_path):
+    named = tmp_path / "model\nTransformerConfig.d_model = 7\n.pkl.gz"
+    shutil.copyfile(fixture("dense", "model.pkl.gz"), named)
+    out = convert_trax_checkpoint(str(named), str(tmp_path / "run"), trax_config=fixture("dense", "config.json"))
+    with open(os.path.join(out, "config.gin")) as f:
+        config = f.read()
+    assert "\nTransformerConfig.d_model = 7" not in config
+    assert terra.load(out).model.config.d_model == 64
+
+
+def test_a_symlinked_out_is_one_error_and_nothing_is_written(tmp_path, capsys):
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "nowhere")
+    status = convert_cli.main(
+        [
+            "trax",
+            f"--checkpoint={fixture('dense', 'model.pkl.gz')}",
+            f"--trax_config={fixture('dense', 'config.json')}",
+            f"--out={link}",
+        ]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not (tmp_path / "nowhere").exists()
