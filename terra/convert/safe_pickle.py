@@ -240,6 +240,11 @@ class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python unpickler: ever
         super().__init__(stream)
         self._ops_left = max_ops
 
+    def count_operation(self) -> None:
+        self._ops_left -= 1
+        if self._ops_left < 0:
+            raise _refuse("the file holds more pickle operations than a Trax weight file of this model")
+
     def find_class(self, module, name):
         target = ALLOWED_NAMES.get((module, name))
         if target is None:
@@ -263,9 +268,7 @@ class _AllowListUnpickler(pickle._Unpickler):  # the pure-Python unpickler: ever
 
 def _counted(handler):
     def run(unpickler):
-        unpickler._ops_left -= 1
-        if unpickler._ops_left < 0:
-            raise _refuse("the file holds more pickle operations than a Trax weight file of this model")
+        unpickler.count_operation()
         handler(unpickler)
 
     return run

@@ -300,7 +300,7 @@ def trax_leaves(params: Dict[str, Any]) -> List[TraxLeaf]:
 
 
 def leaf_line(i: int, leaf: TraxLeaf) -> str:
-    """``[i] what Trax calls it (shape) -> terra/parameter/path``: an expected array in errors."""
+    """``[i] what Trax calls it (shape) -> the terra parameter's path``: an expected array in errors."""
     return f"[{i}] {leaf.describe} {leaf.shape} -> {'/'.join(leaf.path) or '(dropped)'}"
 
 
