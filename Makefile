@@ -12,7 +12,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
+.PHONY: run test test-fast lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
 
 install: $(STAMP)
 
@@ -27,11 +27,18 @@ $(STAMP): requirements.txt setup.cfg setup.py pyproject.toml terra/quantization/
 run: $(STAMP)
 	$(BIN)/terra-quickstart
 
-# Two workers: most of the suite's time is single-threaded XLA compilation.
+# Two workers: most of the suite's time is single-threaded XLA compilation. Whole files go to a
+# worker (a module compiles its shared model once), the costliest first (tests/conftest.py).
 PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
+# The whole suite, what CI runs (docs/contributing.md).
 test: $(STAMP) lint
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(PYTEST) --durations=15 tests
+
+# The unit tier for the edit-test loop: everything not marked slow.
+test-fast: $(STAMP) lint
+	$(PYTEST) -m "not slow" --durations=10 tests
 
 # ruff, configured in pyproject.toml: the linter and the formatter's check.
 lint: $(STAMP)

@@ -1,12 +1,39 @@
-"""Test set-up: several CPU devices before JAX starts, a clean gin config per test."""
+"""Test set-up: one CPU device (eight in the child session that runs the ``multi_device`` tests),
+XLA's optimizations off, a clean gin config per test, the suite's scheduling.
 
+Tiers: ``make test-fast`` runs ``-m "not slow"`` (a test is ``slow`` by what it costs: a training,
+a subprocess, a long compile); ``make test`` runs everything. docs/contributing.md has the rules.
+"""
+
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 
-# Sharding tests need several devices; this must happen before JAX initialises its backend.
+# Partitioning tests ask for a mesh of MULTI_DEVICE_COUNT devices with @pytest.mark.multi_device;
+# everything else runs on one device (8-way programs on 2 cores only cost compile and run time).
+# The device count must be fixed before JAX initialises its backend.
+MULTI_DEVICE_COUNT = 8
+DEVICES_ENV = "TERRA_TEST_DEVICES"
+DEVICES = int(os.environ.get(DEVICES_ENV, "1"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` less any forced host device count (a test or session sets its own)."""
+    return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+os.environ["XLA_FLAGS"] = (
+    without_device_count(os.environ.get("XLA_FLAGS", "")) + f" --xla_force_host_platform_device_count={DEVICES}"
+).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA's optimizations only cost compile time at test sizes; the subprocesses tests start inherit
+# this too, so a run in a subprocess and one in the test compute alike. Modules that inspect
+# optimized programs or time kernels opt back in (the ``optimized_compile`` fixture).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # The embedded corpus and its vocabulary are built once per test session, not in the user's cache.
 if "TERRA_CACHE_DIR" not in os.environ:
     os.environ["TERRA_CACHE_DIR"] = tempfile.mkdtemp(prefix="terra-test-cache-")
@@ -42,12 +69,151 @@ TINY_COPY_MODEL = [
 ]
 
 
+# The multi_device child session's files (its results and log), shared by the xdist workers the
+# same way as the compilation cache: made by the first process, inherited by the others.
+_OWN_MULTI_DEVICE_DIR = None
+if "TERRA_TEST_MULTI_DEVICE_DIR" not in os.environ:
+    _OWN_MULTI_DEVICE_DIR = tempfile.mkdtemp(prefix="terra-test-multi-device-")
+    os.environ["TERRA_TEST_MULTI_DEVICE_DIR"] = _OWN_MULTI_DEVICE_DIR
+MULTI_DEVICE_DIR = os.environ["TERRA_TEST_MULTI_DEVICE_DIR"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: costs seconds (a training, a subprocess, a long compile); make test-fast deselects it"
+    )
+    config.addinivalue_line(
+        "markers",
+        f"multi_device: needs a mesh of {MULTI_DEVICE_COUNT} CPU devices; runs in a "
+        f"child session with {DEVICES_ENV}={MULTI_DEVICE_COUNT}",
+    )
+
+
 def pytest_unconfigure(config):
-    # The process that made the compilation cache (the xdist controller, or pytest without xdist).
-    if _OWN_COMPILATION_CACHE is not None and not hasattr(config, "workerinput"):
+    # The process that made the caches (the xdist controller, or pytest without xdist).
+    if not hasattr(config, "workerinput"):
         import shutil
 
-        shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
+        for own in (_OWN_COMPILATION_CACHE, _OWN_MULTI_DEVICE_DIR):
+            if own is not None:
+                shutil.rmtree(own, ignore_errors=True)
+
+
+# ----- the suite's order: the costliest files first, so two workers finish together --------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most ``slow`` tests go first (xdist hands out whole files in this order, so
+    the long ones start early and the short ones fill in); the ``multi_device`` tests start their
+    child session as soon as they are collected, and their files go last."""
+    cost, delegated_files = {}, set()
+    for item in items:
+        cost.setdefault(item.fspath, 0)
+        cost[item.fspath] += 1 if item.get_closest_marker("slow") else 0
+        if item.get_closest_marker("multi_device") and DEVICES < MULTI_DEVICE_COUNT:
+            delegated_files.add(item.fspath)
+    # Files whose multi_device tests report the child session's results go last: by the time a
+    # worker reaches them the child, started now, has finished, so no worker waits for it.
+    order = {path: rank for rank, path in enumerate(sorted(cost, key=lambda p: (p in delegated_files, -cost[p])))}
+    items.sort(key=lambda item: order[item.fspath])  # stable: each file keeps its own order
+    if DEVICES < MULTI_DEVICE_COUNT:
+        delegated = [item.nodeid for item in items if item.get_closest_marker("multi_device")]
+        if delegated:
+            _start_multi_device_session(config, delegated)
+
+
+# ----- the multi_device tests: one child session with its own device count ------------------------
+
+_RESULTS = "results.json"
+
+
+def _start_multi_device_session(config, nodeids):
+    """The first process to get here starts the child session for every multi_device test; the
+    others (xdist workers collect the same tests) find it started."""
+    try:
+        marker = os.open(os.path.join(MULTI_DEVICE_DIR, "started"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    env = dict(
+        os.environ,
+        **{
+            DEVICES_ENV: str(MULTI_DEVICE_COUNT),
+            "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
+            "TERRA_TEST_RESULTS": os.path.join(MULTI_DEVICE_DIR, _RESULTS),
+        },
+    )
+    with open(os.path.join(MULTI_DEVICE_DIR, "log"), "wb") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *nodeids],
+            cwd=str(config.rootpath),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    os.write(marker, str(child.pid).encode())
+    os.close(marker)
+
+
+def _multi_device_results(timeout: float = 1800.0):
+    """``{nodeid: [(when, outcome, text), ...]}`` from the child session, waiting for it."""
+    path = os.path.join(MULTI_DEVICE_DIR, _RESULTS)
+    started = os.path.join(MULTI_DEVICE_DIR, "started")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        pid = open(started).read().strip() if os.path.exists(started) else ""
+        alive = True
+        if pid:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                alive = os.path.exists(path)
+        if not alive or time.monotonic() > deadline:
+            log = open(os.path.join(MULTI_DEVICE_DIR, "log"), errors="replace").read()[-4000:]
+            return {"error": f"the multi_device child session ended without results:\n{log}"}
+        time.sleep(0.2)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A multi_device test in a one-device process reports what the child session measured."""
+    if DEVICES >= MULTI_DEVICE_COUNT or not item.get_closest_marker("multi_device"):
+        return None
+    from _pytest.reports import TestReport
+
+    results = _multi_device_results()
+    phases = results.get(item.nodeid) or [("call", "failed", results.get("error", "the child session did not run it"))]
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for when, outcome, text in phases:
+        longrepr = None
+        if outcome == "skipped":
+            longrepr = (str(item.path), item.location[1] or 0, text)
+        elif outcome == "failed":
+            longrepr = f"[in the {MULTI_DEVICE_COUNT}-device child session]\n{text}"
+        report = TestReport(item.nodeid, item.location, {}, outcome, longrepr, when)
+        item.ihook.pytest_runtest_logreport(report=report)
+    # What the runner's teardown does: finish the fixtures the next test does not share.
+    item.session._setupstate.teardown_exact(nextitem)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+_CHILD_REPORTS = {}
+
+
+def pytest_runtest_logreport(report):
+    if "TERRA_TEST_RESULTS" in os.environ and DEVICES >= MULTI_DEVICE_COUNT:
+        text = report.longreprtext if report.outcome != "skipped" else str(report.longrepr[-1])
+        _CHILD_REPORTS.setdefault(report.nodeid, []).append((report.when, report.outcome, text))
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("TERRA_TEST_RESULTS")
+    if path and DEVICES >= MULTI_DEVICE_COUNT:
+        with open(path + ".tmp", "w") as f:
+            json.dump(_CHILD_REPORTS, f)
+        os.replace(path + ".tmp", path)
 
 
 @pytest.fixture(autouse=True)
@@ -93,9 +259,20 @@ def dropout_calls(apply, *args) -> set:
 @pytest.fixture(scope="module")
 def fast_compile():
     """XLA's optimizations off for a test module: at test sizes they only cost compile time.
-    Use with ``pytestmark = pytest.mark.usefixtures("fast_compile")``."""
+    The suite's default (JAX_DISABLE_MOST_OPTIMIZATIONS above); a module states it with
+    ``pytestmark = pytest.mark.usefixtures("fast_compile")``."""
     previous = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module")
+def optimized_compile():
+    """XLA's optimizations on for a module that inspects optimized programs (fusion, aliasing) or
+    compares hand-written kernels with XLA's own products."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", previous)
 
@@ -107,7 +284,7 @@ def tiny_model():
     return model, model.init_params(jax.random.key(0))
 
 
-# The suite has 8 CPU devices (above); a study's smoke batches of 4 train on one of them.
+# A study's smoke batches of 4 train on one device whatever the process has.
 ONE_DEVICE = "--gin.terra.training.ParallelSettings.num_devices=1"
 
 

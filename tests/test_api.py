@@ -54,6 +54,7 @@ def test_a_family_refuses_another_familys_network():
         EncoderDecoderModel(Terraformer(tiny_config()))
 
 
+@pytest.mark.slow
 def test_eval_metrics_and_scores_use_the_configured_pad_id():
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(pad_id=3)))
     params = model.init_params(jax.random.key(0))
@@ -112,6 +113,7 @@ def test_generate_rejects_sampling_options_with_beams(copy_model):
         copy_model.generate(["abc"], num_beams=2, temperature=0.5)
 
 
+@pytest.mark.slow
 def test_quantized_weights_generate_score_and_beam_search_as_their_dequantized_float32_weights(copy_model):
     narrow = copy_model.quantized("int8")
     assert narrow.weights_dtype == "int8" and "int8 weights" in repr(narrow)
@@ -160,6 +162,7 @@ def test_every_terra_name_in_the_shipped_gin_files_is_registered():
     assert not unknown, f"gin files name unregistered terra configurables: {unknown}"
 
 
+@pytest.mark.slow
 def test_importing_any_module_after_parsing_registers_nothing_new():
     """What makes ``terra.load``/``terra.build`` safe in a notebook: after ``import_all`` (which
     parsing runs), importing every terra module adds no configurable, so none can hit gin's lock."""

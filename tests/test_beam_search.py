@@ -50,6 +50,7 @@ def _teacher_forced_log_probs(module, params, encoder_row, sequences):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[..., None], -1)[..., 0]
 
 
+@pytest.mark.slow
 def test_one_beam_is_greedy_decoding(tiny):
     _, params, decoder = tiny
     inputs = _inputs()
@@ -64,6 +65,7 @@ def test_one_beam_is_greedy_decoding(tiny):
     assert beam.lengths.min() < 6
 
 
+@pytest.mark.slow
 def test_enough_beams_find_the_exhaustive_best_and_fewer_score_what_they_return(tiny):
     module, params, decoder = tiny
     inputs = _inputs(seed=1, rows=2)

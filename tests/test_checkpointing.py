@@ -18,7 +18,8 @@ from terra.training.train_state import TrainState
 
 @pytest.fixture(scope="module")
 def mesh():
-    # Four devices: the test arrays' sharded dimensions (8 and 4) divide by it.
+    # Up to four devices (four in the multi_device session): the test arrays' sharded dimensions
+    # (8 and 4) divide by any of 1, 2 or 4.
     devices = np.array(jax.devices()[:4])
     return jax.sharding.Mesh(devices.reshape(len(devices)), ("data",))
 
@@ -55,7 +56,9 @@ def batches():
     return BatchIterator(tf.data.Dataset.range(100).batch(2))
 
 
+@pytest.mark.multi_device
 def test_save_and_restore_round_trips_state_with_shardings(tmp_path, mesh):
+    assert mesh.size == 4, "a state split over four devices"
     state = make_state(mesh, seed=1, step=7)
     with Checkpointer(str(tmp_path), save_interval_steps=1) as ckpt:
         assert ckpt.save(7, state)

@@ -40,6 +40,7 @@ def _manifest(directory):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_large_and_identical_across_two_builds(cache_root, tmp_path):
     first = embedded.build_corpus(cache_dir=cache_root)
     second = embedded.build_corpus(cache_dir=str(tmp_path))
@@ -107,6 +108,7 @@ def test_summarization_pairs_have_unique_ids_naming_their_origin(cache_root):
     assert "docstring:textwrap.py:TextWrapper.wrap" in ids and "module:json/__init__.py" in ids
 
 
+@pytest.mark.slow
 def test_embedded_vocabulary_round_trips_text_with_newlines(vocab):
     for text in (NEWLINE_TEXT, UNICODE_TEXT):
         ids = vocab.encode(text)
@@ -182,6 +184,7 @@ def _write_paragraphs(path, n=50):
     [[os.path.join(os.path.dirname(sys.executable), "terra-vocab")], [sys.executable, "-m", "terra.cli.vocab"]],
     ids=["console", "module"],
 )
+@pytest.mark.slow
 def test_train_vocab_runs_as_a_console_command_and_as_a_module(command, tmp_path):
     corpus = tmp_path / "docs.txt"
     paragraphs = _write_paragraphs(corpus)

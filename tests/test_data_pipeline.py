@@ -54,6 +54,7 @@ def test_every_task_config_builds_its_task(path):
     assert isinstance(gin.query_parameter("%FEATURE_CONVERTER").scoped_configurable_fn(), seqio.FeatureConverter)
 
 
+@pytest.mark.slow
 def test_registration_is_idempotent_and_names_are_stable():
     names = tasks.register_all()
     assert tasks.register_all() == names
@@ -83,6 +84,7 @@ def test_data_flags_bind_the_sources(c4_json_dir):
     assert tasks.arxiv_source().data_dir == "/x"
 
 
+@pytest.mark.slow
 def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4_json_dir):
     gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
     ds = pipeline.get_dataset("c4_span_corruption", feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)
@@ -114,6 +116,7 @@ def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir,
         stream().restore(str(tmp_path / "missing"))
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
     def first_batches(seed):
         it = pipeline.BatchIterator(
@@ -199,6 +202,7 @@ def test_lm_format_puts_the_loss_on_the_answer_only():
     [("models/tiny.gin", ["TransformerConfig.n_encoder_layers = 0"]), ("models/tiny_terraformer.gin", [])],
     ids=["encoder-decoder without encoder layers", "terraformer"],
 )
+@pytest.mark.slow
 def test_the_language_model_form_makes_both_model_families_causal_language_models(model_file, bindings):
     # The reference trains its Table 4 baseline as a language model over "0 w 0 w"; the
     # language-model converter feeds it to the encoder-decoder families with an empty encoder.
@@ -271,6 +275,7 @@ def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
     assert out.count("--- example") == 4 and "<extra_id_0>" in out
 
 
+@pytest.mark.slow
 def test_summarization_batches_train_the_model(tiny_config_for_vocab):
     task = tasks.get_task("embedded_summarization")
     vocab_size = task.output_features["targets"].vocabulary.vocab_size
@@ -325,6 +330,7 @@ def test_train_vocab_reads_a_tasks_raw_text(c4_json_dir, tmp_path, capsys):
     assert "scientific_papers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
     from terra.cli import bench
 

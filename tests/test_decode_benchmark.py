@@ -14,7 +14,8 @@ from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 from conftest import is_png, tiny_config
 
 # Timings are printed, never asserted: XLA's optimisations would only cost compile time here.
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# The module shares a benchmark run: the slow tier.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]
 
 ROW_KEYS = {
     "name",
@@ -44,6 +45,7 @@ def tiny_preset_run(tmp_path_factory):
     return config, out, rows
 
 
+@pytest.mark.slow
 def test_tiny_preset_writes_the_table_json_and_plot(tiny_preset_run):
     config, out, rows = tiny_preset_run
     assert len(rows) == len(config.rows)
@@ -189,6 +191,7 @@ def test_the_baseline_loop_is_timed_after_each_repetition_of_the_rows_own(dense_
     assert len(timing.loop_s) == 3
 
 
+@pytest.mark.slow
 def test_a_preset_with_the_baseline_beside_times_the_dense_row_first_and_keeps_row_order():
     config = presets.tiny()
     config.rows = [config.rows[2], config.rows[0]]  # fully sparse, then dense

@@ -31,7 +31,8 @@ PREDICTIONS = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# The module shares a fine-tuned run: the slow tier.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]
 
 
 def test_rouge_equals_rouge_score_called_directly():
@@ -54,6 +55,7 @@ def test_rouge_equals_rouge_score_called_directly():
     assert "ROUGE-LSum" in rouge.markdown_table(corpus, label="x")
 
 
+@pytest.mark.slow
 def test_greedy_decoding_equals_the_argmax_of_its_own_teacher_forced_logits(tiny_model):
     model, params = tiny_model
     inputs = jnp.asarray(np.random.RandomState(0).randint(2, model.config.vocab_size, (3, 9)), jnp.int32)
@@ -126,6 +128,7 @@ def finetuned(tmp_path_factory):
     return model_dir, cohan
 
 
+@pytest.mark.slow
 def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
     model_dir, _ = finetuned
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
@@ -139,6 +142,7 @@ def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
         assert ckpt.metrics(4)["eval/rougeLsum"] == scored[-1]["eval/rougeLsum"]
 
 
+@pytest.mark.slow
 def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path):
     model_dir, cohan = finetuned
     out = tmp_path / "eval"
@@ -169,6 +173,7 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(finetuned, tmp_path, capsys):
     model_dir, cohan = finetuned
     common = ["--checkpoint", model_dir, "--batch_size", "5", "--max_decode_length", "4", f"--arxiv_cohan={cohan}"]

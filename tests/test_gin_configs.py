@@ -54,6 +54,7 @@ def _is_size_overlay(gin_file: str) -> bool:
 
 
 @pytest.mark.parametrize("gin_file", MODEL_FILES)
+@pytest.mark.slow
 def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
     gin_utils.parse_gin([gin_file], TEST_SIZES)
     model = gin_utils.build_model()
@@ -75,6 +76,7 @@ def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
 
 
 @pytest.mark.parametrize("size_file", [f for f in GIN_FILES if f.startswith("sizes/")])
+@pytest.mark.slow
 def test_size_overlays_apply_to_every_model_config(size_file):
     for model_file in MODEL_FILES:
         gin_utils.parse_gin([model_file, size_file])
@@ -182,6 +184,7 @@ def test_invalid_sizes_are_rejected_on_construction(kwargs, message):
         TransformerConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_the_cli_reports_a_bad_config_in_one_line_without_a_traceback():
     result = subprocess.run(
         [sys.executable, "-m", "terra.cli.params", "--gin_file=models/tiny.gin", "--gin.TransformerConfig.n_heads=5"],
@@ -262,6 +265,7 @@ def _mismatches(gin_files, bindings) -> list:
 
 
 @pytest.mark.parametrize("gin_file", EXPERIMENT_FILES)
+@pytest.mark.slow
 def test_every_experiment_fits_the_vocabulary_and_lengths_of_its_task(gin_file, paper_vocabulary):
     bindings = []
     if _uses_the_paper_vocabulary(gin_file):
@@ -269,6 +273,7 @@ def test_every_experiment_fits_the_vocabulary_and_lengths_of_its_task(gin_file, 
     assert _mismatches([gin_file], bindings) == []
 
 
+@pytest.mark.slow
 def test_the_c4_experiments_train_on_the_papers_32000_ids(paper_vocabulary):
     # The reference's layout (tasks/c4_span_corruption_paper.gin): sentinels at the top of the
     # 32,000 pieces, none added; every loss sparsity of the paper divides 32,000.

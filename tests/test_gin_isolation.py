@@ -67,6 +67,7 @@ def build_model(bindings):
     return gin_utils.build_model()
 
 
+@pytest.mark.slow
 def test_a_model_keeps_its_layer_sizes_when_another_config_is_built():
     a = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.ff_sparsity = 8"], seed=1)
     before = outputs(a)
@@ -76,6 +77,7 @@ def test_a_model_keeps_its_layer_sizes_when_another_config_is_built():
     assert_same_outputs(before, outputs(a))  # not a shape error: a's layers keep ff_sparsity 8
 
 
+@pytest.mark.slow
 def test_a_model_keeps_its_behaviour_settings_when_another_config_is_built():
     # temperature and quant_prob change no shape, only what a training step computes: the
     # other model's settings would be used silently.

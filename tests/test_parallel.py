@@ -59,7 +59,8 @@ def _abstract(params):
 
 # XLA's optimisation passes dominate this file's time and do not change what it proves; every
 # array compared below is computed under the same setting, so values match exactly.
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# Meshes over eight devices: these tests run in the multi_device child session (conftest).
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.multi_device]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from terra import gin_utils
 from terra.models.param_count import closed_form_param_count
 
@@ -36,6 +38,7 @@ def test_closed_form_tracks_every_size():
         assert counts["total"] == closed_form_param_count(cfg), overrides
 
 
+@pytest.mark.slow
 def test_the_terra_params_command_prints_the_800m_count():
     result = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "terra-params"), "--gin_file=models/dense_800m.gin"],

@@ -190,6 +190,7 @@ def test_token_embedding_reading_a_quantized_table_equals_the_dequantized_table(
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.slow
 def test_sparse_feedforward_reading_quantized_weights_equals_the_dequantized_weights(kind):
     from terra.layers import SparseFeedForward
 
@@ -250,6 +251,7 @@ def family_params():
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
+@pytest.mark.slow
 def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_file, kind, clean_gin, family_params):
     model, batch = _tiny_family(gin_file)
     if gin_file not in family_params:

@@ -18,6 +18,10 @@ from terra import gin_utils
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
 from terra.quantization import kernels, quantize, quantize_params
 
+# These tests read optimized programs or compare hand-written kernels with XLA's optimized
+# products (conftest.optimized_compile).
+pytestmark = pytest.mark.usefixtures("optimized_compile")
+
 KINDS = ("int8", "bfloat16")
 
 
@@ -77,6 +81,7 @@ def _feed_forward_step(layer, narrow, x):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", FEED_FORWARD_SHAPES)
 @pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.slow
 def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, shape, rows):
     layer, narrow = _feed_forward(*shape, kind)
     x = jax.random.normal(jax.random.key(rows), (rows, 1, shape[0]))
@@ -159,6 +164,7 @@ def _decode_outputs(layer, narrow, args, xs):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("layer_class", [SparseQKVAttention, SparseQueryCrossAttention])
+@pytest.mark.slow
 def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape, layer_class):
     layer, narrow, args = _attention(layer_class, *shape, kind)
     xs = jax.random.normal(jax.random.key(3), (2, 5, shape[0]))  # 5 steps: the window fills and slides
@@ -192,6 +198,7 @@ def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, clean_gin):
     gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], ["TransformerConfig.vocab_size = 96"])
     model = gin_utils.build_model()

@@ -17,6 +17,10 @@ from jax import lax
 
 from terra.quantization import dequantize, kernels, products, quantize
 
+# These tests read optimized programs or compare hand-written kernels with XLA's optimized
+# products (conftest.optimized_compile).
+pytestmark = pytest.mark.usefixtures("optimized_compile")
+
 KINDS = ("int8", "bfloat16")
 
 
@@ -252,6 +256,7 @@ def test_a_library_that_cannot_be_loaded_falls_back_with_one_warning(broken, rel
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
 
 
+@pytest.mark.slow
 def test_the_products_benchmark_times_every_path_streamed_and_in_cache():
     """``terra-bench products``: one row per shape and path, bytes at the stored width, and the
     in-cache rows (the arithmetic rate) held to no memory floor."""

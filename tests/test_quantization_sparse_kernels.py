@@ -15,6 +15,10 @@ from jax import lax
 
 from terra.quantization import dequantize, kernels, products, quantize
 
+# These tests read optimized programs or compare hand-written kernels with XLA's optimized
+# products (conftest.optimized_compile).
+pytestmark = pytest.mark.usefixtures("optimized_compile")
+
 KINDS = ("int8", "bfloat16")
 
 
@@ -91,6 +95,7 @@ INPUT_MAJOR_KERNELS = [
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.slow
 def test_input_major_kernel_equals_the_stored_product_on_odd_shapes_in_every_instruction_set(kind, isa):
     # 1..7 rows leave every remainder of the 6 rows a pass takes; past 6 rows the widened blocks are
     # multiplied in register tiles of 8 (AVX-512), 3 (AVX2) or 2 rows, in chunks of 24 rows: 7, 29

@@ -13,6 +13,9 @@ from terra.cli import quickstart
 
 from conftest import REPO_ROOT
 
+# Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
+pytestmark = pytest.mark.slow
+
 SMALL = [
     "--gin.TransformerConfig.d_model=32",
     "--gin.TransformerConfig.d_ff=64",

@@ -12,7 +12,8 @@ from terra.reproduce import length_generalization
 
 from conftest import ONE_DEVICE, is_png
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]
 
 
 def test_length_generalization_writes_table_4_analogue_for_both_models(tmp_path):

@@ -13,7 +13,8 @@ from terra.reproduce import quantization, runs
 
 from conftest import ONE_DEVICE
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]
 
 EVAL_STEPS = 2
 

@@ -11,7 +11,8 @@ from terra.reproduce import runs, sparsity
 
 from conftest import ONE_DEVICE, is_png
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]
 
 
 def test_sparsity_study_trains_every_variant_and_seed_and_writes_json_markdown_png(tmp_path):

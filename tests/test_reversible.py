@@ -236,6 +236,7 @@ def test_activation_memory_does_not_grow_with_depth():
 
 
 @pytest.mark.parametrize("ff_chunk_size", [0, 5])  # 5: 12 tokens in 3 chunks, each with its own draws
+@pytest.mark.slow
 def test_dropout_is_identical_in_both_passes(ff_chunk_size):
     sparse = sparse_half(0.3, temperature=0.1, quant_prob=0.5, ff_chunk_size=ff_chunk_size)
     halves = [attention_half(0.3), sparse, mlp_half(0.3)]

@@ -47,6 +47,7 @@ def _batch(vocab, batch=2, input_length=9, target_length=8, seed=0):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_scaling_transformer_incremental_decode_matches_full_forward(variant):
     model = _build(variant)
     params = model.init_params(jax.random.key(0))
@@ -61,6 +62,7 @@ def test_scaling_transformer_incremental_decode_matches_full_forward(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_tiny_sparse_model_trains(variant):
     model = _build(variant)
     params = model.init_params(jax.random.key(0))
@@ -111,6 +113,7 @@ def reads():
     return read
 
 
+@pytest.mark.slow
 def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape(reads):
     dense = reads("models/dense_800m.gin")
     sparse = reads("models/sparse_ff_800m.gin")
@@ -123,6 +126,7 @@ def test_sparse_ff_reads_one_row_per_block_at_the_800m_shape(reads):
     assert dense["total"] - sparse["total"] == layers * (dense_ff - sparse_ff)
 
 
+@pytest.mark.slow
 def test_each_sparse_layer_lowers_the_weights_read_per_token(reads):
     totals = {
         f: reads(f"models/{f}.gin")["total"]

@@ -54,6 +54,7 @@ def test_multiplicative_output_not_divisible_by_s_is_a_config_error():
 
 
 @pytest.mark.parametrize("variant", ["multconv", "mult", "conv"])
+@pytest.mark.slow
 def test_sparse_qkv_token_by_token_decode_matches_the_full_pass(variant):
     layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
     x = jax.random.normal(jax.random.key(0), (2, 7, D))

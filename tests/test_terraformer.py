@@ -69,6 +69,7 @@ def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow
 def test_incremental_decode_matches_teacher_forced_forward(variant):
     model = _model(**VARIANTS[variant])
     params = model.init_params(jax.random.key(1))
@@ -90,6 +91,7 @@ def test_incremental_decode_matches_teacher_forced_forward(variant):
         np.testing.assert_allclose(decode_all(slice(1, 2)), teacher_forced[1:2], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
     model = _model(**SPARSE)
     params = model.init_params(jax.random.key(2))
@@ -118,6 +120,7 @@ REPLAYING = dict(
 )
 
 
+@pytest.mark.slow
 def test_reversible_gradients_equal_plain_autodiff():
     layers = REPLAYING
     batch = _batch()
@@ -134,6 +137,7 @@ def test_reversible_gradients_equal_plain_autodiff():
         np.testing.assert_allclose(g_r, g_p, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
     rows = reversible_memory.measure((1, 2), d_model=32, d_ff=128, batch=2, inputs=48, targets=16, vocab_size=VOCAB)
     with capsys.disabled():
@@ -145,6 +149,7 @@ def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
     assert reversible_growth < plain_growth / 4
 
 
+@pytest.mark.slow
 def test_terraformer_has_no_attention_output_dropout_by_default():
     # Residual dropout 0.5, attention-probability dropout 0: an attention half-residual is
     # random in training only through an output dropout.
@@ -196,6 +201,7 @@ def test_bad_block_counts_fail_when_the_model_is_configured():
         _model(n_decoder_attention_layers=0)
 
 
+@pytest.mark.slow
 def test_dense_attention_checkpoint_maps_onto_lsh_encoder_attention():
     dense = _model()
     lsh = _model(encoder_attention=LSH["encoder_attention"])

@@ -80,6 +80,7 @@ EXPERIMENTS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "experiments"
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=os.path.basename)
+@pytest.mark.slow
 def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path):
     from terra.data import tasks
 
@@ -90,6 +91,8 @@ def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path
     assert gin.query_parameter("%BATCH_SIZE") > 0 and gin.query_parameter("%TRAIN_STEPS") > 0
 
 
+@pytest.mark.slow
+@pytest.mark.multi_device
 def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
     assert len(jax.devices()) == 8
     _parse(tmp_path / "mesh", 4, "terra.training.ParallelSettings.mesh_shape = {'data': 4, 'model': 2}")
@@ -102,6 +105,7 @@ def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
     _assert_same_params(sharded.params, single.params, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path, capsys):
     _parse(
         tmp_path / "a",
@@ -130,6 +134,7 @@ def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp
     _assert_same_params(first.params, second.params, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimizer(tmp_path):
     _parse(tmp_path / "pre", 3)
     pretrained = trainer.Trainer().run()
@@ -146,6 +151,7 @@ def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimize
     assert fine.step == 1 and checkpointing.Checkpointer(str(tmp_path / "fine")).latest_step() == 1
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_training_and_leaves_the_last_checkpoint(tmp_path):
     _parse(
         tmp_path / "nan",
@@ -185,6 +191,7 @@ def test_settings_groups_validate_their_values_before_anything_is_written(tmp_pa
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_a_misspelled_binding_fails_before_model_dir_is_written(tmp_path):
     result = subprocess.run(
         _cli(tmp_path / "typo", 2, "terra.training.CheckpointSettings.evrey = 3"),
@@ -212,6 +219,7 @@ def _wait_for_checkpoint(model_dir, at_least, process, timeout=240):
     raise AssertionError("no checkpoint appeared")
 
 
+@pytest.mark.slow
 def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(tmp_path):
     steps, run = 60, tmp_path / "run"
     extra = ("terra.training.CheckpointSettings.every = 5", "terra.training.LoggingSettings.every = 5")
@@ -242,6 +250,7 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     _assert_same_params(resumed.params, straight.params, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     extra = ("terra.training.Trainer.shuffle = False",)
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=4", TERRA_LOG_DIR=str(tmp_path / "logs"))
@@ -265,6 +274,7 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, capsys):
     from terra.cli import bench
 
@@ -292,6 +302,7 @@ def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, ca
     assert "tokens/s" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_compiling(tmp_path, capsys):
     run, every = tmp_path / "r", "terra.training.CheckpointSettings.every = 3"
     _parse(run, 6, every)
@@ -316,6 +327,7 @@ def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_comp
     _assert_same_params(finished.params, resumed.params, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_fine_tuning_from_a_run_of_another_architecture_writes_nothing(tmp_path):
     _parse(tmp_path / "pre", 1)
     trainer.Trainer().run()
@@ -325,6 +337,7 @@ def test_fine_tuning_from_a_run_of_another_architecture_writes_nothing(tmp_path)
     assert not (tmp_path / "fine").exists()  # no checkpoints/, no lock, nothing
 
 
+@pytest.mark.slow
 def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_taken_over(tmp_path):
     run = tmp_path / "locked"
     holder = subprocess.Popen(
@@ -354,6 +367,7 @@ def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_
     assert trainer.Trainer().run().step == 2
 
 
+@pytest.mark.slow
 def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_written(tmp_path):
     shards = tmp_path / "c4" / "en"
     shards.mkdir(parents=True)
@@ -380,6 +394,8 @@ def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_wr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multi_device  # the 2x2 layout
 def test_terra_reproduce_layouts_measures_each_layouts_difference_per_step(tmp_path):
     from terra.reproduce import layouts
 

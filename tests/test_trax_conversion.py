@@ -57,6 +57,7 @@ def _inputs(model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_converted_checkpoint_gives_trax_eval_logits(converted, model):
     run = terra.load(converted[model])
     encoder_tokens, _, shifted = _inputs(model)
@@ -66,6 +67,7 @@ def test_converted_checkpoint_gives_trax_eval_logits(converted, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_converted_checkpoint_gives_trax_decode_logits_token_by_token(converted, model):
     run = terra.load(converted[model])
     encoder_tokens, _, shifted = _inputs(model)
