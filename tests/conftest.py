@@ -102,6 +102,7 @@ def pytest_unconfigure(config):
 # ----- the suite's order: the costliest files first, so two workers finish together --------------
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: order and delegate what will run
 def pytest_collection_modifyitems(config, items):
     """Files with the most ``slow`` tests go first (xdist hands out whole files in this order, so
     the long ones start early and the short ones fill in); the ``multi_device`` tests start their

@@ -72,6 +72,7 @@ def test_eval_metrics_and_scores_use_the_configured_pad_id():
     np.testing.assert_array_equal(model.decoder_input_tokens(batch)[:, 0], [3, 3])
 
 
+@pytest.mark.slow
 def test_build_generates_texts_from_texts_and_tokens_from_tokens(copy_model):
     texts = copy_model.generate(["abc", "hello world"], max_new_tokens=6)
     assert isinstance(texts, list) and len(texts) == 2 and all(isinstance(t, str) for t in texts)

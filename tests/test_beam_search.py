@@ -101,6 +101,7 @@ def test_enough_beams_find_the_exhaustive_best_and_fewer_score_what_they_return(
         np.testing.assert_allclose(result.scores[0], by_sequence[returned], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rows_are_independent_of_the_rest_of_the_batch(tiny):
     _, params, decoder = tiny
     inputs = _inputs(seed=2, rows=3)

@@ -56,6 +56,7 @@ def test_records_without_text_are_skipped_counted_and_reported(tmp_path):
     assert "used 5 records, skipped 3" in source.reader.summary()
 
 
+@pytest.mark.slow
 def test_a_stream_of_records_without_text_stops_instead_of_spinning(tmp_path):
     path = _write_lines(str(tmp_path / "en" / "c4-train.00000-of-00001.json.gz"), [json.dumps({"url": "u"})] * 5)
     batches = _c4_batches(str(tmp_path))

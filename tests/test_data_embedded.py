@@ -62,6 +62,7 @@ def test_embedded_corpus_is_large_and_identical_across_two_builds(cache_root, tm
     assert sum("\n" in t for t in texts["train"]) > len(texts["train"]) // 2
 
 
+@pytest.mark.slow
 def test_embedded_corpus_has_at_least_a_thousand_summarization_pairs(cache_root):
     source = embedded.summarization_source(cache_dir=cache_root)
     manifest = _manifest(embedded.corpus_dir(cache_dir=cache_root))["summarization"]
@@ -126,6 +127,7 @@ def test_embedded_vocabulary_round_trips_text_with_newlines(vocab):
     assert len(vocab.encode(sample)) < len(sample.encode("utf-8")) / 2.5
 
 
+@pytest.mark.slow
 def test_vocabulary_is_cached_and_reused(vocab, cache_root, monkeypatch):
     path = vocabularies.embedded_vocabulary_path(cache_dir=cache_root)
     assert vocab.sentencepiece_model_file == path

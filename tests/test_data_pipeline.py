@@ -44,6 +44,7 @@ def _assert_same_batches(a, b):
 
 
 @pytest.mark.parametrize("path", TASK_CONFIGS, ids=os.path.basename)
+@pytest.mark.slow
 def test_every_task_config_builds_its_task(path):
     gin_utils.parse_gin([path], [])
     name = gin.query_parameter("%TASK")
@@ -97,6 +98,7 @@ def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4
 
 
 @pytest.mark.parametrize("task", ["embedded_span_corruption", "c4_span_corruption"])
+@pytest.mark.slow
 def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir, tmp_path):
     gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
 
@@ -131,6 +133,7 @@ def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
     assert any(not np.array_equal(x["encoder_input_tokens"], y["encoder_input_tokens"]) for x, y in zip(a, c))
 
 
+@pytest.mark.slow
 def test_each_host_reads_a_disjoint_shard():
     def inputs(index):
         ds = pipeline.get_dataset(

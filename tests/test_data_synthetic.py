@@ -89,6 +89,7 @@ def test_copy_uses_the_given_alphabet():
 
 
 @pytest.mark.parametrize("make", [synthetic.addition_dataset, synthetic.copy_dataset])
+@pytest.mark.slow
 def test_same_seed_gives_the_same_stream_and_different_seeds_differ(make):
     first = take(make("train", seed=7), 50)
     assert take(make("train", seed=7), 50) == first
@@ -146,6 +147,7 @@ def test_iterator_state_can_be_checkpointed_and_resumed(make, tmp_path):
         (synthetic.copy_source, synthetic.copy_dataset, lambda i, t: i == t),
     ],
 )
+@pytest.mark.slow
 def test_sources_work_through_a_seqio_task(source, make, check):
     name = f"terra_test_synthetic_{source.__name__}"
     vocabulary = seqio.ByteVocabulary()

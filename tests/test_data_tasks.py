@@ -62,6 +62,7 @@ def test_built_tasks_and_mixtures_have_the_objectives_of_their_names():
     assert not tasks.is_summarization(mixture)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_different_objectives_is_a_mixture(monkeypatch):
     monkeypatch.setitem(tasks.MIXTURES, "papers_and_c4", ("arxiv_summarization", "c4_span_corruption"))
     monkeypatch.setitem(tasks.MIXTURES, "two_summaries", ("arxiv_summarization", "embedded_summarization"))

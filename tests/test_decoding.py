@@ -130,6 +130,7 @@ def test_generation_samples_only_from_the_top_k_or_the_nucleus():
         assert set(np.unique(out.tokens)) == allowed, kwargs
 
 
+@pytest.mark.slow
 def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
     model, params = tiny_model
     decoder = model.decoder(7)

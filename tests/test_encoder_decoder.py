@@ -38,6 +38,7 @@ def _full_logits(model, params, inputs, decoder_inputs, encoder_mask=None):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.slow
 def test_incremental_decode_matches_full_forward(tiny_model, batch):
     model, params = tiny_model
     inputs, targets = _padded_batch(batch, 9, 7, model.config.vocab_size)
@@ -129,6 +130,7 @@ def test_decode_rejects_more_tokens_than_the_positional_table():
         IncrementalDecoder(EncoderDecoderTransformer(tiny_config(max_len=8)), max_decode_length=9)
 
 
+@pytest.mark.slow
 def test_dropout_is_active_only_with_a_dropout_rng():
     from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
@@ -172,6 +174,7 @@ def test_encoder_decoder_configs_draw_dropout_masks_per_position_as_the_referenc
     assert gin_utils.build_model().config.share_dropout_over_length is False
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32_and_decodes_consistently(tiny_model):
     from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 

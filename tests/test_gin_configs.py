@@ -312,6 +312,7 @@ def test_the_c4_experiments_train_on_the_papers_32000_ids(paper_vocabulary):
     ],
     ids=["loss sparsity 8 on 32,100 ids", "task vocabulary larger", "model vocabulary larger", "max_len", "LM max_len"],
 )
+@pytest.mark.slow
 def test_the_experiment_check_catches_an_incompatible_pairing(files, bindings, problem, paper_vocabulary):
     problems = _mismatches(files, [f"terra.data.text_vocabulary.spm_path = {paper_vocabulary!r}", *bindings])
     assert any(problem in p for p in problems), problems

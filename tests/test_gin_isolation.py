@@ -89,6 +89,7 @@ def test_a_model_keeps_its_behaviour_settings_when_another_config_is_built():
     assert_same_outputs(before, outputs(a))
 
 
+@pytest.mark.slow
 def test_scoped_model_bindings_reach_the_layers_when_they_are_applied():
     # The model is built in gin's scope MODEL; a binding scoped to it overrides the unscoped
     # one for the model's checks and for its layers alike, whatever is parsed later.
@@ -101,6 +102,7 @@ def test_scoped_model_bindings_reach_the_layers_when_they_are_applied():
     assert_same_outputs(before, outputs(a))
 
 
+@pytest.mark.slow
 def test_a_scoped_reference_keeps_its_scope_and_bindings():
     # ``@ff/SparseFeedForward`` constructs the layer in scope ``ff`` (gin's scoped reference):
     # its ``ff/`` bindings apply, then the unscoped ones, whatever is parsed later.

@@ -116,6 +116,7 @@ DROPOUT_SITES = {
 
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("site", sorted(DROPOUT_SITES))
+@pytest.mark.slow
 def test_dropout_mask_shared_over_length_only_when_configured(site, share):
     layer = DROPOUT_SITES[site](share)
     row = jax.random.normal(jax.random.key(0), (1, 1, 8))
@@ -157,6 +158,7 @@ def test_dense_feed_forward_inner_dropout_is_shared_over_length_either_way():
     assert not np.allclose(train, ff.apply(variables, x, deterministic=True))
 
 
+@pytest.mark.slow
 def test_every_model_parameter_has_logical_axis_names(tiny_model):
     model, _ = tiny_model
     boxed = model.abstract_variables()["params"]

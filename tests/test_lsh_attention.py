@@ -179,6 +179,7 @@ def test_sort_and_chunk_attention_matches_a_port_of_the_reference(n_hashes, n_be
 
 
 @pytest.mark.parametrize("length,n_hashes", [(CHUNK, 2), (CHUNK - 3, 4)])
+@pytest.mark.slow
 def test_one_chunk_lsh_equals_full_shared_qk_attention(length, n_hashes):
     layer = _layer(n_hashes=n_hashes)
     x = _x(length)
@@ -196,6 +197,7 @@ def test_one_chunk_lsh_equals_full_shared_qk_attention(length, n_hashes):
     np.testing.assert_allclose(want[0, 0, 0], v[0, 0, 0], atol=1e-6)  # only itself to attend to
 
 
+@pytest.mark.slow
 def test_lsh_is_causal():
     """Queries never see later keys. The sort-and-chunk assignment depends on every
     position's bucket (as in the reference), so the hashing decisions are held fixed when
@@ -266,6 +268,7 @@ def test_training_draws_a_fresh_hash_per_step_and_eval_is_deterministic():
     assert not np.allclose(train[0], train[1], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_more_hash_rounds_approach_full_attention():
     """With L = 4 chunks, the mean relative error against full shared-QK attention (same
     parameters and masks), averaged over 6 hash draws, falls as rounds are added. Measured

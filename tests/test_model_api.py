@@ -35,6 +35,7 @@ def test_weighted_cross_entropy_masks_padding_and_matches_log_softmax():
     assert float(weight_sum) == 6.0
 
 
+@pytest.mark.slow
 def test_loss_ignores_what_the_model_predicts_at_padded_targets(tiny_model):
     model, params = tiny_model
     batch = _batch(model.config.vocab_size)
@@ -62,6 +63,7 @@ def test_random_model_log_perplexity_is_near_log_vocab(tiny_model):
     assert abs(value - np.log(model.config.vocab_size)) < 1.0
 
 
+@pytest.mark.slow
 def test_every_parameter_gets_a_finite_gradient(tiny_model):
     model, params = tiny_model
     batch = _batch(model.config.vocab_size, input_length=64, target_length=64)  # touch every position row

@@ -114,6 +114,7 @@ def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("features, n_contract, in_shape", [(19, 1, (24,)), ((3, 5), 1, (16,)), (11, 2, (4, 6))])
+@pytest.mark.slow
 def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel(
     kind, features, n_contract, in_shape, monkeypatch
 ):

@@ -101,6 +101,7 @@ def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, sha
         _assert_close(y, want_y)
 
 
+@pytest.mark.slow
 def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
     layer, narrow = _feed_forward(40, 120, 8, "int8")
     x = jnp.ones((2, 1, 40))

@@ -125,6 +125,7 @@ def test_the_kernels_are_built_and_load_where_there_is_a_compiler(reloaded):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.slow
 def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(kind, isa):
     _use_isa(isa)
     product = _product()
@@ -137,6 +138,7 @@ def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(ki
 
 @pytest.mark.parametrize("isa", kernels.ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.slow
 def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
     # The kernels read 4 (or 2) output rows at a time: 3, 37 and 301 outputs leave a remainder, in
     # the last chunk of the threads' split for 301 x 1024 (above the size run on one thread);
@@ -180,6 +182,7 @@ def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a 2-row tail
+@pytest.mark.slow
 def test_the_xla_path_equals_the_stored_product_in_blocks_with_a_tail(kind, block_elements, monkeypatch):
     # The path the kernels fall back to, and the one for more than MAX_ROWS rows.
     monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)

@@ -92,6 +92,7 @@ def unboxed(tree):
     return nn.meta.unbox(tree)
 
 
+@pytest.mark.slow
 def test_reversible_gradients_equal_plain_autodiff_gradients():
     halves = [attention_half(), sparse_half(), mlp_half()]
     x1, x2 = streams()

@@ -93,6 +93,7 @@ def test_tiny_sparse_model_trains(variant):
         ("SparseLossLogits.loss_sparsity = 7", "not divisible by loss_sparsity=7"),
     ],
 )
+@pytest.mark.slow
 def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, message):
     gin_utils.parse_gin(["models/fully_sparse_800m.gin"], [binding])
     with pytest.raises(gin_utils.GinConfigError, match=message):

@@ -198,6 +198,7 @@ def test_ff_chunk_size_draws_one_coin_per_chunk(layer_and_vars):
 
 
 @pytest.mark.parametrize("ff_chunk_size", [1, 4, 6, 15, 100])
+@pytest.mark.slow
 def test_ff_chunk_size_leaves_eval_output_unchanged(layer_and_vars, ff_chunk_size):
     layer, variables, x = layer_and_vars
     chunked = _layer(ff_chunk_size=ff_chunk_size)
@@ -213,6 +214,7 @@ def test_ff_chunk_size_leaves_eval_output_unchanged(layer_and_vars, ff_chunk_siz
     np.testing.assert_array_equal(_indices(chunked, variables, x, indices=forced), forced)
 
 
+@pytest.mark.slow
 def test_ff_chunk_size_bounds_the_training_memory():
     d_model, d_ff = 16, 512
 

@@ -97,6 +97,7 @@ def test_sparse_qkv_d_model_not_divisible_by_s_is_a_config_error():
         SparseQKVAttention(d_model=D, n_heads=H, variant="dense").init(jax.random.key(0), jnp.ones((1, 2, D)))
 
 
+@pytest.mark.slow
 def test_sparse_query_cross_attention_decode_matches_the_full_pass():
     layer = SparseQueryCrossAttention(d_model=D, n_heads=H)
     x = jax.random.normal(jax.random.key(0), (2, 6, D))

@@ -101,6 +101,7 @@ def test_a_task_whose_source_names_nothing_numbers_its_examples():
 
 
 @pytest.mark.parametrize("data", ["cohan", "tfds", "embedded"])
+@pytest.mark.slow
 def test_training_batches_have_exactly_the_model_features(data, arxiv_dirs):
     bindings = {
         "cohan": [f"terra.data.arxiv_source.cohan_path = {arxiv_dirs['cohan']!r}"],

@@ -173,6 +173,7 @@ def test_terraformer_has_no_attention_output_dropout_by_default():
 
 @pytest.mark.parametrize("share", [None, True, False])
 @pytest.mark.parametrize("attention_output_dropout", [False, True])
+@pytest.mark.slow
 def test_terraformer_dropouts_follow_the_reference_configurable_terraformer(share, attention_output_dropout):
     config = tiny_config(vocab_size=VOCAB, dropout=0.1, attention_dropout=0.3, share_dropout_over_length=share)
     model = TerraformerModel(Terraformer(config, attention_output_dropout=attention_output_dropout, **SPARSE))

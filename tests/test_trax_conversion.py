@@ -82,6 +82,7 @@ def test_converted_checkpoint_gives_trax_decode_logits_token_by_token(converted,
     np.testing.assert_allclose(np.stack(steps, axis=1), expected["logits"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_converted_run_is_a_fine_tuning_starting_point(converted):
     """INIT_FROM reads the parameters with restore_params onto the configured model's tree."""
     run = terra.load(converted["scaling_transformer"])
@@ -428,6 +429,7 @@ def test_bfloat16_files_widen_to_the_exact_bfloat16_values(tmp_path, form):
 
 
 @pytest.mark.usefixtures("trax_shapes_module")
+@pytest.mark.slow
 def test_a_loop_checkpoint_saved_under_jax_converts_to_traxs_logits(tmp_path, capsys):
     """The 2021 Loop form end to end through the command line (the fixture's weights)."""
     flat = read_trax_weights(fixture("scaling_transformer", "model.pkl.gz"))
