@@ -23,7 +23,7 @@ def describe_bytes(n: int) -> str:
 
 
 class LimitedReader:
-    """``read``/``readline``/``readinto`` over ``stream``, at most ``budget`` bytes in all.
+    """``read``/``readline`` over ``stream``, at most ``budget`` bytes in all.
 
     ``what`` names the file in the error; ``why`` says what the budget is made of, so the
     message tells a user whether the file or the model description is wrong.
@@ -66,12 +66,6 @@ class LimitedReader:
         data = self._stream.read(n)
         self.remaining += n - len(data)  # a short read at the end consumes only what it returned
         return data
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
 
     def readline(self, size: int = -1) -> bytes:
         limit = MAX_LINE_BYTES if size is None or size < 0 else min(size, MAX_LINE_BYTES)

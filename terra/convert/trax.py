@@ -20,7 +20,7 @@ import gin
 from terra import gin_utils
 from terra.convert.trax_arguments import read_trax_arguments, trax_gin
 from terra.convert.trax_file import read_trax_weights
-from terra.convert.trax_layout import leaf_line, to_terra_params, trax_leaves
+from terra.convert.trax_layout import to_terra_params, trax_leaves
 from terra.errors import CheckpointError, ConfigError
 
 
@@ -82,7 +82,7 @@ def convert_trax_checkpoint(
     model = gin_utils.build_model("building the model for the Trax checkpoint")
     abstract = model.abstract_params()
     leaves = trax_leaves(abstract)  # the limits and shape checks of the read come from the model
-    flat = read_trax_weights(checkpoint, leaves, describe=leaf_line)
+    flat = read_trax_weights(checkpoint, leaves)
     params = to_terra_params(flat, abstract, where=checkpoint, leaves=leaves)
     # The file name is quoted (JSON escapes newlines), so no name can add a line to the config.
     config = (

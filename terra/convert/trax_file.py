@@ -29,6 +29,7 @@ import numpy as np
 
 from terra.convert import safe_pickle
 from terra.convert.limited_reader import LimitedReader
+from terra.convert.trax_layout import leaf_line
 from terra.errors import CheckpointError
 
 # Without the model's expected arrays (a direct call of read_trax_weights), a file may inflate
@@ -42,7 +43,6 @@ PICKLE_WEIGHT_COPIES = 3
 OPS_PER_ARRAY = 64
 OPS_MARGIN = 2_000_000
 NPY_MAX_HEADER = 10_000
-_FLOATING = ("f", "bf16")
 
 
 def sibling_weights_path(path: str) -> str:
@@ -60,10 +60,6 @@ def _regular_file(path: str, missing: str) -> None:
         raise CheckpointError(f"{path} cannot be read: {e.strerror}.") from None
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory); give the weight file.")
-
-
-def _shape_line(index: int, leaves, describe) -> str:
-    return describe(index, leaves[index]) if describe else f"[{index}] {tuple(leaves[index].shape)}"
 
 
 def _read_npy_header(f: LimitedReader, path: str, index: int):
@@ -100,7 +96,7 @@ def _read_npy_header(f: LimitedReader, path: str, index: int):
     return shape, fortran, dtype
 
 
-def _read_sibling_arrays(path: str, leaves: Optional[Sequence[Any]], describe) -> List[np.ndarray]:
+def _read_sibling_arrays(path: str, leaves: Optional[Sequence[Any]]) -> List[np.ndarray]:
     _regular_file(path, f"{path} does not exist.")
     if leaves is None:
         budget = DEFAULT_MAX_BYTES
@@ -124,7 +120,7 @@ def _read_sibling_arrays(path: str, leaves: Optional[Sequence[Any]], describe) -
                 if leaves is not None and tuple(shape) != tuple(leaves[index].shape):
                     raise CheckpointError(
                         f"{path}: array [{index}] has shape {shape}, but the model expects "
-                        f"{_shape_line(index, leaves, describe)}. The Trax arguments (or gin config) do not "
+                        f"{leaf_line(index, leaves[index])}. The Trax arguments (or gin config) do not "
                         "describe the model that wrote the file."
                     )
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -173,17 +169,16 @@ def _pickle_budget(leaves: Optional[Sequence[Any]]):
     return PICKLE_WEIGHT_COPIES * weights + PICKLE_MARGIN_BYTES, why, OPS_PER_ARRAY * 4 * len(leaves) + OPS_MARGIN
 
 
-def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None, describe=None) -> List[np.ndarray]:
+def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None) -> List[np.ndarray]:
     """The flat weight list of a Trax weight file or checkpoint (``*.pkl.gz``), as float32
     numpy arrays in Trax's order.
 
     Args:
       path: the ``.pkl.gz`` file.
-      leaves: the arrays the model expects, in file order (anything with a ``shape``:
-        :func:`terra.convert.trax_layout.trax_leaves`); they size the read limits and are
+      leaves: the arrays the model expects, in file order
+        (:func:`terra.convert.trax_layout.trax_leaves`); they size the read limits and are
         checked against a sibling ``.weights.npy.gz`` record by record. Without them the file
         may inflate to ``DEFAULT_MAX_BYTES``.
-      describe: ``describe(index, leaf)`` names an expected array in errors.
 
     Raises:
       CheckpointError: the file is missing, not gzip, not a pickle of Trax's layout, names
@@ -217,7 +212,7 @@ def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None, describ
                 f"{path} keeps its weights in a separate file, and {sibling} does not exist; copy it next to "
                 f"{os.path.basename(path)}."
             )
-        flat = _read_sibling_arrays(sibling, leaves, describe)
+        flat = _read_sibling_arrays(sibling, leaves)
     else:
         flat = []
         try:
