@@ -12,7 +12,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test test-fast lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
+.PHONY: run test test-fast test-durations lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
 
 install: $(STAMP)
 
@@ -28,9 +28,10 @@ run: $(STAMP)
 	$(BIN)/terra-quickstart
 
 # Two workers: most of the suite's time is single-threaded XLA compilation. Whole files go to a
-# worker (a module compiles its shared model once), the costliest first (tests/conftest.py).
+# worker (a module compiles its shared model once) in the order tests/conftest.py gives them, the
+# costliest first by tests/durations.json (xdist's own reordering by test count is off).
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The whole suite, what CI runs (docs/contributing.md).
 test: $(STAMP) lint
@@ -39,6 +40,10 @@ test: $(STAMP) lint
 # The unit tier for the edit-test loop: everything not marked slow.
 test-fast: $(STAMP) lint
 	$(PYTEST) -m "not slow" --durations=10 tests
+
+# The whole suite, rewriting tests/durations.json (the schedule) from what each test took.
+test-durations: $(STAMP)
+	$(PYTEST) --store-durations tests
 
 # ruff, configured in pyproject.toml: the linter and the formatter's check.
 lint: $(STAMP)

@@ -5,6 +5,7 @@ Tiers: ``make test-fast`` runs ``-m "not slow"`` (a test is ``slow`` by what it 
 a subprocess, a long compile); ``make test`` runs everything. docs/contributing.md has the rules.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,9 +27,13 @@ def without_device_count(flags: str) -> str:
     return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
 
 
-os.environ["XLA_FLAGS"] = (
-    without_device_count(os.environ.get("XLA_FLAGS", "")) + f" --xla_force_host_platform_device_count={DEVICES}"
-).strip()
+# XLA:CPU's fusion emitters (MLIR) compile each small program ~30% slower than the classic
+# emitters, and the suite compiles thousands of small programs; the two compute alike.
+FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+_flags = without_device_count(os.environ.get("XLA_FLAGS", ""))
+if FAST_COMPILE_FLAGS.split("=")[0] not in _flags:  # a child session inherits them; a user's own wins
+    _flags += " " + FAST_COMPILE_FLAGS
+os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={DEVICES}".strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA's optimizations only cost compile time at test sizes; the subprocesses tests start inherit
 # this too, so a run in a subprocess and one in the test compute alike. Modules that inspect
@@ -101,26 +106,80 @@ def pytest_unconfigure(config):
 
 # ----- the suite's order: the costliest files first, so two workers finish together --------------
 
+# Seconds each test took (set-up, call and teardown), measured on a 2-core machine; pytest
+# --store-durations rewrites it. xdist hands out whole files in collection order (make test passes
+# --no-loadscope-reorder), so putting the longest files first is the longest-processing-time
+# schedule. A test not in it is estimated from its slow mark.
+DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+ESTIMATED_SECONDS = {"slow": 5.0, "fast": 0.2}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="write the seconds each test took to tests/durations.json (the suite's schedule)",
+    )
+
+
+def _measured_durations() -> dict:
+    try:
+        with open(DURATIONS_FILE) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: order and delegate what will run
 def pytest_collection_modifyitems(config, items):
-    """Files with the most ``slow`` tests go first (xdist hands out whole files in this order, so
-    the long ones start early and the short ones fill in); the ``multi_device`` tests start their
-    child session as soon as they are collected, and their files go last."""
+    """The costliest files go first (measured, or estimated from their ``slow`` marks); the
+    ``multi_device`` tests start their child session as soon as they are collected and go to the
+    end of their files."""
+    measured = _measured_durations()
     cost, delegated_files = {}, set()
     for item in items:
-        cost.setdefault(item.fspath, 0)
-        cost[item.fspath] += 1 if item.get_closest_marker("slow") else 0
+        guess = ESTIMATED_SECONDS["slow" if item.get_closest_marker("slow") else "fast"]
+        cost[item.fspath] = cost.get(item.fspath, 0.0) + measured.get(item.nodeid, guess)
         if item.get_closest_marker("multi_device") and DEVICES < MULTI_DEVICE_COUNT:
             delegated_files.add(item.fspath)
-    # Files whose multi_device tests report the child session's results go last: by the time a
-    # worker reaches them the child, started now, has finished, so no worker waits for it.
-    order = {path: rank for rank, path in enumerate(sorted(cost, key=lambda p: (p in delegated_files, -cost[p])))}
-    items.sort(key=lambda item: order[item.fspath])  # stable: each file keeps its own order
+    # A file's multi_device tests (which report the child session's results) go to its end, and no
+    # such file is among the first each worker gets: by the time a worker reaches them the child,
+    # started now, has finished, so no worker waits for it, and the files keep their costly-first
+    # places (a long file scheduled last would leave the other worker idle).
+    files = sorted(cost, key=lambda p: -cost[p])
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    for path in [p for p in files[:workers] if p in delegated_files]:
+        files.remove(path)
+        files.insert(min(workers, len(files)), path)
+    order = {path: rank for rank, path in enumerate(files)}
+
+    def place(item):
+        return order[item.fspath], item.fspath in delegated_files and bool(item.get_closest_marker("multi_device"))
+
+    items.sort(key=place)  # stable: each file keeps its own order otherwise
     if DEVICES < MULTI_DEVICE_COUNT:
         delegated = [item.nodeid for item in items if item.get_closest_marker("multi_device")]
         if delegated:
             _start_multi_device_session(config, delegated)
+
+
+_TEST_SECONDS = {}
+
+
+def _record_duration(report):
+    """Adds a test phase's seconds to the test's total."""
+    _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def _store_durations(config):
+    # The process that reports every result: the xdist controller, or pytest without xdist.
+    if not config.getoption("store_durations") or hasattr(config, "workerinput") or not _TEST_SECONDS:
+        return
+    durations = _measured_durations()
+    durations.update({nodeid: round(seconds, 2) for nodeid, seconds in _TEST_SECONDS.items()})
+    with open(DURATIONS_FILE, "w") as f:
+        json.dump(dict(sorted(durations.items())), f, indent=1)
+        f.write("\n")
 
 
 # ----- the multi_device tests: one child session with its own device count ------------------------
@@ -204,12 +263,14 @@ _CHILD_REPORTS = {}
 
 
 def pytest_runtest_logreport(report):
+    _record_duration(report)
     if "TERRA_TEST_RESULTS" in os.environ and DEVICES >= MULTI_DEVICE_COUNT:
         text = report.longreprtext if report.outcome != "skipped" else str(report.longrepr[-1])
         _CHILD_REPORTS.setdefault(report.nodeid, []).append((report.when, report.outcome, text))
 
 
 def pytest_sessionfinish(session):
+    _store_durations(session.config)
     path = os.environ.get("TERRA_TEST_RESULTS")
     if path and DEVICES >= MULTI_DEVICE_COUNT:
         with open(path + ".tmp", "w") as f:
@@ -257,25 +318,34 @@ def dropout_calls(apply, *args) -> set:
     return calls
 
 
+@contextlib.contextmanager
+def xla_optimizations(enabled: bool):
+    """XLA's optimizations on or off for what is compiled inside the block."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", not enabled)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture(scope="module")
 def fast_compile():
     """XLA's optimizations off for a test module: at test sizes they only cost compile time.
     The suite's default (JAX_DISABLE_MOST_OPTIMIZATIONS above); a module states it with
     ``pytestmark = pytest.mark.usefixtures("fast_compile")``."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+    with xla_optimizations(False):
+        yield
 
 
 @pytest.fixture(scope="module")
 def optimized_compile():
     """XLA's optimizations on for a module that inspects optimized programs (fusion, aliasing) or
-    compares hand-written kernels with XLA's own products."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+    compares hand-written kernels with XLA's own products. What such a module only sets up (a
+    model's random parameters) it compiles inside ``xla_optimizations(False)``: optimizing a
+    model's initializer costs seconds and changes none of its bits."""
+    with xla_optimizations(True):
+        yield
 
 
 @pytest.fixture(scope="session")

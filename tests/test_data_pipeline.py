@@ -233,18 +233,19 @@ def test_the_language_model_form_makes_both_model_families_causal_language_model
         )
     )
     params = model.init_params(jax.random.key(0))
-    logits = np.asarray(model.logits(params, batch))
+    forward = jax.jit(model.logits)  # one compilation for both batches
+    logits = np.asarray(forward(params, batch))
     assert logits.shape == (4, 18, 16)
     # Every position sees only the sequence before it: change the tokens after position t, and the
     # logits up to t stay; the next position's change.
     t = 7
     changed = dict(batch, decoder_input_tokens=batch["decoder_input_tokens"].copy())
     changed["decoder_input_tokens"][:, t + 1 :] = (changed["decoder_input_tokens"][:, t + 1 :] % 11) + 1
-    other = np.asarray(model.logits(params, changed))
+    other = np.asarray(forward(params, changed))
     np.testing.assert_allclose(other[:, : t + 1], logits[:, : t + 1], atol=1e-5)
     assert np.abs(other[:, t + 1] - logits[:, t + 1]).max() > 1e-4
     # The loss counts the second w only.
-    _, metrics = model.loss_fn(params, batch)
+    _, metrics = jax.jit(model.loss_fn)(params, batch)
     weights = batch["decoder_loss_weights"].sum()
     assert float(metrics["weight_sum"]) == weights < (batch["decoder_target_tokens"] != 0).sum()
 

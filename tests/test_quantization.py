@@ -257,14 +257,16 @@ def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_f
     model, batch = _tiny_family(gin_file)
     if gin_file not in family_params:
         family_params[gin_file] = model.init_params(jax.random.key(0))
-    narrow = quantize_params(family_params[gin_file], kind)
-    wide = dequantize_params(narrow)
+    # Compiled whole: run op by op, a model compiles each of its hundreds of operations alone.
+    narrow = jax.jit(quantize_params, static_argnums=1)(family_params[gin_file], kind)
+    wide = jax.jit(dequantize_params)(narrow)
     quantized_leaves = [leaf for leaf in jax.tree.leaves(narrow, is_leaf=_is_quantized) if _is_quantized(leaf)]
     assert len(quantized_leaves) >= 8
     reference = _decode_logits(model, wide, batch)
     np.testing.assert_allclose(_decode_logits(model, narrow, batch), reference, atol=1e-5, rtol=1e-5)
     # The teacher-forced pass (evaluation) reads the same narrow tree.
-    np.testing.assert_allclose(model.logits(narrow, batch), model.logits(wide, batch), atol=1e-5, rtol=1e-5)
+    logits = jax.jit(model.logits)
+    np.testing.assert_allclose(logits(narrow, batch), logits(wide, batch), atol=1e-5, rtol=1e-5)
 
 
 def _is_quantized(leaf):

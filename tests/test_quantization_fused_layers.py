@@ -18,6 +18,8 @@ from terra import gin_utils
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
 from terra.quantization import kernels, quantize, quantize_params
 
+from conftest import xla_optimizations
+
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
 pytestmark = pytest.mark.usefixtures("optimized_compile")
@@ -67,10 +69,11 @@ FEED_FORWARD_SHAPES = [(40, 120, 8), (17, 96, 32), (1024, 2048, 32)]
 def _feed_forward(d_model, d_ff, n_units, kind):
     layer = SparseFeedForward(d_model=d_model, d_ff=d_ff, ff_sparsity=n_units)
     x = jnp.ones((1, 1, d_model))
-    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
-    # A controller bias large enough that the choice depends on it as well.
-    params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
-    return layer, quantize_params(params, kind)
+    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
+        params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x)["params"])
+        # A controller bias large enough that the choice depends on it as well.
+        params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
+        return layer, quantize_params(params, kind)
 
 
 def _feed_forward_step(layer, narrow, x):
@@ -105,7 +108,8 @@ def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, sha
 def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
     layer, narrow = _feed_forward(40, 120, 8, "int8")
     x = jnp.ones((2, 1, 40))
-    float_params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    with xla_optimizations(False):
+        float_params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x)["params"])
     assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), float_params, x)
     eval_pass = jax.jit(lambda p, x: layer.apply({"params": p}, x))
     assert "terra_sparse_feed_forward" not in _targets(eval_pass, narrow, x)
@@ -144,9 +148,10 @@ def _attention(layer_class, d_model, heads, kind):
     layer = layer_class(d_model=d_model, n_heads=heads)
     x = jnp.ones((2, 3, d_model))
     args = (jnp.ones((2, 5, d_model)), jnp.ones((2, 5))) if layer_class is SparseQueryCrossAttention else ()
-    variables = nn.unbox(layer.init(jax.random.key(0), x, *args))
-    params = jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, variables["params"])  # biases that count
-    return layer, quantize_params(params, kind), args
+    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
+        variables = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x, *args))
+        params = jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, variables["params"])  # biases that count
+        return layer, quantize_params(params, kind), args
 
 
 def _decode_outputs(layer, narrow, args, xs):
@@ -203,7 +208,8 @@ def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
 def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, clean_gin):
     gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], ["TransformerConfig.vocab_size = 96"])
     model = gin_utils.build_model()
-    narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
+    with xla_optimizations(False):
+        narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
     decoder = model.decoder(37)  # a length no other array in the step has
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
     start = jnp.zeros((2,), jnp.int32)
