@@ -5,11 +5,13 @@ seconds each); the checks on newlines matter because ROUGE-Lsum splits summaries
 """
 
 import ast
+import concurrent.futures
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import sentencepiece as spm
@@ -52,8 +54,8 @@ def test_embedded_corpus_is_large_and_identical_across_two_builds(cache_root, tm
         with open(os.path.join(second, name), "rb") as a, open(os.path.join(first, name), "rb") as b:
             assert a.read() == b.read(), name
         assert entry["bytes"] > 0
-    # No temporary build directories are left beside the corpus.
-    assert os.listdir(str(tmp_path)) == [os.path.basename(second)]
+    # No temporary build directories are left beside the corpus (only the builders' lock file).
+    assert sorted(os.listdir(str(tmp_path))) == [os.path.basename(second), os.path.basename(second) + ".lock"]
     texts = {split: list(embedded.corpus_texts(split=split, cache_dir=cache_root)) for split in embedded.SPLITS}
     assert sum(len(t.encode("utf-8")) for ts in texts.values() for t in ts) == manifest["text_bytes"]
     assert len(texts["train"]) > 5_000 and len(texts["validation"]) > 100
@@ -140,6 +142,24 @@ def test_vocabulary_is_cached_and_reused(vocab, cache_root, monkeypatch):
     again = vocabularies.embedded_vocabulary(cache_dir=cache_root)
     assert os.stat(path).st_mtime_ns == mtime
     assert again.encode(NEWLINE_TEXT) == vocab.encode(NEWLINE_TEXT)
+
+
+def test_concurrent_builders_of_the_corpus_build_it_once(tmp_path, monkeypatch):
+    # Several processes (test workers, jobs) asking for the corpus at once: one builds, the
+    # others wait for its lock and read its copy. Threads hold separate lock descriptors too.
+    builds = []
+
+    def slow_build(target):
+        builds.append(target)
+        time.sleep(0.3)
+        os.makedirs(target)
+        with open(os.path.join(target, embedded.MANIFEST), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(embedded, "_build_into", slow_build)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: embedded.build_corpus(cache_dir=str(tmp_path)), range(3)))
+    assert len(builds) == 1 and built == [builds[0]] * 3
 
 
 def test_missing_sentencepiece_model_names_the_path(tmp_path):

@@ -55,6 +55,8 @@ import gin
 import seqio
 import tensorflow as tf
 
+from terra import files
+
 # Bump when the extraction or the file layout changes: caches of an older format are
 # then ignored rather than misread.
 FORMAT_VERSION = 2  # 2: summarization pairs have an ``id``
@@ -290,12 +292,19 @@ def build_corpus(*, cache_dir: Optional[str] = None) -> str:
     """Builds the corpus unless already cached; returns its directory (see :func:`corpus_dir`).
 
     The corpus is written to a temporary sibling directory and renamed into place, so an
-    interrupted build never leaves a directory that looks complete, and concurrent builders
-    (several test workers) all end up with one valid copy.
+    interrupted build never leaves a directory that looks complete; concurrent builders (several
+    test workers or jobs) take a lock beside it, so one builds and the others read its copy.
     """
     target = corpus_dir(cache_dir=cache_dir)
     if os.path.isfile(os.path.join(target, MANIFEST)):
         return target
+    with files.exclusive(target + ".lock"):
+        if not os.path.isfile(os.path.join(target, MANIFEST)):  # built while this process waited
+            _build_into(target)
+    return target
+
+
+def _build_into(target: str) -> None:
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
@@ -314,7 +323,6 @@ def build_corpus(*, cache_dir: Optional[str] = None) -> str:
             # Another process finished first; its copy is identical.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def read_manifest(*, cache_dir: Optional[str] = None) -> dict:

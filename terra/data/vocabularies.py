@@ -23,6 +23,7 @@ import sentencepiece as spm
 import seqio
 import tensorflow as tf
 
+from terra import files
 from terra.data import embedded
 
 # T5's layout: the model's own ids, with seqio appending sentinel <extra_id_*> ids on top.
@@ -222,8 +223,11 @@ def embedded_vocabulary(
     """
     path = embedded_vocabulary_path(vocab_size=vocab_size, cache_dir=cache_dir)
     if not os.path.isfile(path):
-        embedded.build_corpus(cache_dir=cache_dir)
-        train_sentencepiece(embedded.corpus_texts(split="train", cache_dir=cache_dir), path, vocab_size=vocab_size)
+        corpus = embedded.build_corpus(cache_dir=cache_dir)
+        with files.exclusive(f"{corpus}.spm-{vocab_size}.lock"):  # one trainer; the others wait for it
+            if not os.path.isfile(path):
+                texts = embedded.corpus_texts(split="train", cache_dir=cache_dir)
+                train_sentencepiece(texts, path, vocab_size=vocab_size)
     return sentencepiece_vocabulary(path, extra_ids=extra_ids)
 
 

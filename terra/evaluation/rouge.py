@@ -9,18 +9,25 @@ score: terra's summaries and references keep one sentence per line, and the scor
 """
 
 import contextlib
-from typing import Dict, List, Sequence
+from typing import TYPE_CHECKING, Dict, List, Sequence
 
 import numpy as np
-from rouge_score import rouge_scorer, scoring
+from rouge_score import scoring
+
+if TYPE_CHECKING:
+    from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeLsum", "rougeL")
 # The paper's column names (Table 5).
 DISPLAY_NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeLsum": "ROUGE-LSum", "rougeL": "ROUGE-LSent"}
 
 
-def scorer() -> rouge_scorer.RougeScorer:
+def scorer() -> "rouge_scorer.RougeScorer":
     """The scorer every terra ROUGE number comes from (stemming on)."""
+    # Imported here: rouge_scorer imports all of nltk (and scipy.stats through it), about a
+    # second that every console command and training process would pay without scoring ROUGE.
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
 
 
