@@ -13,12 +13,17 @@ with) and its latest checkpoint; ``build`` parses gin files and initialises para
 seed. Neither finalizes gin, and every configurable module is imported before parsing, so
 importing any terra module afterwards, in any order, raises no gin lock error. Texts go through
 the task's vocabulary (with EOS); token arrays (``[batch, length]`` ints, pad 0) are used as
-they are.
+they are. Texts longer than the task's feature lengths are truncated with a warning (once per
+model and feature; ``truncate=True`` accepts it silently, ``truncate=False`` refuses). ``load`` and
+``build`` may be called from several threads: gin's configuration is global, so one lock holds it
+from parsing to the built model.
 """
 
 import dataclasses
 import functools
 import os
+import threading
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import jax
@@ -30,10 +35,14 @@ from terra.data import tasks
 from terra.errors import ConfigError
 from terra.models.protocol import Model
 from terra.quantization import check_weights_dtype, quantize_params
-from terra.text_encoding import encode_text
+from terra.text_encoding import clean_article, encode_text
 from terra.training import checkpointing
 
 Inputs = Union[str, Sequence[str], np.ndarray, jax.Array, Sequence[Sequence[int]]]
+
+# gin's configuration is one global: a parse and the build that reads it must not interleave with
+# another thread's (load/build from two threads would otherwise mix their configs).
+_CONFIG_LOCK = threading.RLock()
 
 
 def run_config_path(model_dir: str) -> str:
@@ -71,6 +80,7 @@ class InteractiveModel:
     step: Optional[int] = None
     model_dir: Optional[str] = None
     weights_dtype: str = "float32"
+    _warned_truncation: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
 
     @property
     def config(self):
@@ -98,9 +108,12 @@ class InteractiveModel:
     def _length(self, feature: str) -> int:
         return int(self.feature_lengths.get(feature, self.config.max_len))
 
-    def tokens(self, inputs: Inputs, feature: str = "inputs") -> Tuple[np.ndarray, bool]:
-        """``([batch, length] int32, were_texts)``: texts encoded with EOS and truncated to the
-        feature's length, or token rows padded with the pad id to the longest row."""
+    def tokens(
+        self, inputs: Inputs, feature: str = "inputs", *, truncate: Optional[bool] = None
+    ) -> Tuple[np.ndarray, bool]:
+        """``([batch, length] int32, were_texts)``: texts encoded with EOS and cut to the feature's
+        length (``truncate``: None warns once per feature, True cuts silently, False refuses), or
+        token rows padded with the pad id to the longest row."""
         if isinstance(inputs, str):
             inputs = [inputs]
         if len(inputs) and all(isinstance(x, str) for x in inputs):
@@ -109,8 +122,13 @@ class InteractiveModel:
                     "this model's config names no task, so there is no vocabulary for texts: "
                     "pass token arrays, or build it with a task gin file."
                 )
-            rows = [encode_text(x, self.vocabulary, self._length(feature), self.config.eos_id)[0] for x in inputs]
-            return self._pad(rows, self._length(feature)), True
+            empty = [i for i, x in enumerate(inputs) if not clean_article(x)]
+            if empty:
+                raise ConfigError(f"{feature} text {empty[0]} is empty: give every text some words.")
+            length = self._length(feature)
+            encoded = [encode_text(x, self.vocabulary, length, self.config.eos_id) for x in inputs]
+            self._check_truncation(feature, [(i, note) for i, (_, note) in enumerate(encoded) if note], truncate)
+            return self._pad([ids for ids, _ in encoded], length), True
         if isinstance(inputs, (np.ndarray, jax.Array)) and inputs.ndim == 1:
             inputs = inputs[None]
         rows = [np.asarray(r).reshape(-1) for r in inputs]
@@ -122,6 +140,21 @@ class InteractiveModel:
         if too_big:
             raise ConfigError(f"token id {too_big[0]} is outside the model's vocabulary [0, {self.config.vocab_size}).")
         return self._pad(rows, max(len(r) for r in rows)), False
+
+    def _check_truncation(self, feature: str, notes: List[Tuple[int, str]], truncate: Optional[bool]) -> None:
+        if not notes or truncate:
+            return
+        first, note = notes[0]
+        what = f"{len(notes)} {feature} text(s) exceed the task's {feature} length (text {first}: {note})"
+        if truncate is False:
+            raise ConfigError(f"{what}; shorten them, or pass truncate=True to use the first tokens.")
+        if feature not in self._warned_truncation:
+            self._warned_truncation.add(feature)
+            warnings.warn(
+                f"{what}; only the first tokens are used (truncate=True silences this, truncate=False "
+                "refuses such texts).",
+                stacklevel=4,
+            )
 
     def _pad(self, rows, length: int) -> np.ndarray:
         out = np.full((len(rows), length), self.config.pad_id, np.int32)
@@ -146,6 +179,7 @@ class InteractiveModel:
         length_penalty: float = 0.0,
         seed: int = 0,
         batch_size: Optional[int] = None,
+        truncate: Optional[bool] = None,
     ) -> Union[List[str], np.ndarray]:
         """Decode every input, ``batch_size`` rows at a time (default: all at once).
 
@@ -156,8 +190,14 @@ class InteractiveModel:
           temperature, top_k, top_p: 0 is greedy; otherwise sampling, optionally from the
             ``top_k`` most likely tokens or the ``top_p`` nucleus; reproducible for a ``seed``.
           num_beams, length_penalty: beam search when ``num_beams > 1``.
+          truncate: texts beyond the input length: None cuts them with a warning (once), True
+            cuts them silently, False refuses them.
         """
-        tokens, were_texts = self.tokens(inputs)
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+            raise ConfigError(f"max_new_tokens must be a whole number of at least 1, not {max_new_tokens!r}.")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ConfigError(f"batch_size must be a whole number of at least 1, not {batch_size!r}.")
+        tokens, were_texts = self.tokens(inputs, truncate=truncate)
         max_new_tokens = max_new_tokens or self._length("targets")
         batch_size = batch_size or len(tokens)
         outputs, lengths = [], []
@@ -195,9 +235,9 @@ class InteractiveModel:
         return self.generate(texts, **options)
 
     # ----- teacher forcing -------------------------------------------------------------------
-    def _batch(self, inputs: Inputs, targets: Inputs) -> Dict[str, jax.Array]:
-        encoder, _ = self.tokens(inputs, "inputs")
-        decoder, _ = self.tokens(targets, "targets")
+    def _batch(self, inputs: Inputs, targets: Inputs, truncate: Optional[bool]) -> Dict[str, jax.Array]:
+        encoder, _ = self.tokens(inputs, "inputs", truncate=truncate)
+        decoder, _ = self.tokens(targets, "targets", truncate=truncate)
         if len(encoder) != len(decoder):
             raise ConfigError(f"{len(encoder)} inputs but {len(decoder)} targets.")
         return {"encoder_input_tokens": jnp.asarray(encoder), "decoder_target_tokens": jnp.asarray(decoder)}
@@ -210,15 +250,18 @@ class InteractiveModel:
     def _jit_logits(self):
         return jax.jit(lambda params, batch: self.model.logits(params, batch))
 
-    def score(self, inputs: Inputs, targets: Inputs) -> np.ndarray:
+    def score(self, inputs: Inputs, targets: Inputs, *, truncate: Optional[bool] = None) -> np.ndarray:
         """``[batch]`` float32 log-likelihood (nats) of each target given its input (texts get EOS,
-        as the tasks' targets do; pad positions of token rows are not scored)."""
-        return np.asarray(self._jit_score(self.params, self._batch(inputs, targets)))
+        as the tasks' targets do; pad positions of token rows are not scored). ``truncate`` as in
+        ``generate``: a target cut to the task's length is scored only on its first tokens."""
+        return np.asarray(self._jit_score(self.params, self._batch(inputs, targets, truncate)))
 
-    def logits(self, encoder_tokens: Inputs, decoder_target_tokens: Inputs) -> jax.Array:
+    def logits(
+        self, encoder_tokens: Inputs, decoder_target_tokens: Inputs, *, truncate: Optional[bool] = None
+    ) -> jax.Array:
         """Teacher-forced logits ``[batch, target_length, vocab]`` float32 (the decoder reads the
         targets shifted right, the pad id first)."""
-        return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens))
+        return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens, truncate))
 
 
 def _summarization_required(task) -> None:
@@ -254,10 +297,18 @@ def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_su
     )
 
 
+def _step_number(step: Union[int, str, None]) -> Optional[int]:
+    if step is None or (isinstance(step, int) and not isinstance(step, bool)):
+        return step
+    if isinstance(step, str) and step.strip().isdigit():
+        return int(step)
+    raise ConfigError(f"step must be a checkpoint's step number, e.g. 100, not {step!r}.")
+
+
 def load(
     model_dir: str,
-    step: Optional[int] = None,
-    bindings: Sequence[str] = (),
+    step: Union[int, str, None] = None,
+    bindings: Union[str, Sequence[str]] = (),
     *,
     require_summarization: bool = False,
     weights_dtype: str = "float32",
@@ -269,21 +320,32 @@ def load(
     a summarization task. ``weights_dtype``: 'int8' or 'bfloat16' stores the weights narrow
     for decoding (``InteractiveModel.quantized``)."""
     check_weights_dtype(weights_dtype)
-    gin_utils.parse_gin(
-        [run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings], finalize=False
-    )
-    run = _from_parsed_config(
-        lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
-    )
+    step = _step_number(step)
+    bindings = [bindings] if isinstance(bindings, str) else list(bindings)
+    with _CONFIG_LOCK:
+        gin_utils.parse_gin(
+            [run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings], finalize=False
+        )
+        run = _from_parsed_config(
+            lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
+        )
     return run.quantized(weights_dtype)
 
 
 def build(
-    gin_files: Sequence[str], bindings: Sequence[str] = (), seed: int = 0, *, weights_dtype: str = "float32"
+    gin_files: Union[str, Sequence[str]],
+    bindings: Union[str, Sequence[str]] = (),
+    seed: int = 0,
+    *,
+    weights_dtype: str = "float32",
 ) -> InteractiveModel:
-    """A freshly initialised model from gin files (a model config, optionally a task config for
-    the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed`` (and stored as
-    ``weights_dtype``)."""
+    """A freshly initialised model from gin files (one file or a list: a model config, optionally
+    a task config for the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed``
+    (and stored as ``weights_dtype``)."""
     check_weights_dtype(weights_dtype)
-    gin_utils.parse_gin(list(gin_files), list(bindings), finalize=False)
-    return _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None)).quantized(weights_dtype)
+    gin_files = [gin_files] if isinstance(gin_files, str) else list(gin_files)
+    bindings = [bindings] if isinstance(bindings, str) else list(bindings)
+    with _CONFIG_LOCK:
+        gin_utils.parse_gin(gin_files, bindings, finalize=False)
+        run = _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None))
+    return run.quantized(weights_dtype)

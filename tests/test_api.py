@@ -7,6 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,7 @@ import numpy as np
 import pytest
 
 import terra
-from terra import configurables
+from terra import api, configurables, gin_utils
 from terra.errors import ConfigError
 from terra.models import (
     EncoderDecoderModel,
@@ -112,6 +115,82 @@ def test_bad_token_inputs_fail_clearly(copy_model):
 def test_generate_rejects_sampling_options_with_beams(copy_model):
     with pytest.raises(ValueError, match="beam search is deterministic"):
         copy_model.generate(["abc"], num_beams=2, temperature=0.5)
+
+
+def test_texts_beyond_the_feature_length_warn_once_refuse_or_cut_silently(copy_model):
+    long_text = "abcdefgh" * 8  # 64 bytes: the copy task's inputs and targets hold 16
+    fresh = dataclasses.replace(copy_model)
+    with pytest.warns(UserWarning, match=r"1 inputs text\(s\) exceed the task's inputs length \(text 1: 64 tokens"):
+        first, _ = fresh.tokens(["abc", long_text])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model and feature
+        again, _ = fresh.tokens(["abc", long_text])
+        quiet, _ = dataclasses.replace(copy_model).tokens(["abc", long_text], truncate=True)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, quiet)
+    assert first.shape == (2, 16)
+    with pytest.raises(ConfigError, match="exceed the task's targets length.*truncate=True"):
+        copy_model.score(["abc"], [long_text], truncate=False)
+
+
+def test_empty_texts_and_no_new_tokens_are_refused(copy_model):
+    with pytest.raises(ConfigError, match="inputs text 1 is empty"):
+        copy_model.generate(["abc", "  "])
+    with pytest.raises(ConfigError, match="targets text 0 is empty"):
+        copy_model.score(["abc"], [""])
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ConfigError, match="max_new_tokens must be a whole number of at least 1"):
+            copy_model.generate(["abc"], max_new_tokens=bad)
+    with pytest.raises(ConfigError, match="batch_size must be"):
+        copy_model.generate(["abc"], batch_size=0)
+
+
+def test_step_numbers_are_read_from_strings_and_odd_steps_refused():
+    assert api._step_number("100") == 100 and api._step_number(7) == 7 and api._step_number(None) is None
+    for bad in ("latest", "1.5", True):
+        with pytest.raises(ConfigError, match="step must be a checkpoint's step number"):
+            api._step_number(bad)
+
+
+@pytest.mark.slow
+def test_build_takes_one_gin_file_as_a_string():
+    run = terra.build("models/tiny.gin", "TransformerConfig.d_ff = 96")
+    assert run.config.d_ff == 96 and run.task is None
+
+
+@pytest.mark.slow
+def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):
+    # Thread A pauses inside its build, after parsing; without the lock, thread B's parse would
+    # replace A's bindings in gin's global config while A still reads them.
+    real_build_model = gin_utils.build_model
+    a_is_building = threading.Event()
+
+    def build_model(*args, **kwargs):
+        if threading.current_thread().name == "A":
+            a_is_building.set()
+            time.sleep(0.5)
+        return real_build_model(*args, **kwargs)
+
+    monkeypatch.setattr(gin_utils, "build_model", build_model)
+    built, errors = {}, []
+
+    def build(d_ff):
+        try:
+            built[threading.current_thread().name] = terra.build("models/tiny.gin", f"TransformerConfig.d_ff = {d_ff}")
+        except Exception as error:  # surfaced below
+            errors.append(error)
+
+    a = threading.Thread(target=build, args=(96,), name="A")
+    a.start()
+    assert a_is_building.wait(60)
+    b = threading.Thread(target=build, args=(160,), name="B")
+    b.start()
+    a.join()
+    b.join()
+    assert not errors
+    assert built["A"].config.d_ff == 96 and built["B"].config.d_ff == 160
+    widths = {name: {d for leaf in jax.tree.leaves(run.params) for d in leaf.shape} for name, run in built.items()}
+    assert 96 in widths["A"] and 160 not in widths["A"] and 160 in widths["B"]
 
 
 @pytest.mark.slow
