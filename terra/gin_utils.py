@@ -254,6 +254,41 @@ def _explain_parse_error(error: Exception, where: str) -> GinConfigError:
     return explain_gin_error(error, where)
 
 
+_INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _include_loop(path: str, chain: Sequence[str] = ()) -> List[str]:
+    """The first chain of includes from ``path`` that leads back to a file on it, or []."""
+    chain = [*chain, path]
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = _INCLUDE.findall(f.read())
+    except (OSError, UnicodeDecodeError):
+        return []
+    for name in names:
+        try:
+            included = resolve_gin_file(name, sorted(_SEARCH_PATHS_ADDED))
+        except GinConfigError:
+            continue
+        if included in chain:
+            return [*chain[chain.index(included) :], included]
+        loop = _include_loop(included, chain)
+        if loop:
+            return loop
+    return []
+
+
+def _include_loop_error(path: str) -> GinConfigError:
+    # gin follows includes without remembering where it has been, until Python's stack runs out
+    # (its error message is then one 'In file' line per level: not something to print).
+    loop = _include_loop(os.path.abspath(path))
+    where = " -> ".join(loop) if loop else "the files it includes"
+    return GinConfigError(
+        f"Invalid gin configuration (file {path}): its includes form a loop ({where}); "
+        "remove the include that leads back to a file already included."
+    )
+
+
 class _DropPathNotFound(logging.Filter):
     """gin probes every search path for an include and logs each miss as an error; the
     include either resolves on a later path or fails with an exception, so the log is noise."""
@@ -310,6 +345,8 @@ def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str])
             gin.parse_config_file(path)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError, IOError) as e:
             raise _explain_parse_error(e, f"file {path}") from None
+        except RecursionError:
+            raise _include_loop_error(path) from None
     for binding in gin_bindings:
         try:
             gin.parse_config(binding)

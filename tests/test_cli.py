@@ -419,3 +419,22 @@ def test_the_exit_statuses_documented_are_the_ones_the_commands_return():
     table = text.split("## Exit status", 1)[1]
     documented = {int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()}
     assert documented == {0, app.EXIT_USAGE, app.EXIT_FAILED, app.EXIT_INTERRUPTED}
+
+
+@pytest.mark.slow
+def test_a_missing_vocabulary_file_is_one_line_naming_it_before_model_dir_is_written(tmp_path, capsys):
+    # The README's own pretraining line with a vocabulary path that is not there.
+    c4 = tmp_path / "c4"
+    c4.mkdir()
+    (c4 / "c4-train.00000-of-00001.json").write_text('{"text": "a line of text", "url": "u"}\n')
+    missing, model_dir = tmp_path / "vocab" / "c4-32k.model", tmp_path / "run"
+    argv = [
+        "--gin_file=experiments/pretrain_c4_dense_800m.gin",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        f"--c4_json={c4}",
+        f"--vocabulary={missing}",
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: SentencePiece model not found: '{missing}'") and err.count("\n") == 1, err
+    assert not model_dir.exists()

@@ -155,6 +155,30 @@ def test_the_allenai_layout_keeps_its_split_names(tmp_path):
     assert len(found["validation"]) == 2 and all("c4-validation." in f for f in found["validation"])
 
 
+def test_a_folder_mixing_allenai_shards_with_other_json_files_reads_every_file(tmp_path):
+    fixtures.write_c4_json(str(tmp_path), {"train": ["a", "b"], "validation": ["d"]}, shards=1)
+    olmo = _write_lines(str(tmp_path / "en" / "c4-sample.01.json.gz"), _docs(2))
+    dolma = _write_lines(str(tmp_path / "en" / "dolma" / "part-0.jsonl.gz"), _docs(1, 10))
+    dev = _write_lines(str(tmp_path / "en" / "dev" / "part-1.jsonl"), _docs(1, 20))
+    found = sources.c4_json_files(str(tmp_path))
+    assert olmo in found["train"] and dolma in found["train"] and dev in found["validation"]
+    assert sum(len(v) for v in found.values()) == 5
+
+
+def test_a_fifo_or_a_symlink_loop_named_like_data_is_refused_by_name(tmp_path):
+    folder = tmp_path / "c4"
+    _write_lines(str(folder / "shard-0.jsonl"), _docs(2))
+    fifo = folder / "pipe.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match=f"{fifo} is a FIFO, not a data file"):
+        sources.c4_json_source(path=str(folder)).get_dataset("train")
+    fifo.unlink()
+    loop = folder / "loop.json.gz"
+    os.symlink(loop, loop)
+    with pytest.raises(InputError, match=f"cannot open {loop}: Too many levels of symbolic links"):
+        sources.c4_json_source(path=str(folder)).get_dataset("train")
+
+
 def test_arxiv_papers_without_an_abstract_are_skipped_and_counted(tmp_path):
     papers = [fixtures.cohan_record(i, [f"sentence of paper {i} ."], [f"paper {i} ."]) for i in range(3)]
     del papers[1]["abstract_text"]

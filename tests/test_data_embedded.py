@@ -18,6 +18,7 @@ import sentencepiece as spm
 
 from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
+from terra.errors import DataNotFoundError
 
 from conftest import REPO_ROOT
 
@@ -164,7 +165,7 @@ def test_concurrent_builders_of_the_corpus_build_it_once(tmp_path, monkeypatch):
 
 def test_missing_sentencepiece_model_names_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "spm.model"
-    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))) as info:
+    with pytest.raises(DataNotFoundError, match=re.escape(str(missing))) as info:
         vocabularies.sentencepiece_vocabulary(str(missing))
     assert "terra-vocab" in str(info.value)
     assert vocabularies.byte_vocabulary().decode(vocabularies.byte_vocabulary().encode(UNICODE_TEXT)) == UNICODE_TEXT

@@ -106,6 +106,15 @@ def test_a_misspelled_binding_names_the_closest_parameter():
     assert "d_modle" in str(info.value) and "Did you mean 'd_model'" in str(info.value)
 
 
+def test_gin_files_that_include_each_other_are_one_error_naming_both(tmp_path):
+    a, b = tmp_path / "a.gin", tmp_path / "b.gin"
+    a.write_text(f"include '{b}'\n")
+    b.write_text(f"include '{a}'\n")
+    with pytest.raises(gin_utils.GinConfigError, match="includes form a loop") as info:
+        gin_utils.parse_gin([str(a)])
+    assert str(a) in str(info.value) and str(b) in str(info.value) and "\n" not in str(info.value)
+
+
 def test_a_misspelled_layer_reference_names_the_closest_configurable():
     with pytest.raises(gin_utils.GinConfigError, match="Did you mean 'FeedForward'"):
         gin_utils.parse_gin(["models/tiny.gin"], ["EncoderDecoderTransformer.feed_forward = @FeedForwrd"])

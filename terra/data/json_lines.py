@@ -26,6 +26,7 @@ import gzip
 import json
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -53,9 +54,11 @@ def is_gzip_name(path: str) -> bool:
 
 
 def check_files(paths: Sequence[str], description: str) -> None:
-    """Fail now, naming the file, on what can be seen without reading whole files: a
-    compression TF cannot read, or a ``.gz`` file that does not start as gzip."""
+    """Fail now, naming the file, on what can be seen without reading whole files: a path that
+    is not a regular file (a FIFO would block the reader forever, a symlink loop fails deep in
+    TensorFlow), a compression TF cannot read, or a ``.gz`` file that does not start as gzip."""
     for path in paths:
+        _check_regular_file(path, description)
         for suffix, command in UNSUPPORTED_COMPRESSION.items():
             if path.endswith(suffix):
                 raise InputError(
@@ -70,6 +73,18 @@ def check_files(paths: Sequence[str], description: str) -> None:
                     f"{description}: {path} is named .gz but is not gzip (it starts with bytes {head!r}); "
                     "rename it without .gz if it is plain JSON lines, or download it again."
                 )
+
+
+def _check_regular_file(path: str, description: str) -> None:
+    if "://" in path:  # a remote file system's objects are files
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise InputError(f"{description}: cannot open {path}: {e.strerror}; remove it or fix the link.") from None
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise InputError(f"{description}: {path} is {kind}, not a data file; move it out of the data folder.")
 
 
 class JsonLinesReader:

@@ -252,9 +252,10 @@ def c4_json_files(
     either gzipped) that ``path`` names, with any shard names (allenai/c4, OLMo, Dolma):
 
     * a folder (an allenai/c4 clone's root, whose ``en/`` is used, or any folder of shards,
-      searched recursively): files named ``c4-train.*``/``c4-validation.*`` by those names,
-      otherwise a file is validation data when its path below the folder has the word
-      ``validation``, ``valid``, ``val`` or ``dev``, and training data else;
+      searched recursively): files named ``c4-train.*``/``c4-validation.*`` by those names;
+      every other file is validation data when its path below the folder has the word
+      ``validation``, ``valid``, ``val`` or ``dev``, and training data else (a folder mixing
+      allenai shards with others reads them all: no file is left out);
     * a pattern with ``{split}``, e.g. ``/data/c4/en/c4-{split}.000*-of-*.json.gz``;
     * a glob, a file, or a list of them: all training data.
 
@@ -266,15 +267,13 @@ def c4_json_files(
         folder = os.path.expanduser(path)
         folder = os.path.join(folder, "en") if os.path.isdir(os.path.join(folder, "en")) else folder
         found = _json_files_below(folder)
-        named = [(f, _ALLENAI_NAME.match(os.path.basename(f))) for f in found]
-        if any(m for _, m in named):
-            files = {s: [f for f, m in named if m and m.group(1) == s] for s in ("train", "validation")}
-        else:
-            is_validation = {f: bool(_VALIDATION_WORD.search(os.path.relpath(f, folder))) for f in found}
-            files = {
-                "train": [f for f in found if not is_validation[f]],
-                "validation": [f for f in found if is_validation[f]],
-            }
+        files = {"train": [], "validation": []}
+        for f in found:
+            allenai = _ALLENAI_NAME.match(os.path.basename(f))
+            if allenai:
+                files[allenai.group(1)].append(f)
+            else:
+                files["validation" if _VALIDATION_WORD.search(os.path.relpath(f, folder)) else "train"].append(f)
     else:
         files = {"train": _expand(path), "validation": []}
     if validation_path is not None:

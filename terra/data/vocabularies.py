@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from terra import files
 from terra.data import embedded
+from terra.errors import DataNotFoundError
 
 # T5's layout: the model's own ids, with seqio appending sentinel <extra_id_*> ids on top.
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, -1
@@ -38,12 +39,13 @@ MAX_DOCUMENT_BYTES = 1 << 20
 def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -> seqio.SentencePieceVocabulary:
     """A seqio vocabulary over the SentencePiece model at ``path``, with ``extra_ids`` sentinels.
 
-    Raises FileNotFoundError naming the path when there is no model there: seqio would only
-    fail later, deep inside a tf.data pipeline.
+    Raises DataNotFoundError (a FileNotFoundError) naming the path when there is no model
+    there: seqio would only fail later, deep inside a tf.data pipeline; the commands report it
+    in one line with exit status 2.
     """
     resolved = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(resolved):
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"SentencePiece model not found: {resolved!r}. Train one with "
             f"`terra-vocab --embedded --out {resolved}` (or `--input FILE` for your own "
             "text), or use terra.data.vocabularies.embedded_vocabulary() for the built-in one."
