@@ -4,7 +4,7 @@ documents imports nothing heavy, so bad input is reported before a model is load
 
 import json
 import sys
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from terra.errors import InputError
 from terra.text_encoding import clean_article
@@ -18,6 +18,23 @@ def _decode_utf8(data: bytes, name: str) -> str:
             f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it first, "
             f"e.g. `iconv -f latin1 -t utf-8 {name} > {name}.utf8`."
         ) from None
+
+
+def cohan_field_problem(record: dict, field: str) -> Optional[str]:
+    """Why ``record[field]`` is not a list of sentence strings (``article_text``,
+    ``abstract_text``), or None when it is."""
+    if field not in record:
+        return f"no '{field}' field"
+    value = record[field]
+    if value is None:
+        return f"'{field}' is null"
+    if not isinstance(value, list):
+        return f"'{field}' is a {type(value).__name__}, not a list of sentences"
+    odd = [i for i, sentence in enumerate(value) if not isinstance(sentence, str)]
+    if odd:
+        kind = "null" if value[odd[0]] is None else f"a {type(value[odd[0]]).__name__}"
+        return f"'{field}' sentence {odd[0]} is {kind}, not a string"
+    return None
 
 
 def cohan_example(record: dict) -> dict:
@@ -52,11 +69,13 @@ def split_documents(text: str, name: str) -> List[Tuple[str, str]]:
                 f"{where}: not valid JSON ({e.msg} at column {e.colno}); the file starts as Cohan JSON lines "
                 "(one paper per line), so every line must be one."
             ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("article_text"), list):
+        if not isinstance(record, dict):
             raise InputError(
-                f"{where}: a Cohan JSON line needs an 'article_text' list of sentences"
-                f"{'' if isinstance(record, dict) else f', not a {type(record).__name__}'}."
+                f"{where}: a Cohan JSON line needs an 'article_text' list of sentences, not a {type(record).__name__}."
             )
+        problem = cohan_field_problem(record, "article_text")
+        if problem:
+            raise InputError(f"{where}: a Cohan JSON line needs an 'article_text' list of sentences ({problem}).")
         docs.append((f"{name} [{record.get('article_id', i)}]", cohan_example(record)["article"]))
     return docs
 

@@ -190,6 +190,21 @@ def test_arxiv_papers_without_an_abstract_are_skipped_and_counted(tmp_path):
     assert source.reader.skipped == {"no 'abstract_text' field": 1}
 
 
+def test_arxiv_papers_with_null_or_numbers_for_sentences_are_skipped_naming_the_file_and_line(tmp_path, caplog):
+    papers = [fixtures.cohan_record(i, [f"sentence of paper {i} ."], [f"paper {i} ."]) for i in range(4)]
+    papers[1]["article_text"] = None
+    papers[2]["abstract_text"] = [3, "paper 2 ."]
+    _write_lines(str(tmp_path / "arxiv-dataset" / "train.txt"), [json.dumps(p) for p in papers])
+    source = sources.arxiv_cohan_source(path=str(tmp_path))
+    ids = [ex["id"] for ex in json_lines.checked(source.get_dataset("train", shuffle=False).as_numpy_iterator())]
+    assert ids == [b"paper0", b"paper3"]
+    assert source.reader.skipped == {
+        "'article_text' is null": 1,
+        "'abstract_text' sentence 0 is a int, not a string": 1,
+    }
+    assert "train.txt, line 2: 'article_text' is null" in caplog.text
+
+
 def test_prepare_arxiv_with_a_wrong_archive_is_one_clear_error(tmp_path):
     manual = tmp_path / "downloads" / "manual"
     manual.mkdir(parents=True)

@@ -34,6 +34,11 @@ def test_json_lines_are_one_document_per_paper():
         ('{"article_id": "x", "article_text": ["cut off', "papers.jsonl, line 3: not valid JSON"),
         ('{"article_id": "x", "abstract_text": []}', "papers.jsonl, line 3: a Cohan JSON line needs an 'article_text'"),
         ('["a list"]', "needs an 'article_text' list of sentences, not a list"),
+        ('{"article_text": null}', "papers.jsonl, line 3: .*\\('article_text' is null\\)"),
+        (
+            '{"article_text": ["ok", 7]}',
+            "papers.jsonl, line 3: .*\\('article_text' sentence 1 is a int, not a string\\)",
+        ),
     ],
 )
 def test_a_bad_line_in_json_lines_is_an_error_naming_it_not_plain_text(bad_line, message):

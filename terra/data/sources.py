@@ -30,7 +30,7 @@ import seqio
 import tensorflow as tf
 
 from terra.data import json_lines
-from terra.documents import cohan_example
+from terra.documents import cohan_example, cohan_field_problem
 from terra.errors import DataNotFoundError, InputError
 
 C4_TFDS_VERSION = "3.1.0"
@@ -344,11 +344,9 @@ COHAN_FEATURES = ("article", "abstract", "section_names", "id")
 
 def _cohan_features(record: dict) -> List[str]:
     for field in ("article_text", "abstract_text"):
-        value = record.get(field)
-        if value is None:
-            raise json_lines.SkipRecord(f"no '{field}' field")
-        if not isinstance(value, list):
-            raise json_lines.SkipRecord(f"'{field}' is a {type(value).__name__}, not a list of sentences")
+        problem = cohan_field_problem(record, field)
+        if problem:  # skipped and counted, its file and line logged (json_lines.JsonLinesReader)
+            raise json_lines.SkipRecord(problem)
     example = cohan_example(record)
     for feature, field in (("article", "article_text"), ("abstract", "abstract_text")):
         if not example[feature].strip():
