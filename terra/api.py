@@ -26,17 +26,23 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from terra.tensorflow_setup import quiet_tensorflow_logging
 
-from terra import gin_utils
-from terra.data import tasks
-from terra.errors import ConfigError
-from terra.models.protocol import Model
-from terra.quantization import check_weights_dtype, quantize_params
-from terra.text_encoding import clean_article, encode_text
-from terra.training import checkpointing
+# The API is a notebook's way in: TensorFlow (loaded by terra.data below for the tasks) logs
+# without its C++ warnings unless the user set TF_CPP_MIN_LOG_LEVEL.
+quiet_tensorflow_logging()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from terra import gin_utils  # noqa: E402
+from terra.data import tasks  # noqa: E402
+from terra.errors import ConfigError  # noqa: E402
+from terra.models.protocol import Model  # noqa: E402
+from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
+from terra.text_encoding import clean_article, encode_text  # noqa: E402
+from terra.training import checkpointing  # noqa: E402
 
 Inputs = Union[str, Sequence[str], np.ndarray, jax.Array, Sequence[Sequence[int]]]
 

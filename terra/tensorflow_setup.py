@@ -10,6 +10,14 @@ import sys
 import tempfile
 
 
+def quiet_tensorflow_logging() -> None:
+    """TensorFlow's C++ log (``op_kernel.cc`` warnings, each with a Python traceback when an
+    input-pipeline function raises: hundreds of lines before terra's one ``error:`` line) off
+    unless the user set ``TF_CPP_MIN_LOG_LEVEL``. It is read when TensorFlow loads, so this runs
+    at ``import terra`` and in the commands, before anything imports TensorFlow."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
 def import_tensorflow_quietly() -> None:
     """Import TensorFlow with its GPUs hidden from it (as T5X and MaxText do), so it never takes
     accelerator memory from JAX, and without the start-up lines TF 2.21 prints from C++
@@ -18,6 +26,7 @@ def import_tensorflow_quietly() -> None:
     the import fails. Does nothing when TensorFlow is already imported."""
     if "tensorflow" in sys.modules:
         return
+    quiet_tensorflow_logging()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)

@@ -438,3 +438,14 @@ def test_a_missing_vocabulary_file_is_one_line_naming_it_before_model_dir_is_wri
     err = capsys.readouterr().err
     assert err.startswith(f"error: SentencePiece model not found: '{missing}'") and err.count("\n") == 1, err
     assert not model_dir.exists()
+
+
+@pytest.mark.slow
+def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level():
+    script = "import os, terra; terra.load; print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))"  # the API's import
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    asked = subprocess.run(
+        [sys.executable, "-c", script], env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"), capture_output=True, text=True
+    )
+    assert quiet.stdout.strip() == "2" and asked.stdout.strip() == "0"

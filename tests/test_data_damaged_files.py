@@ -5,7 +5,10 @@ any shard names (allenai/c4, OLMo, Dolma). The policy is in ``terra/data/json_li
 import gzip
 import json
 import os
+import random
 import socket
+import subprocess
+import sys
 import zipfile
 from unittest import mock
 
@@ -16,6 +19,8 @@ import tensorflow as tf
 from terra.cli import data as data_cli
 from terra.data import fixtures, json_lines, pipeline, sources
 from terra.errors import DataNotFoundError, InputError
+
+from conftest import REPO_ROOT
 
 LENGTHS = {"inputs": 32, "targets": 8}
 
@@ -226,3 +231,31 @@ def test_terra_data_show_exits_2_with_one_line_naming_the_damaged_line(tmp_path,
     assert status == 2
     assert f"{path}, line 2: not valid JSON" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+
+
+@pytest.mark.slow
+def test_a_command_stopped_by_a_damaged_file_exits_with_its_one_line(tmp_path):
+    # The error surfaces inside tf.data's parallel map; the process must then end (Python's final
+    # garbage collection could deadlock on that iterator) with the error line alone, even when
+    # TensorFlow's C++ log level is not set.
+    words, rng = ["alpha", "beta", "gamma", "delta", "epsilon"], random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(80))}) for _ in range(3000)]
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    (folder / "c4-train.00000-of-00001.json.gz").write_bytes(gzip.compress("\n".join(lines).encode())[:3000])
+    _write_lines(str(folder / "c4-validation.00000-of-00001.json.gz"), lines[:300])
+    command = [
+        sys.executable,
+        "-m",
+        "terra.cli.train",
+        "--gin_file=experiments/quickstart.gin",
+        f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
+        f"--c4_json={folder}",
+        "--gin.TASK='c4_span_corruption'",
+        "--gin.TRAIN_STEPS=2",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("error: C4 JSON under") and "the gzip stream is damaged" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr[-3000:]

@@ -18,6 +18,7 @@ errors propagate, for callers that handle them.
 import contextlib
 import dataclasses
 import difflib
+import os
 import sys
 import textwrap
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -46,6 +47,16 @@ def error_message(error: BaseException) -> str:
     to an exception raised inside a configurable (they name a function, not the user's input)."""
     lines = str(error).splitlines()
     return "\n".join(line for line in lines if not line.strip().startswith("In call to configurable")).strip()
+
+
+def _leave(status: int) -> None:
+    """End a failed command's process without Python's final garbage collection. A failed command
+    has written what it keeps (checkpoints commit atomically; its error line is printed), while
+    that collection can deadlock: destroying a ``tf.data`` iterator whose input functions wait for
+    the interpreter lock (a damaged data file's error line, then a hang)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 DefineFlags = Callable[[flags.FlagValues, Sequence[str]], None]
@@ -160,7 +171,14 @@ class Command:
 
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """The console entry point: runs the command and turns terra's errors into one line
-        on standard error and an exit status."""
+        on standard error and an exit status. Run as a command (``argv`` None), a failed
+        command ends its process at once (see :func:`_leave`)."""
+        status = self._status(argv)
+        if argv is None and status != 0:
+            _leave(status)
+        return status
+
+    def _status(self, argv: Optional[Sequence[str]]) -> int:
         try:
             return self.call(sys.argv[1:] if argv is None else argv)
         except USAGE_ERRORS as e:
