@@ -51,9 +51,7 @@ _OWN_COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="terra-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
-# Programs that compile in under half a second are not written: writing every one costs more
-# (serialising and compressing thousands of tiny programs) than compiling them again.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import flax.linen as nn  # noqa: E402
 import gin  # noqa: E402
