@@ -22,6 +22,7 @@ from parsing to the built model.
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -186,6 +187,7 @@ class InteractiveModel:
         seed: int = 0,
         batch_size: Optional[int] = None,
         truncate: Optional[bool] = None,
+        progress: bool = False,
     ) -> Union[List[str], np.ndarray]:
         """Decode every input, ``batch_size`` rows at a time (default: all at once).
 
@@ -198,6 +200,8 @@ class InteractiveModel:
           num_beams, length_penalty: beam search when ``num_beams > 1``.
           truncate: texts beyond the input length: None cuts them with a warning (once), True
             cuts them silently, False refuses them.
+          progress: a bar on standard error over the inputs, with their rate and the time left
+            (for long lists decoded ``batch_size`` at a time).
         """
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ConfigError(f"max_new_tokens must be a whole number of at least 1, not {max_new_tokens!r}.")
@@ -206,29 +210,36 @@ class InteractiveModel:
         tokens, were_texts = self.tokens(inputs, truncate=truncate)
         max_new_tokens = max_new_tokens or self._length("targets")
         batch_size = batch_size or len(tokens)
+        from tqdm import tqdm
+
         outputs, lengths = [], []
-        for start in range(0, len(tokens), batch_size):
-            chunk = tokens[start : start + batch_size]
-            rows = len(chunk)
-            if rows < batch_size:  # one shape per call: pad the last chunk with pad rows
-                chunk = np.concatenate(
-                    [chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)]
+        bar = tqdm(
+            total=len(tokens), desc="generate", unit="input", file=sys.stderr, dynamic_ncols=True, disable=not progress
+        )
+        with bar:
+            for start in range(0, len(tokens), batch_size):
+                chunk = tokens[start : start + batch_size]
+                rows = len(chunk)
+                if rows < batch_size:  # one shape per call: pad the last chunk with pad rows
+                    chunk = np.concatenate(
+                        [chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)]
+                    )
+                result = self.model.generate(
+                    self.params,
+                    chunk,
+                    max_decode_length=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    num_beams=num_beams,
+                    length_penalty=length_penalty,
+                    seed=seed + start,
                 )
-            result = self.model.generate(
-                self.params,
-                chunk,
-                max_decode_length=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                num_beams=num_beams,
-                length_penalty=length_penalty,
-                seed=seed + start,
-            )
-            out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
-            out[:, : result.tokens.shape[1]] = result.tokens[:rows]
-            outputs.append(out)
-            lengths.append(result.lengths[:rows])
+                out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
+                out[:, : result.tokens.shape[1]] = result.tokens[:rows]
+                outputs.append(out)
+                lengths.append(result.lengths[:rows])
+                bar.update(rows)
         tokens_out, lengths_out = np.concatenate(outputs), np.concatenate(lengths)
         return self._texts(tokens_out, lengths_out) if were_texts else tokens_out
 

@@ -133,6 +133,14 @@ def test_texts_beyond_the_feature_length_warn_once_refuse_or_cut_silently(copy_m
         copy_model.score(["abc"], [long_text], truncate=False)
 
 
+def test_generate_shows_progress_over_the_inputs_when_asked(copy_model, capsys):
+    quiet = copy_model.generate(["abc", "de", "fgh"], max_new_tokens=3, batch_size=2)
+    assert capsys.readouterr().err == ""
+    shown = copy_model.generate(["abc", "de", "fgh"], max_new_tokens=3, batch_size=2, progress=True)
+    err = capsys.readouterr().err
+    assert shown == quiet and "generate" in err and "3/3" in err and "input/s" in err
+
+
 def test_empty_texts_and_no_new_tokens_are_refused(copy_model):
     with pytest.raises(ConfigError, match="inputs text 1 is empty"):
         copy_model.generate(["abc", "  "])
