@@ -21,7 +21,6 @@ from parsing to the built model.
 
 import dataclasses
 import functools
-import os
 import sys
 import threading
 import warnings
@@ -37,13 +36,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from terra import gin_utils  # noqa: E402
+from terra import files, gin_utils  # noqa: E402
 from terra.data import tasks  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
 from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
 from terra.text_encoding import clean_article, encode_text  # noqa: E402
-from terra.training import checkpointing  # noqa: E402
+from terra.training import checkpointing, run_directory  # noqa: E402
 
 Inputs = Union[str, Sequence[str], np.ndarray, jax.Array, Sequence[Sequence[int]]]
 
@@ -53,14 +52,8 @@ _CONFIG_LOCK = threading.RLock()
 
 
 def run_config_path(model_dir: str) -> str:
-    """The absolute path of a training run's ``config.gin``; a clear error when there is none."""
-    config = os.path.abspath(os.path.join(model_dir, "config.gin"))
-    if not os.path.exists(config):
-        raise ConfigError(
-            f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
-            "or name the run's experiment with --gin_file."
-        )
-    return config
+    """The absolute path (or URL) of a training run's ``config.gin``; a clear error when there is none."""
+    return run_directory.config_path(model_dir)
 
 
 @dataclasses.dataclass
@@ -310,7 +303,7 @@ def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_su
         task=task,
         feature_lengths=lengths,
         step=step,
-        model_dir=model_dir,
+        model_dir=files.absolute(model_dir) if model_dir else None,
     )
 
 
@@ -341,7 +334,7 @@ def load(
     bindings = [bindings] if isinstance(bindings, str) else list(bindings)
     with _CONFIG_LOCK:
         gin_utils.parse_gin(
-            [run_config_path(model_dir)], [f"MODEL_DIR = {os.path.abspath(model_dir)!r}", *bindings], finalize=False
+            [run_config_path(model_dir)], [*run_directory.load_bindings(model_dir), *bindings], finalize=False
         )
         run = _from_parsed_config(
             lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization

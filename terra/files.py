@@ -1,5 +1,6 @@
-"""Writing result files so that an interrupted job never leaves a half-written one behind, and
-building shared caches once when several processes want them at the same time."""
+"""Paths as users give them (relative, ``~``, or a URL such as ``gs://bucket/run``), result
+files that an interrupted job never leaves half-written, and shared caches built once when several
+processes want them at the same time."""
 
 import contextlib
 import os
@@ -8,6 +9,19 @@ try:
     import fcntl
 except ImportError:  # not POSIX: builders may repeat each other's work, which stays correct
     fcntl = None
+
+
+def has_scheme(path: str) -> bool:
+    """Whether ``path`` is a URL (``gs://``, ``s3://``...): read through ``etils.epath``, never
+    joined to the working directory."""
+    return "://" in str(path)
+
+
+def absolute(path: str) -> str:
+    """``path`` as the same file from any working directory: a local path expanded (``~``) and
+    made absolute, a URL as it is."""
+    path = str(path)
+    return path if has_scheme(path) else os.path.abspath(os.path.expanduser(path))
 
 
 def write_atomically(path: str, text: str) -> None:

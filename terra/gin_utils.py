@@ -31,7 +31,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 import gin
 from gin import config_parser
 
-from terra import frozen_configurables
+from terra import files, frozen_configurables
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Where a gin file's ``include 'models/tiny.gin'`` finds the shipped configs.
@@ -39,6 +39,19 @@ CONFIG_FOLDERS = ("experiments", "models", "runs", "sizes", "tasks")
 
 _UNKNOWN_PARAM = re.compile(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'")
 _UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching (?:reference )?'@?([\w.]+)'")
+# The parameters and macros that name local files or folders. A parse makes the relative ones
+# absolute (against the working directory it ran in), so the operative config a run writes names
+# the same files wherever the run is opened later (terra.training.run_directory).
+PATH_PARAMETERS = (
+    "terra.data.text_vocabulary.spm_path",
+    "terra.data.c4_source.json_path",
+    "terra.data.c4_source.validation_json_path",
+    "terra.data.c4_source.tfds_data_dir",
+    "terra.data.arxiv_source.tfds_data_dir",
+    "terra.data.arxiv_source.cohan_path",
+    "%MODEL_DIR",
+    "%INIT_FROM",
+)
 _SEARCH_PATHS_ADDED = set()  # gin's search path list only grows; add each path once per process
 
 
@@ -172,9 +185,33 @@ def shipped_configs(folder: str) -> List[str]:
     return [f"{folder}/{n}" for n in names]
 
 
+def _open_url(path: str):
+    from etils import epath
+
+    return epath.Path(path).open("r")
+
+
+def _is_readable_url(path: str) -> bool:
+    if not files.has_scheme(path):
+        return False
+    from etils import epath
+
+    return epath.Path(path).is_file()
+
+
+# A run's config.gin under gs:// (terra.load, --checkpoint) is read through etils.epath, as its
+# checkpoints are; gin's own reader (``open``) serves local files.
+gin.config.register_file_reader(_open_url, _is_readable_url)
+
+
 def resolve_gin_file(path: str, search_paths: Sequence[str] = ()) -> str:
     """The file ``path`` names: as given (absolute, or relative to the working directory), else
-    under each of ``search_paths``, else among the shipped configs."""
+    under each of ``search_paths``, else among the shipped configs. A URL (``gs://...``) is
+    only looked up as given."""
+    if files.has_scheme(path):
+        if _is_readable_url(path):
+            return path
+        raise GinConfigError(f"Gin file {path!r} not found.")
     candidates = [path] + [os.path.join(p, path) for p in (*search_paths, CONFIGS_DIR)]
     for candidate in candidates:
         if os.path.isfile(candidate):
@@ -332,11 +369,27 @@ def parse_gin(
     with _quiet_gin_path_probes():
         _parse_files_and_bindings(files, gin_bindings)
     check_binding_types(gin_bindings)
+    _make_paths_absolute()
     if finalize:
         try:
             gin.finalize()
         except ValueError as e:  # e.g. a %gin.REQUIRED macro left unset
             raise explain_gin_error(e, "checking the parsed config") from None
+
+
+def _make_paths_absolute() -> None:
+    """Rebind each of :data:`PATH_PARAMETERS` bound to relative paths (a string or a list of
+    them) to the same paths made absolute; URLs, ``None`` and macro references stay as they are."""
+    for name in PATH_PARAMETERS:
+        value = bound_value(name)
+        if isinstance(value, str) and value:
+            absolute = files.absolute(value)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+            absolute = type(value)(files.absolute(v) for v in value)
+        else:
+            continue
+        if absolute != value:
+            gin.bind_parameter(name, absolute)
 
 
 def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str]) -> None:

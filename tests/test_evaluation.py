@@ -143,7 +143,7 @@ def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
 
 
 @pytest.mark.slow
-def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path):
+def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path, capsys):
     model_dir, cohan = finetuned
     out = tmp_path / "eval"
     argv = [
@@ -158,6 +158,8 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
         f"--arxiv_cohan={cohan}",
     ]
     assert evaluate_cli.call(argv) == 0
+    err = capsys.readouterr().err
+    assert "summaries: 100%" in err and "5/5" in err  # the progress bar over the examples, on stderr
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
     assert predictions[0]["target"] == "sparse layers make decoding fast .\nwe report model 100 ."
@@ -171,6 +173,15 @@ def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_pa
     # The predictions are the model's greedy decode: a rerun with the same settings agrees.
     assert evaluate_cli.call(argv + ["--output_dir", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "predictions.jsonl").read_text() == (out / "predictions.jsonl").read_text()
+
+
+def test_evaluate_stops_before_decoding_when_it_cannot_write_its_results(finetuned, tmp_path, monkeypatch):
+    model_dir, cohan = finetuned
+    (tmp_path / "taken").write_text("a file where the output folder would go")
+    monkeypatch.setattr(evaluator, "decode_and_score", lambda *a, **k: pytest.fail("decoded before the check"))
+    argv = ["--checkpoint", model_dir, f"--arxiv_cohan={cohan}", "--output_dir", str(tmp_path / "taken" / "eval")]
+    with pytest.raises(ConfigError, match=r"cannot write the evaluation to .*taken/eval: Not a directory. Choose"):
+        evaluate_cli.call(argv)
 
 
 @pytest.mark.slow
@@ -207,11 +218,12 @@ def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetu
     papers = tmp_path / "papers.json"
     papers.write_text("\n".join(json.dumps(p) for p in _papers(2, 300)) + "\n")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"reversible networks save memory .")))
-    argv = ["--checkpoint", model_dir, "--max_decode_length", "4", str(text), str(long_doc), str(papers), "-"]
-    assert summarize.call(argv) == 0
+    argv = ["--checkpoint", model_dir, "--max_decode_length", "4", "--batch_size", "2"]
+    assert summarize.call([*argv, str(text), str(long_doc), str(papers), "-"]) == 0
     printed, err = capsys.readouterr()
     assert printed.count("== ") == 5 and "papers.json [paper300]" in printed and "standard input" in printed
     assert "long.txt" in err and "truncated to the model's input length of 47" in err
+    assert "generate: 100%" in err and "5/5" in err  # several batches: a progress bar on stderr
 
 
 def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetuned, tmp_path):

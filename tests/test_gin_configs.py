@@ -275,11 +275,14 @@ def _mismatches(gin_files, bindings) -> list:
 
 @pytest.mark.parametrize("gin_file", EXPERIMENT_FILES)
 @pytest.mark.slow
-def test_every_experiment_fits_the_vocabulary_and_lengths_of_its_task(gin_file, paper_vocabulary):
+def test_every_experiment_binds_the_run_and_fits_the_vocabulary_and_lengths_of_its_task(gin_file, paper_vocabulary):
     bindings = []
     if _uses_the_paper_vocabulary(gin_file):
         bindings.append(f"terra.data.text_vocabulary.spm_path = {paper_vocabulary!r}")
-    assert _mismatches([gin_file], bindings) == []
+    assert _mismatches([gin_file], bindings) == []  # the model builds (sizes checked abstractly) and fits the task
+    # What the trainer is given: that model (the MODEL macro), a batch size and a number of steps.
+    assert gin.query_parameter("terra.training.Trainer.model").scoped_selector == "MODEL/gin.macro"
+    assert gin.query_parameter("%BATCH_SIZE") > 0 and gin.query_parameter("%TRAIN_STEPS") > 0
 
 
 @pytest.mark.slow

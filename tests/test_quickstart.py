@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -92,3 +93,22 @@ def test_the_readme_python_api_example_runs_verbatim_on_the_quickstart_run(quick
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 8 and printed[-1].endswith("parameters read per decoded token"), printed
     assert printed[0].startswith("['") and printed[3].startswith("[-") and printed[4].startswith("(1, ")
+
+
+def test_the_fine_tuned_run_moved_elsewhere_loads_from_another_folder_with_its_own_vocabulary(
+    quickstart_run, tmp_path, monkeypatch
+):
+    import terra
+
+    out, _ = quickstart_run
+    shutil.copytree(out / "finetune", tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run = terra.load("../moved", step="10")
+    copy = tmp_path / "moved" / "vocabulary" / "sentencepiece.model"
+    assert run.vocabulary.sentencepiece_model_file == str(copy) and run.model_dir == str(tmp_path / "moved")
+    # The copy is the model the run trained with (the embedded corpus's): the same bytes.
+    from terra.data import vocabularies
+
+    assert copy.read_bytes() == open(vocabularies.embedded_vocabulary_path(), "rb").read()
+    assert run.step == 10 and run.generate(["sparse layers decode fast"], max_new_tokens=2)

@@ -1,7 +1,6 @@
 """The trainer end to end on tiny models: sharded equivalence, resume after SIGKILL, SIGTERM,
 fine-tuning, divergence, early failures, the written artifacts and multi-host."""
 
-import glob
 import gzip
 import json
 import os
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import gin
 import jax
 import numpy as np
 import pytest
@@ -74,21 +72,6 @@ def _leaf(params, name):
     return [
         leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if name in jax.tree_util.keystr(path)
     ][0]
-
-
-EXPERIMENTS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "experiments", "*.gin")))
-
-
-@pytest.mark.parametrize("path", EXPERIMENTS, ids=os.path.basename)
-@pytest.mark.slow
-def test_every_experiment_config_binds_a_model_a_task_and_the_run(path, tmp_path):
-    from terra.data import tasks
-
-    gin_utils.parse_gin([path], [f"MODEL_DIR = {str(tmp_path)!r}", f"INIT_FROM = {str(tmp_path)!r}"])
-    model = gin.query_parameter("terra.training.Trainer.model").scoped_configurable_fn()  # sizes checked abstractly
-    task = tasks.get_task(gin.query_parameter("%TASK"))
-    assert model.config.vocab_size >= task.output_features["targets"].vocabulary.vocab_size
-    assert gin.query_parameter("%BATCH_SIZE") > 0 and gin.query_parameter("%TRAIN_STEPS") > 0
 
 
 @pytest.mark.slow

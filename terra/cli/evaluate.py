@@ -64,12 +64,14 @@ def run(flag_values: flags.FlagValues, _) -> int:
     from terra import api, gin_utils
     from terra.errors import ConfigError
     from terra.evaluation import evaluator
+    from terra.training import run_directory
 
     gin = flag_groups.gin_arguments(flag_values)
     files, bindings = gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"]
     if flag_values.checkpoint:
         files = files or [api.run_config_path(flag_values.checkpoint)]
-        bindings.append(f"MODEL_DIR = {os.path.abspath(flag_values.checkpoint)!r}")
+        # The run's own MODEL_DIR and vocabulary copy, then the user's flags (which win).
+        bindings = [*run_directory.load_bindings(flag_values.checkpoint), *bindings]
     if not files:
         raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
     gin_utils.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])
@@ -83,13 +85,19 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
+def _run_config(checkpoint: str):
+    """The run's config.gin where it is a local file (the early check of ``--gin`` overrides reads
+    it without importing the library; a URL is checked when the run is loaded)."""
+    config = os.path.join(checkpoint, "config.gin")
+    return [config] if os.path.isfile(config) else []
+
+
 def gin_files(flag_values: flags.FlagValues):
     """What ``run`` parses before the bindings; ``None`` when that is not known yet (``run``
     then reports the missing config)."""
     files = list(flag_values.gin_file)
     if not files and flag_values.checkpoint:
-        config = os.path.join(flag_values.checkpoint, "config.gin")
-        files = [config] if os.path.isfile(config) else []
+        files = _run_config(flag_values.checkpoint)
     return [*files, "runs/evaluate.gin"] if files else None
 
 

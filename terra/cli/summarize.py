@@ -75,6 +75,7 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         temperature=flag_values.temperature,
         seed=flag_values.seed,
         batch_size=min(flag_values.batch_size, len(encoded)),
+        progress=len(encoded) > flag_values.batch_size,  # a bar on standard error once there are several batches
     )
     for (label, _), summary in zip(docs, tokens):
         print(f"== {label} (step {run.step})", file=out)

@@ -22,6 +22,7 @@ import gin
 import sentencepiece as spm
 import seqio
 import tensorflow as tf
+from etils import epath
 
 from terra import files
 from terra.data import embedded
@@ -43,12 +44,13 @@ def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -
     there: seqio would only fail later, deep inside a tf.data pipeline; the commands report it
     in one line with exit status 2.
     """
-    resolved = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(resolved):
+    resolved = files.absolute(path)
+    if not (epath.Path(resolved).is_file() if files.has_scheme(resolved) else os.path.isfile(resolved)):
         raise DataNotFoundError(
-            f"SentencePiece model not found: {resolved!r}. Train one with "
-            f"`terra-vocab --embedded --out {resolved}` (or `--input FILE` for your own "
-            "text), or use terra.data.vocabularies.embedded_vocabulary() for the built-in one."
+            f"SentencePiece model not found: {resolved!r}. A trained run needs the very file it was "
+            "trained with (--vocabulary=FILE; runs keep a copy in vocabulary/sentencepiece.model). For a "
+            f"new run, train one with `terra-vocab --embedded --out {resolved}` (or `--input FILE` for your "
+            "own text), or use terra.data.vocabularies.embedded_vocabulary() for the built-in one."
         )
     return seqio.SentencePieceVocabulary(resolved, extra_ids=extra_ids)
 

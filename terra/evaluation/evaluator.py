@@ -52,9 +52,10 @@ def decode_and_score(
     temperature: float = 0.0,
     seed: int = 0,
     bootstrap_samples: int = 1000,
+    progress: bool = False,
 ):
-    """``(rouge, predicted texts)`` for ``examples``: decoded in batches, scored against their
-    target texts."""
+    """``(rouge, predicted texts)`` for ``examples``: decoded in batches (``progress``: with a
+    bar on standard error), scored against their target texts."""
     tokens = summaries.generate_summaries(
         model,
         params,
@@ -64,10 +65,27 @@ def decode_and_score(
         max_decode_length=max_decode_length,
         temperature=temperature,
         seed=seed,
+        progress=progress,
     )
     predictions = [vocabulary.decode(t) for t in tokens]
     rouge = rouge_lib.corpus_rouge([e.target_text for e in examples], predictions, bootstrap_samples=bootstrap_samples)
     return rouge, predictions
+
+
+def check_writable(output_dir: str) -> None:
+    """Create ``output_dir`` and write a file there now: a read-only or full disk, or a file in
+    the way, is reported before decoding rather than after it."""
+    probe = os.path.join(output_dir, f".write-check-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write the evaluation to {output_dir}: {error.strerror or error}. Choose a writable folder "
+            "with --output_dir (gin: terra.evaluation.evaluate.output_dir)."
+        ) from None
 
 
 @gin.configurable(module="terra.evaluation")
@@ -89,6 +107,7 @@ def evaluate(
     excerpt_chars: int = 300,
     force: bool = False,
     weights_dtype: str = "float32",
+    progress: bool = True,
     log=print,
 ) -> EvaluationResult:
     """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
@@ -106,6 +125,8 @@ def evaluate(
       force: score a task that is not a summarization task anyway (its ROUGE means little).
       weights_dtype: 'float32', or 'int8' / 'bfloat16' to decode and score with the weights stored
         narrow (``terra.quantization``; activations and caches stay float32).
+      progress: a bar on standard error over the examples while they decode, with their rate
+        and the time left.
     """
     check_weights_dtype(weights_dtype)
     if batch_size <= 0:
@@ -132,6 +153,7 @@ def evaluate(
         raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")
     narrow = "" if weights_dtype == "float32" else f"_{weights_dtype}"  # beside, not over, the float32 results
     output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}{narrow}")
+    check_writable(output_dir)  # before hours of decoding, not after
     vocabulary = provider.output_features["targets"].vocabulary
 
     log(
@@ -151,6 +173,7 @@ def evaluate(
         temperature=temperature,
         seed=seed,
         bootstrap_samples=bootstrap_samples,
+        progress=progress,
     )
     decode_seconds = time.perf_counter() - start
     log_ppl = summaries.target_log_perplexity(

@@ -61,7 +61,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -72,6 +71,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
+from terra import files
 from terra.errors import CheckpointError, ConfigError  # CheckpointError is re-exported here
 from terra.training.train_state import TrainState
 
@@ -270,8 +270,7 @@ def _json_metrics(metrics: Optional[dict]) -> Optional[Dict[str, float]]:
 def _absolute(path: str) -> epath.Path:
     """orbax's OCDBT writer rejects relative paths (``runs/x`` from the command line); local
     paths are made absolute, URLs (``gs://...``) are left as they are."""
-    path = str(path)
-    return epath.Path(path if "://" in path else os.path.abspath(os.path.expanduser(path)))
+    return epath.Path(files.absolute(path))
 
 
 @gin.configurable(module="terra.training")

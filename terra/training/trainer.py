@@ -8,7 +8,8 @@ present, model and task agree, evaluation hooks ready); ``run()`` then:
 2. resumes from the latest good checkpoint in ``model_dir`` (state and data position), or
    initialises parameters from ``init_from`` (fine-tuning: parameters only, fresh optimizer
    and step), or from the seed;
-3. writes the operative gin config to ``model_dir/config.gin``;
+3. writes the operative gin config to ``model_dir/config.gin`` and copies the vocabulary's
+   SentencePiece model into the run (``run_directory``);
 4. loops over :meth:`Trainer.step` (one jitted train step, state donated), logging,
    :meth:`Trainer.evaluate` and :meth:`Trainer.maybe_save`; on SIGTERM (preemption) it saves
    the current step and returns. A non-finite loss stops the run with
@@ -38,7 +39,7 @@ from terra.layers import axes
 from terra.models.protocol import Model
 from terra.parallel import mesh as mesh_lib
 from terra.parallel import sharding
-from terra.training import checkpointing, optimizers, run_lock
+from terra.training import checkpointing, optimizers, run_directory, run_lock
 from terra.training import metrics as metrics_lib
 from terra.training.settings import CheckpointSettings, EvaluationSettings, LoggingSettings, ParallelSettings
 from terra.training.train_state import TrainState
@@ -382,8 +383,9 @@ class Trainer:
         )
         if self.is_host0:
             print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
-            with open(os.path.join(self.model_dir, "config.gin"), "w") as f:
-                f.write(gin.operative_config_str())
+            # The run keeps its own vocabulary and config, so that it opens from anywhere.
+            run_directory.save_vocabulary(self.model_dir, self.provider.output_features["targets"].vocabulary)
+            run_directory.write_config(self.model_dir, gin.operative_config_str())
         return self._loop(state, start_step, train_batches, host_next, pending)
 
     def _loop(self, state, start_step, train_batches, host_next, pending) -> TrainResult:
