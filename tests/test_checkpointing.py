@@ -273,3 +273,41 @@ def test_a_relative_model_dir_is_accepted(tmp_path, mesh, monkeypatch):
     assert step == 1
     assert_trees_equal(restored.params, state.params)
     assert_trees_equal(restore_params("runs/x", abstract_of(state).params), state.params)
+
+
+def test_a_full_disk_during_a_save_is_one_storage_error_and_the_last_checkpoint_stays(tmp_path, mesh, monkeypatch):
+    import errno
+    import logging as std_logging
+
+    from terra.errors import StorageError
+    from terra.training import checkpointing
+
+    state = make_state(mesh, seed=1, step=1)
+    with Checkpointer(str(tmp_path), save_interval_steps=1) as ckpt:
+        assert ckpt.save(1, state)
+
+        def full(*args, **kwargs):
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as cause:
+                raise ValueError("orbax: writing the state failed") from cause
+
+        monkeypatch.setattr(ckpt._manager, "save", full)
+        with pytest.raises(StorageError) as error:
+            ckpt.save(2, make_state(mesh, seed=2, step=2))
+        assert str(error.value) == (
+            f"cannot save step 2 under {tmp_path}: no space left on the device. Free space or make the folder "
+            "writable, then rerun the same command to resume (step 1, the last complete checkpoint, is intact)."
+        )
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore(abstract_of(state))[1] == 1
+    # orbax's threads log the same error with its traceback first: that record is dropped.
+    record = std_logging.LogRecord("absl", std_logging.ERROR, "", 0, "thread raised", (), None)
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        import sys
+
+        record.exc_info = sys.exc_info()
+    assert not checkpointing._DropStorageTracebacks().filter(record)
+    assert checkpointing._DropStorageTracebacks().filter(std_logging.LogRecord("absl", 40, "", 0, "other", (), None))

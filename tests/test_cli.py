@@ -402,6 +402,9 @@ def _fails_with(error):
         (errors.CheckpointError("no checkpoint"), 2),
         (errors.InputError("empty input"), 2),
         (errors.TrainingError("the loss diverged"), 1),
+        (errors.StorageError("cannot save step 2: no space left on the device"), 1),
+        (OSError(30, "Read-only file system", "/runs/r/config.gin"), 1),
+        (OSError(28, "No space left on device", "/runs/r/metrics.jsonl"), 1),
         (KeyboardInterrupt(), 130),
     ],
     ids=lambda x: type(x).__name__ if isinstance(x, BaseException) else str(x),
@@ -411,7 +414,22 @@ def test_each_class_of_failure_has_one_exit_status(error, status, monkeypatch, c
 
     monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", lambda: None)
     assert _fails_with(error).main([]) == status
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    if status == 1 and isinstance(error, OSError):  # a full or read-only disk names the file and what to do
+        assert err.startswith(f"error: cannot write {error.filename}: ") and "rerun the same command" in err
+
+
+def test_other_os_errors_are_not_mistaken_for_a_full_disk():
+    assert errors.storage_problem(OSError(2, "No such file or directory")) is None
+    assert errors.storage_problem(ValueError("bad")) is None
+    try:  # the words of an error raised from another (TensorFlow's, TensorStore's carry no errno)
+        try:
+            raise RuntimeError("SaveV2: /runs/r/part-0.tempstate; No space left on device")
+        except RuntimeError as inner:
+            raise ValueError("saving the iterator failed") from inner
+    except ValueError as outer:
+        assert errors.storage_problem(outer) == "no space left on the device"
 
 
 def test_the_exit_statuses_documented_are_the_ones_the_commands_return():

@@ -11,8 +11,9 @@ against the gin files the command names (:mod:`terra.cli.gin_checks`).
 
 ``main(argv)`` is the console entry point: it prints ``error: ...`` for bad input and returns
 the exit status (2 for bad flags, configuration, data, checkpoints or inputs; 1 for a run that
-cannot continue; 130 when interrupted). ``call(argv)`` runs the same command but lets terra's
-errors propagate, for callers that handle them.
+cannot continue, a diverged loss or a full or read-only disk; 130 when interrupted).
+``call(argv)`` runs the same command but lets terra's errors propagate, for callers that handle
+them.
 """
 
 import contextlib
@@ -186,6 +187,16 @@ class Command:
             return EXIT_USAGE
         except errors.TrainingError as e:
             print(f"error: {error_message(e)}", file=sys.stderr)
+            return EXIT_FAILED
+        except OSError as e:  # a full or read-only disk under anything but a checkpoint
+            problem = errors.storage_problem(e)
+            if problem is None:
+                raise
+            print(
+                f"error: cannot write {e.filename or 'a file'}: {problem}. Free space or choose a writable folder, "
+                "then rerun the same command; what was saved before is intact.",
+                file=sys.stderr,
+            )
             return EXIT_FAILED
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

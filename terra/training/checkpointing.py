@@ -57,6 +57,7 @@ a corrupt step, which only the primary process performs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -72,7 +73,12 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from terra import files
-from terra.errors import CheckpointError, ConfigError  # CheckpointError is re-exported here
+from terra.errors import (  # CheckpointError is re-exported here
+    CheckpointError,
+    ConfigError,
+    StorageError,
+    storage_problem,
+)
 from terra.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -97,6 +103,18 @@ class _DropMissingMetricsWarning(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropMissingMetricsWarning())
+
+
+class _DropStorageTracebacks(logging.Filter):
+    """orbax's save threads log a full or read-only disk with its traceback (hundreds of lines)
+    before the save raises it again; :meth:`Checkpointer.save` reports it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (storage_problem(error) if error else storage_problem(Exception(str(record.msg))))
+
+
+logging.getLogger("absl").addFilter(_DropStorageTracebacks())
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 CORRUPT_SUBDIR = "corrupt_checkpoints"
@@ -435,18 +453,37 @@ class Checkpointer:
         items = {STATE_ITEM: ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items[INPUT_STATE_ITEM] = InputStateSave(data_iterator)
-        saved = self._manager.save(
-            int(step),
-            args=ocp.args.Composite(**items),
-            metrics=_json_metrics(metrics),
-            force=force,
-        )
-        if saved and not self.async_save:
-            self._manager.wait_until_finished()
+        with self._storage_errors(step):
+            saved = self._manager.save(
+                int(step),
+                args=ocp.args.Composite(**items),
+                metrics=_json_metrics(metrics),
+                force=force,
+            )
+            if saved and not self.async_save:
+                self._manager.wait_until_finished()
         return saved
 
     def wait_until_finished(self) -> None:
-        self._manager.wait_until_finished()
+        with self._storage_errors(None):
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _storage_errors(self, step: Optional[int]):
+        """A full or read-only disk as one ``StorageError`` line; other errors as they are."""
+        try:
+            yield
+        except Exception as error:
+            problem = storage_problem(error)
+            if problem is None:
+                raise
+            what = f"step {step}" if step is not None else "a checkpoint"
+            latest = _committed_steps(self.model_dir / CHECKPOINTS_SUBDIR)
+            kept = f"step {latest[-1]}, the last complete checkpoint, is intact" if latest else "no step was saved"
+            raise StorageError(
+                f"cannot save {what} under {self.model_dir}: {problem}. Free space or make the folder writable, "
+                f"then rerun the same command to resume ({kept})."
+            ) from None
 
     # -- restoring ---------------------------------------------------------------------------
 
