@@ -277,6 +277,8 @@ def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
     )
     out = capsys.readouterr().out
     assert out.count("--- example") == 4 and "<extra_id_0>" in out
+    # What each split found, before the examples: no file is lost without a word.
+    assert out.startswith(f"split train: 2 files, {len(DOCS)} records\nsplit validation: 2 files, 4 records\n"), out
 
 
 @pytest.mark.slow

@@ -28,19 +28,37 @@ def define_show_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_integer("inputs_length", 512, "input tokens kept", flag_values=flag_values)
     flags.DEFINE_integer("targets_length", 128, "target tokens kept", flag_values=flag_values)
     flags.DEFINE_integer("seed", 0, "seed of the task's random preprocessing", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "count",
+        True,
+        "count each split's records (local JSON files are read whole; --nocount for only the files)",
+        flag_values=flag_values,
+    )
     flag_groups.define_data_flags(flag_values)
     flag_groups.define_gin_flags(flag_values)
 
 
 def run_show(flag_values: flags.FlagValues, _) -> int:
     from terra import gin_utils
-    from terra.data import json_lines, pipeline, tasks
+    from terra.data import json_lines, pipeline, sources, tasks
 
     gin = flag_groups.gin_arguments(flag_values)
     gin_utils.parse_gin(
         gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
     )
     provider = tasks.get_task(flag_values.task)
+    source = getattr(provider, "source", None)  # a mixture has its tasks' sources
+    if source is not None:
+        for split, files, records in sources.split_inventory(source, count_records=flag_values.count):
+            found = ", ".join(
+                part
+                for part in (
+                    f"{files:,d} files" if files is not None else "",
+                    f"{records:,d} records" if records is not None else "",
+                )
+                if part
+            )
+            print(f"split {split}: {found or 'no files to count (a built-in or generated source)'}")
     batches = pipeline.batch_iterator(
         provider,
         flag_values.split,

@@ -21,6 +21,7 @@ data. ``read_only=True`` matters: without it seqio asks TFDS to download and pre
 arXiv retries Google Drive for minutes before failing.
 """
 
+import gzip
 import os
 import re
 import zipfile
@@ -193,6 +194,34 @@ class LocalFileSource(seqio.FileDataSource):
     def get_dataset(self, split="train", shuffle=True, seed=None, shard_info=None, **kwargs):
         self.check_available(split)
         return super().get_dataset(split, shuffle, seed, shard_info, **kwargs)
+
+    def count_lines(self, split: str) -> int:
+        """The non-blank lines (records, before any is skipped) in ``split``'s files: reads them all."""
+        count = 0
+        for path in self.list_shards(split):
+            opener = gzip.open if json_lines.is_gzip_name(path) else open
+            with opener(path, "rb") as f:
+                count += sum(1 for line in f if line.strip())
+        return count
+
+
+def split_inventory(
+    source: seqio.DataSource, *, count_records: bool = True
+) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """``(split, files, records)`` for each split ``source`` has (None where it cannot say: a
+    generated split has no files). Local JSON files are counted line by line (``count_records``:
+    that reads every file); TFDS reads its counts from the dataset's metadata."""
+    rows = []
+    for split in sorted(source.splits):
+        files = records = None
+        if isinstance(source, LocalFileSource):
+            files = len(source.list_shards(split))
+            records = source.count_lines(split) if count_records else None
+        elif isinstance(source, seqio.TfdsDataSource):
+            info = source.tfds_dataset.info.splits[split]
+            files, records = info.num_shards, info.num_examples
+        rows.append((split, files, records))
+    return rows
 
 
 def check_available(source: seqio.DataSource, split: Optional[str] = None) -> None:
