@@ -112,3 +112,30 @@ def test_the_readme_is_a_short_front_door():
 @pytest.mark.parametrize("text, expected", [("docs/reproduce/{a,b}.{md,png}", 4), ("docs/x.md", 1)])
 def test_brace_expansion_of_cited_paths(text, expected):
     assert len(_expand(text)) == expected
+
+
+TIMING = re.compile(r"\b\d[\d,.]*(?:\s|–\d[\d,.]*\s?)?(?:ms|s|seconds|minutes|min|hours)\b")
+
+
+def _readme_paragraphs(text: str):
+    """The README's paragraphs; a table or a code block belongs to the paragraph before it."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", text):
+        if paragraphs and block.lstrip().startswith(("|", "```")):
+            paragraphs[-1] += "\n" + block
+        else:
+            paragraphs.append(block)
+    return paragraphs
+
+
+def test_every_timing_the_readme_states_cites_the_stored_output_it_comes_from():
+    readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+    uncited = []
+    for paragraph in _readme_paragraphs(readme):
+        if not TIMING.search(paragraph):
+            continue
+        cited = re.findall(r"docs/benchmarks/[\w./-]*\w", paragraph)
+        stored = [p for p in cited if os.path.exists(os.path.join(REPO_ROOT, p))]
+        if not stored:
+            uncited.append(paragraph.strip().splitlines()[0][:100])
+    assert not uncited, f"README paragraphs with timings but no stored output under docs/benchmarks/: {uncited}"

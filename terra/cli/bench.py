@@ -14,7 +14,7 @@ jitted while_loop (how generation runs). Reports ms per token (or per block), by
 token, the floor those bytes set at the bandwidth measured before the rows, and the step's FLOPs.
 Writes decode_speed.{md,json,png} and machine.json to --out.
 
-  terra-bench decode --preset paper_800m --out out/paper_800m        # Tables 1, 2, 7 (about 13 min)
+  terra-bench decode --preset paper_800m --out out/paper_800m        # Tables 1, 2, 7
   terra-bench decode --preset paper_17b_block --out out/17b          # per block at 17B widths
   terra-bench decode --preset sparsity_sweep --out out/sweep         # ms/token against N and S
   terra-bench decode --preset tiny                                   # seconds: a smoke run
@@ -84,7 +84,7 @@ dense against sparse, at a small size (6+6 layers, d_model 512). Sparse layers t
 masks over all units (paper §3), so training is not expected to be faster. Writes
 train_speed.{json,md}.
 
-  terra-bench train --out out/train_speed                  # about 5 minutes on 2 cores
+  terra-bench train --out out/train_speed
   terra-bench train --rows=dense --rows=terraformer --gin.TransformerConfig.dropout=0.0
 """
 
@@ -125,7 +125,7 @@ input keeps up with training. Without data flags the rows read datasets written 
 directory from the embedded corpus in every on-disk format; with --c4_json, --arxiv_cohan and
 --tfds_data_dir they read yours. Writes input_pipeline.{json,md}.
 
-  terra-bench input --out out/input_pipeline               # about a minute
+  terra-bench input --out out/input_pipeline
 """
 
 

@@ -21,7 +21,7 @@ Sparse FF+QKV, + sparse loss, the MoE baseline) from their 800M gin configs at s
 the same data and seeds, and reports eval log-perplexity, the gap to dense and each variant's
 batch-1 decode time. The embedded corpus by default; --c4_json or --tfds_data_dir for C4.
 
-  terra-reproduce sparsity --out out/reproduce/sparsity                       # about 40 min on 2 cores
+  terra-reproduce sparsity --out out/reproduce/sparsity
   terra-reproduce sparsity --out DIR --config.seeds=0,1,2 --config.steps=2000
   terra-reproduce sparsity --out DIR --c4_json=/data/c4/en
 """
@@ -30,7 +30,7 @@ LENGTH_DOC = """Paper Table 4: do Transformer and Terraformer trained on short i
 twice as long? Trains both on the synthetic copy and addition tasks and reports token and
 whole-sequence accuracy at 2x the training length, next to the paper's figures.
 
-  terra-reproduce length_generalization --out out/reproduce/length            # about 40 min on 2 cores
+  terra-reproduce length_generalization --out out/reproduce/length
   terra-reproduce length_generalization --out DIR --preset paper              # the paper's sizes
 """
 
