@@ -311,3 +311,43 @@ def test_a_full_disk_during_a_save_is_one_storage_error_and_the_last_checkpoint_
         record.exc_info = sys.exc_info()
     assert not checkpointing._DropStorageTracebacks().filter(record)
     assert checkpointing._DropStorageTracebacks().filter(std_logging.LogRecord("absl", 40, "", 0, "other", (), None))
+
+
+def test_a_step_deleted_while_it_is_read_is_one_line_saying_so(tmp_path, mesh, monkeypatch):
+    from terra.training import checkpointing
+
+    state = make_state(mesh, seed=1, step=3)
+    with Checkpointer(str(tmp_path), save_interval_steps=1) as ckpt:
+        ckpt.save(3, state)
+    step_dir = tmp_path / "checkpoints" / "3"
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+
+    def pruned_while_reading(path):
+        shutil.rmtree(step_dir)  # the training run's keep_last removes the step under the reader
+        raise ValueError('NOT_FOUND: Error opening "zarr" driver:\n  ...\n  (60 more lines of TensorStore status)')
+
+    monkeypatch.setattr(checkpointing, "_read_tree_metadata", pruned_while_reading)
+    with pytest.raises(CheckpointError) as error:
+        restore_params(str(tmp_path), abstract)
+    assert str(error.value).startswith(f"checkpoint {step_dir} was deleted while it was read") and (
+        "\n" not in str(error.value) and "--step" in str(error.value)
+    )
+
+
+def test_an_unreadable_step_is_one_line_with_the_first_line_of_the_cause(tmp_path, mesh, monkeypatch):
+    from terra.training import checkpointing
+
+    state = make_state(mesh, seed=1, step=3)
+    with Checkpointer(str(tmp_path), save_interval_steps=1) as ckpt:
+        ckpt.save(3, state)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+
+    def damaged(path):
+        raise ValueError("DATA_LOSS: bad manifest\n  at tensorstore/kvstore/ocdbt/...\n  (more lines)")
+
+    monkeypatch.setattr(checkpointing, "_read_tree_metadata", damaged)
+    with pytest.raises(CheckpointError) as error:
+        restore_params(str(tmp_path), abstract)
+    assert str(error.value) == (
+        f"checkpoint {tmp_path / 'checkpoints' / '3'} is unreadable: ValueError: DATA_LOSS: bad manifest"
+    )

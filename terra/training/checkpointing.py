@@ -628,6 +628,17 @@ def resolve_step(checkpoint_dir: str, step: Optional[int] = None) -> int:
     return int(_resolve_step_dir(checkpoint_dir, step).name)
 
 
+def _unreadable(step_dir: epath.Path, what: str, error: Exception) -> CheckpointError:
+    """One line for a step that failed to read. A step removed while it was read is the usual
+    cause when a training run is still writing the same folder (it keeps only its last steps)."""
+    if not step_dir.exists():
+        return CheckpointError(
+            f"checkpoint {step_dir} was deleted while it was read (a training run writing {step_dir.parent.parent} "
+            "keeps only its last steps): run the command again to read the latest step, or pass --step of a kept one."
+        )
+    return CheckpointError(f"checkpoint {step_dir} {what}: {short_cause(error)}")
+
+
 def restore_params(
     checkpoint_dir: str,
     abstract_params: Any,
@@ -658,7 +669,7 @@ def restore_params(
         _check_committed(step_dir)
         tree = _read_tree_metadata(state_dir)
     except Exception as e:
-        raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
+        raise _unreadable(step_dir, "is unreadable", e) from e
     if not isinstance(tree, dict) or "params" not in tree:
         found = list(tree) if isinstance(tree, dict) else type(tree)
         raise CheckpointError(f"{where} has no 'params' subtree; found {found}.")
@@ -687,7 +698,7 @@ def restore_params(
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{where} could not be read: {type(e).__name__}: {e}") from e
+        raise _unreadable(step_dir, "could not be read", e) from e
     finally:
         checkpointer.close()
     mapped = param_map(restored["params"])
