@@ -12,7 +12,7 @@ STAMP := $(VENV)/.terra-installed
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: run test test-fast test-durations lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
+.PHONY: run test test-fast test-durations gin-registry lint format bench bench-input bench-train params reproduce reproduce-sparsity reproduce-length clean install
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ test-fast: $(STAMP) lint
 # The whole suite, rewriting tests/durations.json (the schedule) from what each test took.
 test-durations: $(STAMP)
 	$(PYTEST) --store-durations tests
+
+# The stored list of terra's gin configurables (--gin overrides are checked against it before the
+# heavy imports); rewrite it after adding or changing a configurable (tests/test_cli.py compares).
+gin-registry: $(STAMP)
+	$(PY) scripts/write_gin_registry.py
 
 # ruff, configured in pyproject.toml: the linter and the formatter's check.
 lint: $(STAMP)

@@ -474,3 +474,42 @@ def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(mo
     heavy = ("jax", "tensorflow ", "tensorflow\n", "terra.data", "seqio", "flax", "terra.training")
     assert not any(h in line + "\n" for line in lines[:quieted] for h in heavy)
     assert any(line.startswith("from terra.data import") for line in lines[quieted:])
+
+
+def test_the_stored_gin_registry_is_the_live_one():
+    from terra import gin_registry
+
+    assert gin_registry.stored_registry() == gin_registry.live_registry(), "run make gin-registry"
+
+
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        (
+            "TransformerConfig.d_modle = 64",
+            "--gin.TransformerConfig.d_modle=64: TransformerConfig has no parameter 'd_modle'. Did you mean 'd_model'? "
+            "It takes: attention_dropout, d_ff, d_model,",
+        ),
+        (
+            "terra.training.CheckpointSettings.evrey = 3",
+            "--gin.terra.training.CheckpointSettings.evrey=3: terra.training.CheckpointSettings has no parameter "
+            "'evrey'. Did you mean 'every'?",
+        ),
+        (
+            "MODEL/TransformerConfg.d_model = 64",
+            "--gin.MODEL/TransformerConfg.d_model=64: terra has no configurable named TransformerConfg. "
+            "Did you mean TransformerConfig?",
+        ),
+    ],
+)
+def test_an_unknown_parameter_or_configurable_is_reported_before_tensorflow_loads(
+    binding, message, no_tensorflow, capsys
+):
+    assert train.main([QUICKSTART, gin_checks.as_flag(binding)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_known_parameters_and_configurables_taking_any_keyword_pass():
+    known = ["TransformerConfig.d_model = 64", "Trainer.steps = 3", "MODEL/SparseFeedForward.ff_sparsity = 8"]
+    gin_checks.check_overrides(known, None)

@@ -104,6 +104,7 @@ def test_the_wheel_carries_every_config_the_licence_and_the_commands(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"terra/configs/{n}" for folder in gin_utils.CONFIG_FOLDERS for n in gin_utils.shipped_configs(folder)}
     assert len(shipped) > 40 and shipped <= names
+    assert "terra/gin_registry.json" in names  # --gin overrides are checked against it before the imports
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

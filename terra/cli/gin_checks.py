@@ -11,7 +11,11 @@ enough to report, before TensorFlow, seqio, JAX or a model load:
 - a macro override whose type is not the type of the value the configs declare
   (``--gin.TRAIN_STEPS="'ten'"`` where ``TRAIN_STEPS = 300``).
 
-Parameters of configurables (``--gin.TransformerConfig.d_model="'64'"``) are checked against
+- a parameter of a configurable that does not exist (``--gin.TransformerConfig.d_modle=64``) or
+  a configurable terra does not have, with the closest names, from the stored registry of terra's
+  configurables (:mod:`terra.gin_registry`).
+
+The types of parameter values (``--gin.TransformerConfig.d_model="'64'"``) are checked against
 their signatures once the modules are imported (``terra.gin_utils.check_binding_types``).
 """
 
@@ -24,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Set
 from gin import config_parser
 
 import terra
-from terra import gin_utils
+from terra import gin_registry, gin_utils
 from terra.gin_utils import GinConfigError
 
 # A value that fails to parse and has none of these characters is meant as a string.
@@ -59,6 +63,11 @@ def check_overrides(
     type. ``gin_files`` are the files the command parses before the bindings; without them
     (``None`` or empty: not known before the command runs) only the values are checked."""
     parsed = [(binding, _parse(binding)) for binding in bindings]
+    parameters = [(b, s) for b, statements in parsed for s in statements if s.arg_name]
+    if parameters:
+        registry = gin_registry.stored_registry()
+        for binding, statement in parameters:
+            _check_parameter(binding, statement, registry)
     overrides = [(b, s) for b, statements in parsed for s in statements if not s.arg_name and not s.scope]
     if not overrides or not gin_files:
         return
@@ -110,6 +119,30 @@ def _check_macro(binding: str, statement, macros: Macros) -> None:
             f"{as_flag(binding)} is {given}, but {name} is {kind} in {_shown(path)} (default {default!r}): "
             f"give {kind}, e.g. {_example(name, default)}."
         )
+
+
+def _check_parameter(binding: str, statement, registry) -> None:
+    """An override of a configurable's parameter names one terra has, and a parameter it takes."""
+    selector, name = statement.selector, statement.arg_name
+    if selector.startswith("gin."):
+        return
+    matches = [full for full in registry if full == selector or full.endswith("." + selector)]
+    if not matches:
+        short = {full.rsplit(".", 1)[-1]: full for full in registry}
+        close = difflib.get_close_matches(selector.rsplit(".", 1)[-1], list(short), n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise GinConfigError(
+            f"{as_flag(binding)}: terra has no configurable named {selector}.{hint} Every configurable and its "
+            "parameters: terra/gin_registry.json."
+        )
+    known = registry[matches[0]] if len(matches) == 1 else None  # ambiguous: gin itself reports it
+    if known is None or name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise GinConfigError(
+        f"{as_flag(binding)}: {selector} has no parameter {name!r}.{hint} It takes: {', '.join(known)}."
+    )
 
 
 def _unknown_macro(binding: str, name: str, macros: Macros) -> str:

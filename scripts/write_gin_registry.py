@@ -1,0 +1,8 @@
+"""Rewrite terra/gin_registry.json from the live gin registry (``make gin-registry``): run it after
+adding or changing a gin configurable; tests/test_cli.py fails until the two agree."""
+
+from terra import gin_registry
+
+if __name__ == "__main__":
+    gin_registry.write_registry()
+    print(f"wrote {gin_registry.REGISTRY_FILE}")

@@ -1,0 +1,53 @@
+"""The names gin can configure in terra and their parameters, stored as a file so that a command
+checks ``--gin.Configurable.param=VALUE`` overrides before importing anything heavy.
+
+gin learns a configurable when the module defining it is imported, and terra's modules import
+TensorFlow and JAX (7-30 s). ``gin_registry.json`` beside this module lists every terra
+configurable's selector with its parameter names (``null`` where it takes ``**kwargs``); a test
+checks that it equals the live registry, and ``make gin-registry``
+(``scripts/write_gin_registry.py``) rewrites it after a configurable is added or changed.
+"""
+
+import inspect
+import json
+import os
+from typing import Dict, List, Optional
+
+REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_registry.json")
+
+
+def live_registry() -> Dict[str, Optional[List[str]]]:
+    """``{selector: parameter names or None}`` of every configurable terra registers (imports
+    the whole library)."""
+    from gin import config as gin_config
+
+    from terra import gin_utils
+
+    gin_utils.register_terra_configurables()
+    registry = {}
+    # gin has no public listing of its registry: its selector map is read directly (a test
+    # compares the result with the stored file, so a change in gin shows there).
+    for selector, configurable in gin_config._REGISTRY.items():
+        if selector.startswith("terra."):
+            registry[selector] = _parameters(configurable.wrapped)
+    return dict(sorted(registry.items()))
+
+
+def _parameters(fn) -> Optional[List[str]]:
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return None
+    return sorted(p.name for p in parameters if p.kind != p.VAR_POSITIONAL and p.name != "self")
+
+
+def stored_registry() -> Dict[str, Optional[List[str]]]:
+    with open(REGISTRY_FILE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_registry() -> None:
+    with open(REGISTRY_FILE, "w", encoding="utf-8") as f:
+        f.write(json.dumps(live_registry(), indent=1) + "\n")
