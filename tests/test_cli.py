@@ -513,3 +513,12 @@ def test_an_unknown_parameter_or_configurable_is_reported_before_tensorflow_load
 def test_known_parameters_and_configurables_taking_any_keyword_pass():
     known = ["TransformerConfig.d_model = 64", "Trainer.steps = 3", "MODEL/SparseFeedForward.ff_sparsity = 8"]
     gin_checks.check_overrides(known, None)
+
+
+def test_a_syntax_error_in_a_gin_file_is_reported_before_tensorflow_loads(tmp_path, no_tensorflow, capsys):
+    bad = tmp_path / "mine.gin"
+    bad.write_text("include 'experiments/quickstart.gin'\nTRAIN_STEPS = = 3\n")
+    assert train.main([f"--gin_file={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Invalid gin configuration (file {bad}):") and "line 2" in err, err
+    assert "Traceback" not in err

@@ -4,6 +4,7 @@ Reading gin files is pure Python: gin's own parser reads the files a command wil
 (following their includes) without importing the modules they name, in milliseconds. That is
 enough to report, before TensorFlow, seqio, JAX or a model load:
 
+- a gin file gin cannot parse (the file, line and what gin expected);
 - a value gin cannot parse, with a hint to quote it when it looks like a word or a path
   (``--gin.MODEL_DIR=runs/x``);
 - a macro no config declares or uses (``--gin.TRAIN_STEPZ=10``): gin would accept it and the
@@ -68,11 +69,11 @@ def check_overrides(
         registry = gin_registry.stored_registry()
         for binding, statement in parameters:
             _check_parameter(binding, statement, registry)
-    overrides = [(b, s) for b, statements in parsed for s in statements if not s.arg_name and not s.scope]
-    if not overrides or not gin_files:
+    if not gin_files:
         return
-    macros = declared_macros(gin_files, search_paths)
-    if macros is None:
+    macros = declared_macros(gin_files, search_paths)  # a syntax error in a file is reported here
+    overrides = [(b, s) for b, statements in parsed for s in statements if not s.arg_name and not s.scope]
+    if not overrides or macros is None:
         return
     for binding, statement in overrides:
         _check_macro(binding, statement, macros)
@@ -195,7 +196,9 @@ def _read(path: str, search_paths: Sequence[str], macros: Macros, including: tup
     try:
         with open(path, encoding="utf-8") as f:
             statements = gin_utils.read_statements(f)
-    except (OSError, SyntaxError, UnicodeDecodeError):
+    except SyntaxError as error:  # the message the full parse would give, before the heavy imports
+        raise gin_utils.explain_gin_error(error, f"file {path}") from None
+    except (OSError, UnicodeDecodeError):
         raise _Unreadable(path) from None
     for statement in statements:
         if isinstance(statement, config_parser.IncludeStatement):
