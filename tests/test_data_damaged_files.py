@@ -259,3 +259,17 @@ def test_a_command_stopped_by_a_damaged_file_exits_with_its_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith("error: C4 JSON under") and "the gzip stream is damaged" in result.stderr
     assert result.stderr.count("\n") == 1, result.stderr[-3000:]
+
+
+def test_the_error_tensorflow_raised_is_found_among_parallel_parse_errors():
+    from terra.data import json_lines
+
+    reader = json_lines.JsonLinesReader("C4 JSON", ["text"], lambda record: [record["text"]])
+    # Two of tf.data's parallel parses fail together; TensorFlow raises the first one's.
+    first = reader._fail("a.json, line 3: not valid JSON")
+    second = reader._fail("b.json, line 9: not valid JSON")
+    raised_by_tf = tf.errors.InvalidArgumentError(None, None, f"EagerPyFunc: {first}")
+    assert json_lines.as_input_error(raised_by_tf, readers=[reader]) is first
+    raised_by_tf = tf.errors.InvalidArgumentError(None, None, str(second))
+    assert json_lines.as_input_error(raised_by_tf, readers=[reader]) is second
+    assert reader.raised_errors() == [first, second]

@@ -112,7 +112,8 @@ class JsonLinesReader:
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped: collections.Counter = collections.Counter()
         self.used = 0
-        self.error: Optional[InputError] = None
+        self.error: Optional[InputError] = None  # the first; tf.data's parallel map may raise any of them
+        self.errors: List[InputError] = []
         self._consecutive_skips = 0
         self._first_skip: Optional[str] = None
         self._logged = set()
@@ -189,8 +190,14 @@ class JsonLinesReader:
     def _fail(self, message: str) -> InputError:
         error = InputError(message)
         with self._lock:
-            self.error = error
+            self.error = self.error or error
+            self.errors.append(error)
         return error
+
+    def raised_errors(self) -> List[InputError]:
+        """Every error this reader raised, in order (parallel parses can fail together)."""
+        with self._lock:
+            return list(self.errors)
 
     def summary(self) -> Optional[str]:
         """``"<description>: skipped N records (reasons)"``, or None when nothing was skipped."""
@@ -220,9 +227,9 @@ def skip_report(readers: Optional[Sequence[JsonLinesReader]] = None) -> List[str
 def _raised_error(error: tf.errors.OpError, readers: Optional[Sequence[JsonLinesReader]]) -> Optional[InputError]:
     """The reader's own error that ``error`` wraps (TF's message quotes it)."""
     for reader in _readers(readers):
-        raised = reader.error
-        if raised is not None and str(raised) in error.message:
-            return raised
+        for candidate in reader.raised_errors():  # parallel parses fail at once: the one TensorFlow raised
+            if str(candidate) in error.message:
+                return candidate
     return None
 
 
