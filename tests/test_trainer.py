@@ -394,3 +394,31 @@ def test_terra_reproduce_layouts_measures_each_layouts_difference_per_step(tmp_p
         layouts.compare(FILES, bindings, steps=1, layouts=[(8, 8)])
     with pytest.raises(UsageError, match="--layouts=8y1"):
         reproduce_cli.call(["layouts", "--layouts=8y1"])
+
+
+@pytest.mark.slow
+def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(tmp_path):
+    class Recorder(trainer.StepHook):
+        def __init__(self):
+            self.calls = []
+
+        def before_step(self, step, state):
+            self.calls.append(("before", step, int(state.step)))
+            return state
+
+        def after_step(self, step, state, metrics):
+            self.calls.append(("after", step, int(state.step), float(metrics["loss"])))
+
+    recorder = Recorder()
+    _parse(tmp_path / "hooks", 3)
+    trainer.Trainer(step_hooks=[recorder]).run()
+    assert [c[:3] for c in recorder.calls] == [
+        ("before", 0, 0),
+        ("after", 1, 1),
+        ("before", 1, 1),
+        ("after", 2, 2),
+        ("before", 2, 2),
+        ("after", 3, 3),
+    ]
+    losses = [c[3] for c in recorder.calls if c[0] == "after"]
+    np.testing.assert_allclose(losses, _losses(tmp_path / "hooks"), rtol=1e-6)

@@ -17,31 +17,31 @@ import numpy as np
 
 from terra import gin_utils
 from terra.errors import ConfigError
-from terra.training import ParallelSettings, Trainer
+from terra.training import ParallelSettings, StepHook, Trainer
 
 Record = List[Tuple[float, list]]  # per step: (loss, parameter arrays)
 ONE_ULP = "1 ulp"
 
 
-class _RecordingTrainer(Trainer):
+class _StepRecorder(StepHook):
     """Keeps every step's loss and parameters; optionally nudges the first step's parameters."""
 
-    def __init__(self, *args, perturb: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, perturb: bool = False):
         self.perturb = perturb
         self.record: Record = []
 
-    def step(self, state, batch):
-        if self.perturb and not self.record:
-            ulp = np.float32(2.0**-23)
-            keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state.params))))
-            params = jax.tree.map(
-                lambda p: p * (1 + ulp * jax.random.rademacher(next(keys), p.shape, p.dtype)), state.params
-            )
-            state = state.replace(params=params)
-        state, metrics = super().step(state, batch)
+    def before_step(self, step, state):
+        if not (self.perturb and not self.record):  # only the run's first step
+            return state
+        ulp = np.float32(2.0**-23)
+        keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state.params))))
+        params = jax.tree.map(
+            lambda p: p * (1 + ulp * jax.random.rademacher(next(keys), p.shape, p.dtype)), state.params
+        )
+        return state.replace(params=params)
+
+    def after_step(self, step, state, metrics):
         self.record.append((float(metrics["loss"]), jax.tree.leaves(jax.device_get(state.params))))
-        return state, metrics
 
 
 def _train(gin_files: Sequence[str], bindings: Sequence[str], steps: int, parallel: dict, perturb=False) -> Record:
@@ -55,9 +55,9 @@ def _train(gin_files: Sequence[str], bindings: Sequence[str], steps: int, parall
             *bindings,
         ]
         gin_utils.parse_gin(list(gin_files), run_bindings)
-        trainer = _RecordingTrainer(parallel=ParallelSettings(**parallel), perturb=perturb)
-        trainer.run()
-        return trainer.record
+        recorder = _StepRecorder(perturb=perturb)
+        Trainer(parallel=ParallelSettings(**parallel), step_hooks=[recorder]).run()
+        return recorder.record
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
 

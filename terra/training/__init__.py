@@ -21,6 +21,7 @@ from terra.training.settings import (
     EvaluationSettings,
     LoggingSettings,
     ParallelSettings,
+    StepHook,
 )
 from terra.training.trainer import Trainer, TrainingDiverged, TrainResult
 
@@ -32,6 +33,7 @@ __all__ = [
     "LoggingSettings",
     "OptimizerSpec",
     "ParallelSettings",
+    "StepHook",
     "TrainResult",
     "Trainer",
     "TrainingDiverged",

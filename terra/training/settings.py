@@ -35,6 +35,24 @@ class EvaluationHook(Protocol):
         """Metrics of ``params`` (host values)."""
 
 
+class StepHook:
+    """Code the trainer runs around every optimizer step (the T5X/Flax training-loop hook): a
+    study that records or perturbs each step subclasses it instead of the trainer. Both methods
+    do nothing by default.
+
+    ``before_step(step, state)`` gets the state about to be trained at 0-based ``step`` and
+    returns the state to train (the same one, or a changed one); ``after_step(step, state,
+    metrics)`` gets the new state and the step's metrics (device values) once ``step`` steps are
+    done. The state passed to a step is donated to it: keep host copies, not the arrays.
+    """
+
+    def before_step(self, step: int, state):
+        return state
+
+    def after_step(self, step: int, state, metrics: Mapping[str, object]) -> None:
+        return None
+
+
 @gin.configurable(module="terra.training")
 @dataclasses.dataclass(frozen=True)
 class ParallelSettings:

@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import time
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import gin
@@ -41,7 +41,13 @@ from terra.parallel import mesh as mesh_lib
 from terra.parallel import sharding
 from terra.training import checkpointing, optimizers, run_directory, run_lock
 from terra.training import metrics as metrics_lib
-from terra.training.settings import CheckpointSettings, EvaluationSettings, LoggingSettings, ParallelSettings
+from terra.training.settings import (
+    CheckpointSettings,
+    EvaluationSettings,
+    LoggingSettings,
+    ParallelSettings,
+    StepHook,
+)
 from terra.training.train_state import TrainState
 from terra.training.train_step import evaluate_batches, train_step
 
@@ -110,6 +116,8 @@ class Trainer:
         ``model_dir`` has no checkpoint yet (fine-tuning); ``param_map`` maps its tree.
       parallel, checkpoints, evaluation, logging: the grouped settings
         (``terra.training.settings``); each defaults to its gin-configured construction.
+      step_hooks: :class:`~terra.training.settings.StepHook` objects run before and after every
+        optimizer step, in order (a study records or perturbs steps with one).
     """
 
     def __init__(
@@ -134,6 +142,7 @@ class Trainer:
         checkpoints: Optional[CheckpointSettings] = None,
         evaluation: Optional[EvaluationSettings] = None,
         logging: Optional[LoggingSettings] = None,
+        step_hooks: Sequence[StepHook] = (),
     ):
         # ---- validate before anything is written ----------------------------------------
         if steps <= 0 or batch_size <= 0:
@@ -153,6 +162,7 @@ class Trainer:
         self.checkpoints = checkpoints or CheckpointSettings()
         self.evaluation = evaluation or EvaluationSettings()
         self.logging = logging or LoggingSettings()
+        self.step_hooks = tuple(step_hooks)
         self.provider = tasks.get_task(task)
         tasks.check_vocabulary_and_lengths(
             self.provider,
@@ -404,8 +414,12 @@ class Trainer:
         with PreemptionSignal() as term:
             while step < self.steps:
                 tokens += pipeline.count_tokens(host_next)
+                for hook in self.step_hooks:
+                    state = hook.before_step(step, state)
                 state, m = self.step(state, pending)
                 step += 1
+                for hook in self.step_hooks:
+                    hook.after_step(step, state, m)
                 window.append(m)
                 unchecked.append(m)
                 evaluated = self.evaluation_due(step)
