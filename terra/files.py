@@ -4,6 +4,7 @@ processes want them at the same time."""
 
 import contextlib
 import os
+from typing import Union
 
 try:
     import fcntl
@@ -24,17 +25,20 @@ def absolute(path: str) -> str:
     return path if has_scheme(path) else os.path.abspath(os.path.expanduser(path))
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) to a temporary file beside ``path``, then rename it over ``path``:
-    a reader sees the old file or the new one, never a part of either."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def write_atomically(path: str, data: Union[str, bytes]) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to a temporary file beside ``path``, then rename it
+    over ``path``: a reader sees the old file or the new one, never a part of either. Local paths
+    and URLs alike (``etils.epath``, orbax's file layer)."""
+    from etils import epath
+
+    target = epath.Path(path)
+    tmp = target.parent / f"{target.name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        tmp.replace(target)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if tmp.exists():
+            tmp.unlink()
 
 
 @contextlib.contextmanager

@@ -273,3 +273,25 @@ def test_the_error_tensorflow_raised_is_found_among_parallel_parse_errors():
     raised_by_tf = tf.errors.InvalidArgumentError(None, None, str(second))
     assert json_lines.as_input_error(raised_by_tf, readers=[reader]) is second
     assert reader.raised_errors() == [first, second]
+
+
+def test_terra_data_show_counts_refuse_fifos_and_damaged_gzip_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "c4"
+    _write_lines(str(folder / "c4-train.00000-of-00002.json.gz"), _docs(3))
+    damaged = folder / "c4-train.00001-of-00002.json.gz"
+    whole = gzip.compress(("\n".join(_docs(50)) + "\n").encode())
+    damaged.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    argv = ["show", "--task", "c4_lm", "--split", "train", "--c4_json", str(folder)]
+    assert data_cli.main(argv) == 2  # the count reads every file first: it must not hang or trace back
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: C4 JSON under {folder}: {damaged}: the gzip stream is damaged after line"), err
+    assert err.count("\n") == 1
+    damaged.unlink()
+    fifo = folder / "c4-train.00001-of-00002.json"
+    os.mkfifo(fifo)
+    assert data_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{fifo} is a FIFO, not a data file" in err and err.count("\n") == 1, err
+    fifo.unlink()
+    assert data_cli.main([*argv, "--n", "1"]) == 0
+    assert capsys.readouterr().out.startswith("split train: 1 files, 3 records\nsplit validation: 0 files")

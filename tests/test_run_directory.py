@@ -96,6 +96,7 @@ def _bucket(root):
         exists=lambda fn, path: os.path.exists(local(path)),
         isdir=lambda fn, path: os.path.isdir(local(path)),
         open=lambda fn, path, *args, **kwargs: open(local(path), *args, **kwargs),
+        stat=lambda fn, path: fn(local(path)),
     ):
         yield
 
@@ -127,3 +128,4 @@ def test_a_file_system_error_on_a_url_is_one_line_naming_it(tmp_path):
     assert str(error.value) == (
         "cannot read gs://bucket/run/config.gin: Error executing an HTTP request: could not resolve host"
     )
+

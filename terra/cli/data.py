@@ -50,15 +50,8 @@ def run_show(flag_values: flags.FlagValues, _) -> int:
     source = getattr(provider, "source", None)  # a mixture has its tasks' sources
     if source is not None:
         for split, files, records in sources.split_inventory(source, count_records=flag_values.count):
-            found = ", ".join(
-                part
-                for part in (
-                    f"{files:,d} files" if files is not None else "",
-                    f"{records:,d} records" if records is not None else "",
-                )
-                if part
-            )
-            print(f"split {split}: {found or 'no files to count (a built-in or generated source)'}")
+            found = [f"{n:,d} {what}" for n, what in ((files, "files"), (records, "records")) if n is not None]
+            print(f"split {split}: {', '.join(found) or 'no files to count (a built-in or generated source)'}")
     batches = pipeline.batch_iterator(
         provider,
         flag_values.split,

@@ -10,8 +10,6 @@ metrics.json to MODEL_DIR/eval/<split>_step<step>/ (or --output_dir). Decoding i
       --tfds_data_dir=/data/tfds --vocabulary=vocab/c4-32k.model
 """
 
-import os
-
 from absl import flags
 
 from terra.cli import app, flag_groups
@@ -85,19 +83,12 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-def _run_config(checkpoint: str):
-    """The run's config.gin where it is a local file (the early check of ``--gin`` overrides reads
-    it without importing the library; a URL is checked when the run is loaded)."""
-    config = os.path.join(checkpoint, "config.gin")
-    return [config] if os.path.isfile(config) else []
-
-
 def gin_files(flag_values: flags.FlagValues):
     """What ``run`` parses before the bindings; ``None`` when that is not known yet (``run``
     then reports the missing config)."""
     files = list(flag_values.gin_file)
     if not files and flag_values.checkpoint:
-        files = _run_config(flag_values.checkpoint)
+        files = flag_groups.run_config_files(flag_values.checkpoint)
     return [*files, "runs/evaluate.gin"] if files else None
 
 

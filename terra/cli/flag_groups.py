@@ -9,6 +9,7 @@
   ``ml_collections.config_flags``.
 """
 
+import os
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from absl import flags
@@ -85,6 +86,14 @@ def data_bindings(values) -> List[str]:
         if value is not None:
             bindings += [f"{target} = {value!r}" for target in targets]
     return bindings
+
+
+def run_config_files(checkpoint: str) -> List[str]:
+    """``[<checkpoint>/config.gin]`` where that is a local file, else ``[]``: what a command given
+    ``--checkpoint`` parses first, known before the library is imported (the early check of
+    ``--gin`` overrides reads it; a URL is read when the run is loaded)."""
+    config = os.path.join(checkpoint, "config.gin")
+    return [config] if os.path.isfile(config) else []
 
 
 def given_data_flags(flag_values: flags.FlagValues) -> List[str]:

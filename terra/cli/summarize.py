@@ -11,7 +11,6 @@ greedy unless --temperature is set (the paper sampled its abstracts at 0.5).
   cat paper.txt | terra-summarize --checkpoint /runs/terraformer_arxiv --temperature 0.5 -
 """
 
-import os
 import sys
 
 from absl import flags
@@ -89,8 +88,7 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
 
 def gin_files(flag_values: flags.FlagValues):
     """The run's own config.gin, which ``terra.load`` parses before the bindings."""
-    config = os.path.join(flag_values.checkpoint, "config.gin")
-    return [config] if os.path.isfile(config) else None
+    return flag_groups.run_config_files(flag_values.checkpoint) or None
 
 
 COMMAND = app.command(

@@ -112,8 +112,7 @@ class JsonLinesReader:
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped: collections.Counter = collections.Counter()
         self.used = 0
-        self.error: Optional[InputError] = None  # the first; tf.data's parallel map may raise any of them
-        self.errors: List[InputError] = []
+        self.errors: List[InputError] = []  # tf.data's parallel map may raise any of them
         self._consecutive_skips = 0
         self._first_skip: Optional[str] = None
         self._logged = set()
@@ -190,7 +189,6 @@ class JsonLinesReader:
     def _fail(self, message: str) -> InputError:
         error = InputError(message)
         with self._lock:
-            self.error = self.error or error
             self.errors.append(error)
         return error
 
@@ -250,11 +248,29 @@ def diagnose(paths: Iterable[str], *, seconds: float = DIAGNOSE_SECONDS) -> Opti
     return None
 
 
+def open_binary(path: str):
+    """A JSON-lines file's bytes, gunzipped when its name ends in ``.gz``."""
+    return gzip.open(path, "rb") if is_gzip_name(path) else open(path, "rb")
+
+
+def count_records(paths: Sequence[str], description: str) -> int:
+    """The non-blank lines (records, before any is skipped) of ``paths``: reads them all. A file
+    that is not a regular file or is damaged is an :class:`InputError` naming it."""
+    check_files(paths, description)
+    count = 0
+    for path in paths:
+        try:
+            with open_binary(path) as f:
+                count += sum(1 for line in f if line.strip())
+        except (EOFError, OSError, zlib.error):
+            raise InputError(f"{description}: {path}: {_file_problem(path) or 'cannot be read.'}") from None
+    return count
+
+
 def _file_problem(path: str) -> Optional[str]:
-    opener = gzip.open if is_gzip_name(path) else open
     lines = 0
     try:
-        with opener(path, "rb") as f:
+        with open_binary(path) as f:
             for raw in f:
                 raw.decode("utf-8")
                 lines += 1

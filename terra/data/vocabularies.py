@@ -45,7 +45,7 @@ def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -
     in one line with exit status 2.
     """
     resolved = files.absolute(path)
-    if not (epath.Path(resolved).is_file() if files.has_scheme(resolved) else os.path.isfile(resolved)):
+    if not epath.Path(resolved).is_file():
         raise DataNotFoundError(
             f"SentencePiece model not found: {resolved!r}. A trained run needs the very file it was "
             "trained with (--vocabulary=FILE; runs keep a copy in vocabulary/sentencepiece.model). For a "

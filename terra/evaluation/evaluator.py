@@ -204,7 +204,6 @@ def evaluate(
         "log_perplexity": log_ppl,
         "decode_seconds": decode_seconds,
     }
-    os.makedirs(output_dir, exist_ok=True)
     write_atomically(os.path.join(output_dir, "predictions.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     write_atomically(os.path.join(output_dir, "metrics.json"), json.dumps(metrics, indent=1) + "\n")
     log(rouge_lib.markdown_table(rouge, label=f"step {step}"))

@@ -12,7 +12,6 @@
 Paths go through ``etils.epath`` (orbax's file layer): local folders and URLs alike.
 """
 
-import os
 from typing import List, Optional
 
 from etils import epath
@@ -46,21 +45,10 @@ def config_path(model_dir: str) -> str:
     return str(config)
 
 
-def _write_bytes_atomically(path: epath.Path, data: bytes) -> None:
-    """A reader (or a crash) sees the old file or the new one, never a part of either."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)  # over an older file (a resumed run rewrites its config)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_config(model_dir: str, text: str) -> None:
     """Write the run's ``config.gin``."""
-    _write_bytes_atomically(_run(model_dir) / CONFIG_FILE, text.encode("utf-8"))
+    _run(model_dir).mkdir(parents=True, exist_ok=True)
+    files.write_atomically(str(_run(model_dir) / CONFIG_FILE), text)
 
 
 def vocabulary_file(vocabulary) -> Optional[str]:
@@ -87,7 +75,8 @@ def save_vocabulary(model_dir: str, vocabulary) -> Optional[str]:
                 f"(--vocabulary={target}) or train into a new MODEL_DIR."
             )
         return str(target)
-    _write_bytes_atomically(target, data)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(str(target), data)
     return str(target)
 
 
