@@ -129,3 +129,22 @@ def test_a_file_system_error_on_a_url_is_one_line_naming_it(tmp_path):
         "cannot read gs://bucket/run/config.gin: Error executing an HTTP request: could not resolve host"
     )
 
+
+def test_a_crafted_run_config_imports_nothing_and_reads_no_other_file(tmp_path):
+    import sys
+
+    run = tmp_path / "run"
+    run_directory.write_config(str(run), "import terra.training as terra3\nimport this\nTASK = 'x'\n")
+    with pytest.raises(ConfigError, match="imports this: a run's config.gin imports only terra's own modules"):
+        run_directory.config_path(str(run))
+    assert "this" not in sys.modules  # the Zen of Python would have printed on import
+    run_directory.write_config(str(run), "include '/etc/hostname'\n")
+    with pytest.raises(ConfigError, match="includes /etc/hostname: a run's config.gin is complete"):
+        run_directory.config_path(str(run))
+    with open(run / "config.gin", "wb") as f:  # a declared size past the limit, checked before reading
+        f.truncate(run_directory.MAX_CONFIG_BYTES + 1)
+    with pytest.raises(ConfigError, match="is 16,777,217 bytes; a run's config.gin is tens of kilobytes"):
+        run_directory.config_path(str(run))
+    run_directory.write_config(str(run), "TASK = = 'x'\n")
+    with pytest.raises(gin_utils.GinConfigError, match="Invalid gin configuration"):
+        run_directory.config_path(str(run))

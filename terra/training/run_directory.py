@@ -15,8 +15,9 @@ Paths go through ``etils.epath`` (orbax's file layer): local folders and URLs al
 from typing import List, Optional
 
 from etils import epath
+from gin import config_parser
 
-from terra import files
+from terra import files, gin_utils
 from terra.errors import ConfigError
 
 CONFIG_FILE = "config.gin"
@@ -24,6 +25,7 @@ VOCABULARY_FILE = "vocabulary/sentencepiece.model"
 # The gin parameter the copied vocabulary is bound to (``terra.data.text_vocabulary``: every
 # natural-text task reads its SentencePiece model through it).
 VOCABULARY_PARAMETER = "terra.data.text_vocabulary.spm_path"
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def _run(model_dir: str) -> epath.Path:
@@ -42,7 +44,34 @@ def config_path(model_dir: str) -> str:
             f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
             "or name the run's experiment with --gin_file."
         )
+    _check_config(config)
     return str(config)
+
+
+def _check_config(config: epath.Path) -> None:
+    """A run's ``config.gin`` may come from a stranger, and gin imports every module a config
+    names and reads every file it includes. terra writes only ``import terra...`` lines and no
+    includes, so anything else is refused before gin sees the file (nothing imported or read)."""
+    size = config.stat().length
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{config} is {size:,d} bytes; a run's config.gin is tens of kilobytes (limit {MAX_CONFIG_BYTES:,d})."
+        )
+    try:
+        statements = gin_utils.read_statements(config.read_text())
+    except SyntaxError as error:
+        raise gin_utils.explain_gin_error(error, f"file {config}") from None
+    for statement in statements:
+        if isinstance(statement, config_parser.ImportStatement) and statement.module.split(".")[0] != "terra":
+            raise ConfigError(
+                f"{config} imports {statement.module}: a run's config.gin imports only terra's own modules, so "
+                "it was not parsed and nothing was imported. Name an experiment you trust with --gin_file instead."
+            )
+        if isinstance(statement, config_parser.IncludeStatement):
+            raise ConfigError(
+                f"{config} includes {statement.filename}: a run's config.gin is complete (terra writes no "
+                "includes), so it was not parsed. Name an experiment you trust with --gin_file instead."
+            )
 
 
 def write_config(model_dir: str, text: str) -> None:
