@@ -1,15 +1,17 @@
-"""Build of terra's optional native kernels; the package metadata lives in setup.cfg.
+"""Build of terra's optional native kernels and the package list; the rest of the package
+metadata lives in setup.cfg.
 
-``terra/quantization/native/narrow_products.cc`` becomes the shared library that
-``terra/quantization/kernels.py`` loads with ctypes and registers as XLA FFI custom calls. It is an
+The C++ sources in ``terra/quantization/native/`` become one shared library that
+``terra/backends/native_kernels.py`` loads with ctypes and registers as XLA FFI custom calls. It is an
 optional extension: without a C++17 compiler, or without jax (whose headers it includes), the
 install still succeeds and terra decodes with its XLA products, after one warning at run time.
 """
 
+import glob
 import os
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -39,16 +41,28 @@ class OptionalBuildExt(build_ext):
         return super().copy_file(infile, outfile, *args, **kwargs)
 
 
+# Every .cc of the folder is one library; its headers are `depends`: a change rebuilds the library,
+# and the sdist carries them. Relative paths, as setuptools wants them (pip builds from this folder).
+NATIVE_DIR = "terra/quantization/native"
 include = _ffi_include_dir()
 NATIVE = Extension(
     "terra.quantization.native._narrow_products",
-    sources=["terra/quantization/native/narrow_products.cc"],
+    sources=sorted(glob.glob(f"{NATIVE_DIR}/*.cc")),
+    depends=sorted(glob.glob(f"{NATIVE_DIR}/*.h")),
     include_dirs=[include] if include else [],
     language="c++",
     # No -march=native: the vector variants are chosen at run time (target attributes in the source),
     # so a library built on one x86-64 machine runs on any other.
-    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-g0"],
+    # jax's FFI headers as system headers: their own warnings are not this library's.
+    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-g0"] + (["-isystem", include] if include else []),
     optional=True,
 )
 
-setup(ext_modules=[NATIVE], cmdclass={"build_ext": OptionalBuildExt})
+# Listed here because setup.cfg's `find:` names packages by their folder: the gin configs are the
+# package terra.configs, whose folder is the top-level configs/ (setup.cfg's package_dir).
+PACKAGES = [
+    *find_packages(include=["terra", "terra.*"]),
+    *(f"terra.{name}" for name in find_packages(include=["configs", "configs.*"])),
+]
+
+setup(packages=PACKAGES, ext_modules=[NATIVE], cmdclass={"build_ext": OptionalBuildExt})

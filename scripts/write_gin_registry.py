@@ -1,5 +1,6 @@
-"""Rewrite terra/gin_registry.json from the live gin registry (``make gin-registry``): run it after
-adding or changing a gin configurable; tests/test_cli.py fails until the two agree."""
+"""Rewrite terra/gin_registry.json from the configurables terra/configurables.py registers
+(``make gin-registry``): run it after adding or changing a gin configurable; tests/test_cli.py
+fails until the two agree."""
 
 from terra import gin_registry
 

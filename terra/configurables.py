@@ -1,25 +1,132 @@
-"""Every module that registers gin configurables, imported in one place.
+"""Every gin configurable of terra, registered in one place.
 
-gin refuses new registrations once a config is finalized ("Attempted to add a new configurable
-after the config was locked"), so whatever parses a config (the command lines, ``terra.load``,
-``terra.build``) imports all of them first; importing any terra module afterwards, in any
-order, then registers nothing new. ``tests/test_package_structure.py`` checks that this list
-is complete.
+Layers, models and the data pipeline's building blocks (sources, preprocessors, vocabularies,
+feature converters) are plain Python and import no gin: this module registers them
+(``gin.register``, which leaves the class or function itself unchanged, so calling it from
+Python never reads gin) under the package they are imported from
+(``terra.layers.SparseFeedForward``). The entry functions and settings of training, data,
+evaluation and parallel are decorated where they are defined (``@gin.configurable``), because
+their Python callers reach the configured version by calling them
+(``Trainer`` builds ``CheckpointSettings()``; a task builder calls ``c4_source()``); importing
+this module imports them, and :data:`DECORATED` lists them.
+
+Whatever parses a config (``terra.gin_utils.parse_gin``) imports this module first, so gin knows
+every name before its config is locked and importing any terra module afterwards registers
+nothing new. ``terra/gin_registry.json`` is written from :func:`registered`.
 """
 
-import importlib
+import inspect
+from typing import Callable, Dict
 
-CONFIGURABLE_MODULES = (
-    "terra.layers",
-    "terra.models",
-    "terra.parallel.mesh",
-    "terra.data",
-    "terra.training",
-    "terra.evaluation",
-)
+import gin
+
+from terra import layers, models, tensorflow_setup, training
+from terra.parallel import mesh
+
+# Registered here: gin builds them when a config refers to them (``@SparseFeedForward``).
+REGISTERED = {
+    "terra.layers": (
+        layers.FeedForward,
+        layers.SelfAttention,
+        layers.CausalSelfAttention,
+        layers.CrossAttention,
+        layers.DenseLogits,
+        layers.SparseFeedForward,
+        layers.MultiplicativeDense,
+        layers.SparseQKVAttention,
+        layers.SparseQueryCrossAttention,
+        layers.SparseLossLogits,
+        layers.MixtureOfExpertsFeedForward,
+        layers.LSHSelfAttention,
+        layers.LowRankSRU,
+        layers.FeedForwardWithSRU,
+        layers.HalfResidual,
+        layers.ReversibleStack,
+        layers.default_axis_rules,
+    ),
+    "terra.models": (
+        models.TransformerConfig,
+        models.EncoderDecoderTransformer,
+        models.Terraformer,
+        models.EncoderDecoderModel,
+        models.TerraformerModel,
+        models.shared_qk_from_dense_attention,
+    ),
+}
+
+# Decorated where they are defined (gin at the entry functions: see the module docstring).
+DECORATED = {
+    "terra.parallel": (mesh.make_mesh,),
+    "terra.training": (
+        training.Trainer,
+        training.ParallelSettings,
+        training.CheckpointSettings,
+        training.EvaluationSettings,
+        training.LoggingSettings,
+        training.Checkpointer,
+        training.build_optimizer,
+        training.adafactor,
+        training.adamw,
+        training.sgd,
+        training.constant_schedule,
+        training.rsqrt_schedule,
+        training.warmup_cosine_schedule,
+    ),
+}
+
+# The data layer (seqio on TensorFlow) and the evaluation built on it, where they are installed:
+# without them the model core's configs (models/*.gin: the benchmarks, decoding) still parse.
+if tensorflow_setup.data_layer_installed():
+    from terra import data, evaluation
+
+    REGISTERED["terra.data"] = (
+        data.vocabularies.sentencepiece_vocabulary,
+        data.vocabularies.byte_vocabulary,
+        data.vocabularies.digit_vocabulary,
+        data.vocabularies.train_sentencepiece,
+        data.vocabularies.embedded_vocabulary,
+        data.feature_converters.encoder_decoder_converter,
+        data.feature_converters.prefix_lm_converter,
+        data.feature_converters.length_concat_converter,
+        data.feature_converters.language_model_converter,
+        data.embedded.build_corpus,
+        data.embedded.lm_source,
+        data.embedded.summarization_source,
+        data.embedded.corpus_texts,
+        data.preprocessors.random_spans_noise_mask,
+        data.preprocessors.span_corruption,
+        data.preprocessors.single_word_masking,
+        data.preprocessors.split_tokens,
+        data.preprocessors.concatenate_and_split,
+        data.preprocessors.prefix_lm,
+        data.preprocessors.full_lm,
+        data.preprocessors.summarization,
+    )
+    DECORATED["terra.data"] = (
+        data.c4_source,
+        data.arxiv_source,
+        data.text_vocabulary,
+        data.synthetic_vocabulary,
+        data.pretraining_preprocessors,
+        data.c4_span_corruption_paper,
+        data.copy_dataset,
+        data.addition_dataset,
+        data.get_dataset,
+    )
+    DECORATED["terra.evaluation"] = (evaluation.evaluate, evaluation.RougeEvaluation)
+
+for _module, _configurables in REGISTERED.items():
+    for _configurable in _configurables:
+        gin.register(_configurable, module=_module)
+del _module, _configurables, _configurable
 
 
-def import_all() -> None:
-    """Import every module that registers configurables (idempotent)."""
-    for name in CONFIGURABLE_MODULES:
-        importlib.import_module(name)
+def registered() -> Dict[str, Callable]:
+    """``{selector: class or function}`` of every configurable terra registers, the undecorated
+    form (what ``inspect.signature`` reads the parameters of)."""
+    out = {}
+    for group in (REGISTERED, DECORATED):
+        for module, configurables in group.items():
+            for configurable in configurables:
+                out[f"{module}.{configurable.__name__}"] = inspect.unwrap(configurable)
+    return dict(sorted(out.items()))

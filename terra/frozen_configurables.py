@@ -1,14 +1,16 @@
-"""Built objects frozen to the gin config they were built under.
+"""Built objects frozen to the gin config they were built under: what gin cannot do.
 
-A gin configurable class or function inside a built model
-(``EncoderDecoderTransformer.feed_forward = @SparseFeedForward``) would read gin's global bindings
-whenever it is called (for a layer, when Flax initialises, applies or traces the model).
-:func:`freeze_configurables` replaces it by a :class:`FrozenConfigurable` holding the values gin
-supplied at build time, in the scope it supplied them (``MODEL/...`` bindings included). The models
-of ``terra.models`` freeze their network when they are constructed (so also where gin injects
-``%MODEL``: the trainer, the evaluator), and ``terra.gin_utils.build_macro`` freezes what it
-builds. Parsing another config afterwards (``terra.build``, ``terra.load``) then changes nothing
-in a model already built. Only gin's public API is used.
+The layers are plain Flax modules (``terra/configurables.py`` registers them with gin), but an
+unevaluated reference (``EncoderDecoderTransformer.feed_forward = @SparseFeedForward``) hands the
+model gin's registered form of the class, which reads gin's global bindings whenever it is called
+(for a layer, when Flax initialises, applies or traces the model), and gin has no way to hand out
+the class with the values in force at build time instead. :func:`freeze_configurables` replaces
+each such form by a :class:`FrozenConfigurable` holding the values gin supplied at build time, in
+the scope it supplied them (``MODEL/...`` bindings included). The models of ``terra.models``
+freeze their network when they are constructed (so also where gin injects ``%MODEL``: the
+trainer, the evaluator), and ``terra.gin_utils.build_macro`` freezes what it builds. Parsing
+another config afterwards (``terra.build``, ``terra.load``) then changes nothing in a model
+already built. Only gin's public API is used.
 """
 
 import copy
@@ -38,14 +40,10 @@ class FrozenConfigurable:
       gin_scope: the gin scope they were read in (``'MODEL'``; ``''`` for none).
     """
 
-    def __init__(self, target, bindings, gin_scope: str = "", through_gin: bool = False):
-        # ``through_gin``: calling ``target`` still goes through gin (a class decorated with
-        # ``@gin.configurable`` in place); every parameter with a default is then passed, so
-        # that gin has none left to fill from a later config.
+    def __init__(self, target, bindings, gin_scope: str = ""):
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_bindings", dict(bindings))
         object.__setattr__(self, "_gin_scope", gin_scope)
-        object.__setattr__(self, "_through_gin", through_gin)
 
     @property
     def target(self):
@@ -73,11 +71,6 @@ class FrozenConfigurable:
         for name in positional:  # given positionally by the caller: gin's value gives way
             values.pop(name, None)
         values.update(kwargs)
-        if self._through_gin:
-            for p in parameters:
-                if p.name not in values and p.name not in positional and p.default is not p.empty:
-                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                        values[p.name] = p.default
         return self._target(*args, **values)
 
     def __getattr__(self, name):
@@ -109,7 +102,7 @@ class FrozenConfigurable:
         return self
 
     def __reduce__(self):
-        return (FrozenConfigurable, (self._target, self._bindings, self._gin_scope, self._through_gin))
+        return (FrozenConfigurable, (self._target, self._bindings, self._gin_scope))
 
     def __repr__(self) -> str:
         name = getattr(self._target, "__qualname__", repr(self._target))
@@ -166,28 +159,38 @@ def _unscoped_configurable(fn_or_cls):
         return None
 
 
+def _decorated_in_place(cls) -> TypeError:
+    # Calling a class decorated in place reads gin whatever is passed to it, so there is no
+    # undecorated class to freeze.
+    return TypeError(
+        f"{cls.__qualname__} is decorated with @gin.configurable, so a built model holding it would read the "
+        "gin config in force whenever it is called; register it with gin.register instead (as "
+        "terra/configurables.py registers terra's layers)."
+    )
+
+
 def _gin_wrapper_target(value):
-    """For gin's decorated form of a configurable (what ``@name`` or ``@scope/name`` resolves
-    to): ``(what to call, whether that call still goes through gin, what gin's bindings are
-    looked up by)``; None for anything else (an undecorated class, a plain function, an object)."""
+    """For gin's form of a registered class or function (what ``@name`` or ``@scope/name``
+    resolves to): the undecorated class or function, which is also what gin's bindings are looked
+    up by; None for anything else (an undecorated class, a plain function, an object)."""
     if inspect.isclass(value):
-        if _unscoped_configurable(value) is value:  # a class decorated in place (@gin.configurable)
-            return value, True, value
+        if _unscoped_configurable(value) is value:
+            raise _decorated_in_place(value)
         if len(value.__bases__) == 1:
             base = value.__bases__[0]
             if _unscoped_configurable(base) is value:  # gin.register's subclass of ``base``
-                return base, False, base
+                return base
             scoped = type(value).__bases__ == (type(base),)  # a scope's subclass has a metaclass of its own
             if scoped and len(base.__bases__) == 1 and _unscoped_configurable(base.__bases__[0]) is base:
-                return base.__bases__[0], False, base.__bases__[0]
+                return base.__bases__[0]
         return None
     wrapped = getattr(value, "__wrapped__", None) if callable(value) else None
     if wrapped is None:
         return None
     if _unscoped_configurable(value) is value:  # gin's wrapper of a function
-        return wrapped, False, wrapped
-    if _unscoped_configurable(wrapped) is wrapped:  # a scope's (or another decorator's) wrapper of it
-        return value, True, wrapped
+        return wrapped
+    if _unscoped_configurable(wrapped) is wrapped:  # a scope's wrapper of gin's wrapper
+        return wrapped.__wrapped__
     return None
 
 
@@ -205,16 +208,16 @@ class _Freezer:
     def __init__(self, base_scope: Sequence[str]):
         self.base_scope = list(base_scope)
 
-    def frozen(self, target, through_gin: bool, key, scope: Sequence[str]) -> FrozenConfigurable:
-        raw = _raw_bindings(key, scope)
+    def frozen(self, target, scope: Sequence[str]) -> FrozenConfigurable:
+        raw = _raw_bindings(target, scope)
         values = {name: self.value(binding, scope) for name, binding in raw.items()}
-        return FrozenConfigurable(target, values, "/".join(scope), through_gin)
+        return FrozenConfigurable(target, values, "/".join(scope))
 
     def reference(self, reference) -> FrozenConfigurable:
         configurable = reference.configurable
-        through_gin = configurable.wrapped is configurable.wrapper
-        scope = list(reference.scopes) or self.base_scope
-        return self.frozen(configurable.wrapped, through_gin, configurable.selector, scope)
+        if configurable.wrapped is configurable.wrapper:
+            raise _decorated_in_place(configurable.wrapped)
+        return self.frozen(configurable.wrapped, list(reference.scopes) or self.base_scope)
 
     def value(self, binding, scope: Sequence[str]):
         """A bound value as the frozen configurable passes it: references frozen or evaluated."""
@@ -255,7 +258,7 @@ class _Freezer:
         if target is not None:
             # Not built from a binding seen here: read in the scope of the build (a scoped form
             # built outside the config, gin.get_configurable('scope/name'), loses its scope).
-            return self.frozen(*target, scope=self.base_scope)
+            return self.frozen(target, self.base_scope)
         if isinstance(value, functools.partial):
             func = self.built(value.func, scope)
             return value if func is value.func else functools.partial(func, *value.args, **value.keywords)

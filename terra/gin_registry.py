@@ -1,11 +1,12 @@
 """The names gin can configure in terra and their parameters, stored as a file so that a command
 checks ``--gin.Configurable.param=VALUE`` overrides before importing anything heavy.
 
-gin learns a configurable when the module defining it is imported, and terra's modules import
-TensorFlow and JAX (7-30 s). ``gin_registry.json`` beside this module lists every terra
-configurable's selector with its parameter names (``null`` where it takes ``**kwargs``); a test
-checks that it equals the live registry, and ``make gin-registry``
-(``scripts/write_gin_registry.py``) rewrites it after a configurable is added or changed.
+gin learns terra's configurables when ``terra/configurables.py`` is imported, and that imports
+TensorFlow and JAX (7-30 s). ``gin_registry.json`` beside this module lists every configurable
+that module registers, its selector with its parameter names (``null`` where it takes
+``**kwargs``); a test checks that it equals the live list, another that the list is what gin
+knows, and ``make gin-registry`` (``scripts/write_gin_registry.py``) rewrites it after a
+configurable is added or changed.
 """
 
 import inspect
@@ -17,20 +18,11 @@ REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_re
 
 
 def live_registry() -> Dict[str, Optional[List[str]]]:
-    """``{selector: parameter names or None}`` of every configurable terra registers (imports
-    the whole library)."""
-    from gin import config as gin_config
+    """``{selector: parameter names or None}`` of every configurable ``terra/configurables.py``
+    registers (imports the whole library)."""
+    from terra import configurables
 
-    from terra import gin_utils
-
-    gin_utils.register_terra_configurables()
-    registry = {}
-    # gin has no public listing of its registry: its selector map is read directly (a test
-    # compares the result with the stored file, so a change in gin shows there).
-    for selector, configurable in gin_config._REGISTRY.items():
-        if selector.startswith("terra."):
-            registry[selector] = _parameters(configurable.wrapped)
-    return dict(sorted(registry.items()))
+    return {selector: _parameters(fn) for selector, fn in configurables.registered().items()}
 
 
 def _parameters(fn) -> Optional[List[str]]:

@@ -1,10 +1,12 @@
 """Parsing gin files and bindings, and turning gin's errors into messages that name the fix.
 
 Files are parsed in order, then the bindings (later wins). A relative file name is looked up in
-the working directory, then in the search paths a caller adds, then in the configs shipped in
-the package (``terra/configs``), so ``models/tiny.gin`` works from any directory. The shipped
-files include each other by their package path (``include 'terra/configs/runs/train.gin'``),
-which gin resolves as a package resource wherever terra is installed. Errors are raised as
+the working directory, then in the search paths a caller adds, then in the shipped configs (the
+package ``terra.configs``: the checkout's top-level ``configs/``, mapped there by setup.cfg's
+``package_dir``; ``terra/configs/`` inside a wheel), so ``models/tiny.gin`` works from any
+directory. The shipped files include each other by their package path
+(``include 'terra/configs/runs/train.gin'``), which resolves to the shipped file wherever terra
+is installed, and in a checkout put on ``sys.path`` without an install. Errors are raised as
 ``GinConfigError`` with the offending file or binding and, for a misspelled name, the closest
 valid names; a literal of the wrong type for a configurable's parameter (``'64'`` for an
 ``int``) fails when the bindings are parsed, naming the binding, not later inside the library.
@@ -16,13 +18,11 @@ What :func:`build_macro` builds is frozen to the config it was built under
 """
 
 import contextlib
-import dataclasses
-import difflib
+import importlib.util
 import inspect
 import logging
 import os
 import re
-import sys
 import tokenize
 import types
 import typing
@@ -32,13 +32,31 @@ import gin
 from gin import config_parser
 
 from terra import files, frozen_configurables
+from terra.gin_text import (
+    GinConfigError,
+    MacroUse,
+    Reference,
+    configurable_target,
+    explain_gin_error,
+    read_statements,
+)
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+def _configs_dir() -> str:
+    """The folder of the package ``terra.configs``; the checkout's ``configs/`` when the checkout
+    is on ``sys.path`` without an install (no package maps ``terra.configs`` there)."""
+    spec = importlib.util.find_spec("terra.configs")
+    if spec is not None and spec.origin:
+        return os.path.dirname(os.path.abspath(spec.origin))
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+CONFIGS_DIR = _configs_dir()
 # Where a gin file's ``include 'models/tiny.gin'`` finds the shipped configs.
 CONFIG_FOLDERS = ("experiments", "models", "runs", "sizes", "tasks")
+# The name the shipped files include each other by: the package path of ``terra.configs``.
+SHIPPED_PREFIX = "terra/configs/"
 
-_UNKNOWN_PARAM = re.compile(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'")
-_UNKNOWN_CONFIGURABLE = re.compile(r"No configurable matching (?:reference )?'@?([\w.]+)'")
 # The parameters and macros that name local files or folders. A parse makes the relative ones
 # absolute (against the working directory it ran in), so the operative config a run writes names
 # the same files wherever the run is opened later (terra.training.run_directory).
@@ -55,48 +73,7 @@ PATH_PARAMETERS = (
 _SEARCH_PATHS_ADDED = set()  # gin's search path list only grows; add each path once per process
 
 
-class GinConfigError(ValueError):
-    """A gin file or binding that cannot be applied; the message says what to change."""
-
-
-# --- gin text read without resolving it, and the types of its values -----------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Reference:
-    """``@name`` or ``@name()`` in a value, left unresolved."""
-
-    name: str
-    evaluate: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class MacroUse:
-    """``%NAME`` in a value, left unresolved."""
-
-    name: str
-
-
-class _UnresolvedDelegate(config_parser.ParserDelegate):
-    """Keeps references and macros as names: reading a text then needs none of the modules it
-    names, and nothing is bound."""
-
-    def configurable_reference(self, scoped_configurable_name, evaluate):
-        return Reference(scoped_configurable_name, evaluate)
-
-    def macro(self, macro_name):
-        return MacroUse(macro_name)
-
-
-def read_statements(text_or_file) -> List[Any]:
-    """gin's statements (``BindingStatement``, ``IncludeStatement``, ...) of a text or an open
-    file, values as Python literals with :class:`Reference` and :class:`MacroUse` in them. A text
-    gin cannot read raises ``SyntaxError`` (gin's own, or for an unclosed bracket, which
-    Python's tokenizer reports as a ``TokenError``)."""
-    try:
-        return list(config_parser.ConfigParser(text_or_file, _UnresolvedDelegate()))
-    except tokenize.TokenError as e:
-        raise SyntaxError(f"{e.args[0]} (an unclosed bracket or quote?)") from None
+# --- the types of gin values -------------------------------------------------------------------
 
 
 _TYPE_NAMES = {
@@ -171,11 +148,10 @@ def parameter_type(fn, name: str) -> Optional[type]:
 
 
 def register_terra_configurables() -> None:
-    """Import every module whose classes gin files refer to (registration is an import side
-    effect), so nothing registers after the config is locked."""
-    from terra import configurables
-
-    configurables.import_all()
+    """Register every terra configurable with gin (``terra/configurables.py``, the one place that
+    does), so nothing registers after the config is locked. Imported here, not at the top, so
+    that reading and checking gin text imports neither JAX nor TensorFlow."""
+    from terra import configurables  # noqa: F401  (importing it registers)
 
 
 def shipped_configs(folder: str) -> List[str]:
@@ -204,10 +180,36 @@ def _is_readable_url(path: str) -> bool:
 gin.config.register_file_reader(_open_url, _is_readable_url)
 
 
+def shipped_file(name: str) -> Optional[str]:
+    """The shipped file a package path names (``terra/configs/runs/train.gin``), or None."""
+    if not name.startswith(SHIPPED_PREFIX):
+        return None
+    path = os.path.join(CONFIGS_DIR, name[len(SHIPPED_PREFIX) :])
+    return path if os.path.isfile(path) else None
+
+
+def shown_name(path: str) -> str:
+    """A shipped config's package path (``terra/configs/models/tiny.gin``: the name an include
+    takes), else ``path`` as given."""
+    if path.startswith(CONFIGS_DIR + os.sep):
+        return SHIPPED_PREFIX + os.path.relpath(path, CONFIGS_DIR).replace(os.sep, "/")
+    return path
+
+
+def _open_shipped(name: str):
+    return open(shipped_file(name), encoding="utf-8")
+
+
+# gin's package-resource reader finds ``terra/configs/...`` only where an installed package maps
+# ``terra.configs``; this one finds it at CONFIGS_DIR, installed or not.
+gin.config.register_file_reader(_open_shipped, shipped_file)
+
+
 def resolve_gin_file(path: str, search_paths: Sequence[str] = ()) -> str:
     """The file ``path`` names: as given (absolute, or relative to the working directory), else
-    under each of ``search_paths``, else among the shipped configs. A URL (``gs://...``) is
-    only looked up as given."""
+    under each of ``search_paths``, else among the shipped configs (by their name there,
+    ``models/tiny.gin``, or their package path, ``terra/configs/models/tiny.gin``). A URL
+    (``gs://...``) is only looked up as given."""
     if files.has_scheme(path):
         if _is_readable_url(path):
             return path
@@ -216,59 +218,14 @@ def resolve_gin_file(path: str, search_paths: Sequence[str] = ()) -> str:
     for candidate in candidates:
         if os.path.isfile(candidate):
             return os.path.abspath(candidate)
+    if shipped_file(path):
+        return shipped_file(path)
     where = ", ".join(["the working directory", *search_paths, CONFIGS_DIR])
     models = ", ".join(n.split("/", 1)[1] for n in shipped_configs("models")) or "none found"
     raise GinConfigError(
         f"Gin file {path!r} not found (looked in {where}). Shipped model configs (models/...): {models}; "
         "experiments: --gin_file=experiments/NAME.gin."
     )
-
-
-def _configurable_names() -> List[str]:
-    """Short names of terra's gin configurables, for suggestions: every public class or function
-    of a loaded terra module that gin resolves (gin has no public listing of its registry)."""
-    names = set()
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("terra.") or module is None:
-            continue
-        for attr, value in vars(module).items():
-            if attr.startswith("_") or attr in names or not (inspect.isclass(value) or inspect.isfunction(value)):
-                continue
-            try:
-                gin.get_configurable(attr)
-            except ValueError:
-                continue
-            names.add(attr)
-    return sorted(names)
-
-
-def _parameter_names(selector: str) -> List[str]:
-    try:
-        fn = gin.get_configurable(selector)
-        return list(inspect.signature(fn).parameters)
-    except (ValueError, TypeError):
-        return []
-
-
-def explain_gin_error(error: Exception, where: str) -> GinConfigError:
-    """Turns a gin parse or call error into a message that names the fix."""
-    message = str(error).strip()
-    hint = ""
-    match = _UNKNOWN_PARAM.search(message)
-    if match:
-        names = _parameter_names(match.group(1))
-        close = difflib.get_close_matches(match.group(2), names, n=3)
-        if close:
-            hint = f"Did you mean {' or '.join(repr(c) for c in close)}? "
-        if names:
-            hint += f"Parameters of {match.group(1)}: {', '.join(n for n in names if n != 'self')}."
-    match = _UNKNOWN_CONFIGURABLE.search(message)
-    if match:
-        close = difflib.get_close_matches(match.group(1).split(".")[-1], _configurable_names(), n=3)
-        if close:
-            hint = f"Did you mean {' or '.join(repr(c) for c in close)}?"
-    text = f"Invalid gin configuration ({where}): {message}"
-    return GinConfigError(text + (f"\n  {hint}" if hint else ""))
 
 
 def _include_error(error: TypeError, where: str) -> GinConfigError:
@@ -434,7 +391,7 @@ def _binding_statements(text: str) -> List[Any]:
 def _mismatch(selector: str, name: str, value) -> Optional[str]:
     """``'Trainer.steps, which takes an int'`` when ``value`` cannot stand for that parameter."""
     try:
-        fn = gin.get_configurable(selector)
+        fn = configurable_target(selector)
     except ValueError:
         return None
     expected = parameter_type(fn, name)

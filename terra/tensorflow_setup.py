@@ -2,9 +2,13 @@
 
 Called by the entry points before anything imports ``terra.data``; importing a terra module
 never does it for you (a library import must not redirect file descriptors or change
-TensorFlow's device configuration behind a notebook's back).
+TensorFlow's device configuration behind a notebook's back). TensorFlow is optional below the
+data layer: on a host without it (an accelerator host with jax, flax, optax and orbax only) the
+models, decoding, the train step and ``terra-bench train``/``decode`` run, and only a command
+that reads data fails, on its import of ``terra.data``.
 """
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -23,8 +27,8 @@ def import_tensorflow_quietly() -> None:
     accelerator memory from JAX, and without the start-up lines TF 2.21 prints from C++
     ("oneDNN custom operations are on", "Could not find cuda drivers", ...) before its logging
     is initialised, where ``TF_CPP_MIN_LOG_LEVEL`` cannot hide them. Those lines are shown if
-    the import fails. Does nothing when TensorFlow is already imported."""
-    if "tensorflow" in sys.modules:
+    the import fails. Does nothing when TensorFlow is already imported or is not installed."""
+    if "tensorflow" in sys.modules or not tensorflow_installed():
         return
     quiet_tensorflow_logging()
     saved = os.dup(2)
@@ -42,3 +46,24 @@ def import_tensorflow_quietly() -> None:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# What ``terra.data`` imports when it loads.
+DATA_LAYER_PACKAGES = ("tensorflow", "seqio")
+
+
+def installed(package: str) -> bool:
+    """Whether ``import package`` can find it (nothing is imported)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:  # an import hook that refuses it
+        return False
+
+
+def tensorflow_installed() -> bool:
+    return installed("tensorflow")
+
+
+def data_layer_installed() -> bool:
+    """Whether ``terra.data`` (and what is built on it: the trainer's data, evaluation) can load."""
+    return all(installed(p) for p in DATA_LAYER_PACKAGES)

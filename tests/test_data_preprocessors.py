@@ -9,6 +9,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
+from terra import configurables  # noqa: F401  (registers terra.data.span_corruption with gin)
 from terra.data import preprocessors as prep
 from terra.errors import ConfigError
 

@@ -1,8 +1,10 @@
 """terra.data.tasks: what each task trains (its objective, from the registry, without building
 it), the paper's C4 task, and the check that a model's vocabulary and length fit a task."""
 
+import logging
 import re
 
+import gin
 import numpy as np
 import pytest
 import seqio
@@ -60,6 +62,53 @@ def test_built_tasks_and_mixtures_have_the_objectives_of_their_names():
     assert isinstance(mixture, seqio.Mixture)
     assert tasks.task_objective(mixture) == tasks.task_objective("synthetic") == "synthetic"
     assert not tasks.is_summarization(mixture)
+
+
+# --- registration: once per definition ----------------------------------------------------------
+
+
+def test_a_task_is_registered_once_and_reused_while_its_definition_stays():
+    copy, mixture = tasks.get_task("synthetic_copy"), tasks.get_task("synthetic")
+    assert tasks.get_task("synthetic_copy") is copy and seqio.TaskRegistry.get("synthetic_copy") is copy
+    assert tasks.get_task("synthetic") is mixture and seqio.MixtureRegistry.get("synthetic") is mixture
+
+
+def test_a_task_defined_differently_by_the_config_in_force_is_registered_again(caplog):
+    copy, mixture = tasks.get_task("synthetic_copy"), tasks.get_task("synthetic")
+    gin.bind_parameter("terra.data.copy_dataset.train_length", 3)
+    with caplog.at_level(logging.INFO):
+        again = tasks.get_task("synthetic_copy")
+    assert again is not copy and seqio.TaskRegistry.get("synthetic_copy") is again
+    assert "'synthetic_copy' is defined differently under the gin config in force" in caplog.text
+    examples = again.source.get_dataset("train").take(50).as_numpy_iterator()
+    assert {len(example["inputs"]) for example in examples} == {1, 2}  # the new binding reaches the source
+    assert tasks.get_task("synthetic_copy") is again
+    again_mixture = tasks.get_task("synthetic")  # its member changed, so it is built again with it
+    assert again_mixture is not mixture and again in again_mixture.tasks
+
+
+def test_data_changed_on_disk_under_the_same_binding_is_a_different_definition(tmp_path):
+    folder = fixtures.write_c4_json(str(tmp_path / "c4"), {"train": ["one document", "another"]}, shards=1)
+    gin.bind_parameter("terra.data.c4_source.json_path", folder)
+    task = tasks.get_task("c4_lm")
+    assert tasks.get_task("c4_lm") is task and len(task.source.list_shards("train")) == 1
+    fixtures.write_c4_json(str(tmp_path / "c4"), {"validation": ["a third"]}, shards=1)
+    again = tasks.get_task("c4_lm")
+    assert again is not task and again.source.list_shards("validation") and seqio.TaskRegistry.get("c4_lm") is again
+
+
+def test_a_task_other_code_registered_under_a_terra_name_is_replaced_with_a_warning(caplog):
+    tasks.get_task("synthetic_addition")
+    seqio.TaskRegistry.remove("synthetic_addition")
+    foreign = seqio.TaskRegistry.add(
+        "synthetic_addition",
+        source=seqio.FunctionDataSource(lambda split, shuffle_files: None, ["train"]),
+        output_features={},
+    )
+    with caplog.at_level(logging.WARNING):
+        task = tasks.get_task("synthetic_addition")
+    assert task is not foreign and seqio.TaskRegistry.get("synthetic_addition") is task
+    assert "replacing the seqio provider 'synthetic_addition' that other code registered" in caplog.text
 
 
 @pytest.mark.slow

@@ -13,8 +13,10 @@ from conftest import REPO_ROOT
 
 TOP_FILES = ("README.md", "CHANGELOG.md", "LICENSE", "Makefile", "setup.cfg", "pyproject.toml", "requirements.txt")
 # A repository path: a top-level folder of the checkout followed by a path, or a shipped config
-# named as --gin_file takes it (models/tiny.gin, relative to terra/configs).
-PATH = re.compile(r"(?<![\w./-])((?:terra|docs|tests|scripts|\.ci)/[\w./{},*-]*[\w*}])")
+# named as --gin_file takes it (models/tiny.gin, relative to configs/). A shipped config's package
+# path (terra/configs/models/tiny.gin, the name an include takes) is the file under configs/.
+PATH = re.compile(r"(?<![\w./-])((?:terra|configs|docs|tests|scripts|\.ci)/[\w./{},*-]*[\w*}])")
+PACKAGE_PATH = "terra/configs/"
 CONFIG = re.compile(r"(?<![\w./-])((?:models|tasks|runs|sizes|experiments)/[\w{},*-]+\.gin)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 OUTSIDE = re.compile(r"\.\./shared|trax_reference\.md|framework_anchors\.md|cpu_decode_notes\.md|data_and_seqio\.md")
@@ -26,7 +28,7 @@ def _sources():
         "*.md",
         "docs/**/*.md",
         "terra/**/*.py",
-        "terra/configs/**/*.gin",
+        "configs/**/*.gin",
         "tests/*.py",
         "scripts/*.sh",
         ".ci/run",
@@ -54,9 +56,10 @@ def _exists(relative: str, base: str = REPO_ROOT) -> bool:
 
 def _cited(text: str):
     for match in PATH.finditer(text):
-        yield match.group(1).rstrip("."), ""
+        path = match.group(1).rstrip(".")
+        yield (path[len("terra/") :] if f"{path}/".startswith(PACKAGE_PATH) else path), ""
     for match in CONFIG.finditer(text):
-        yield match.group(1), "terra/configs"
+        yield match.group(1), "configs"
 
 
 # Tests cite missing paths on purpose (error paths); the changelog records removed ones.
@@ -107,6 +110,23 @@ def test_the_readme_is_a_short_front_door():
     assert readme.index("make run") < readme.index("make test") < readme.index("## Install")
     for section in ("## Contents", "## Two commands", "## Install", "## Python API", "## Results", "## Documentation"):
         assert section in readme, section
+
+
+# The benchmarks' stored outputs that are not a decode preset's: terra-bench's other commands,
+# the install, the quick start and the test suite.
+OTHER_BENCHMARKS = {"setup", "quickstart", "test_suite", "train_speed", "quantized_products"}
+# A second run of one benchmark stored beside the first: NAME_run2, NAME_a, NAME_beside.
+SECOND_RUN = re.compile(r"_(?:run\d+|[a-z]|beside|old|new|before|after)$")
+
+
+def test_docs_benchmarks_holds_one_folder_per_preset_with_its_latest_run_only():
+    from terra.benchmarks.presets import PRESETS
+
+    root = os.path.join(REPO_ROOT, "docs", "benchmarks")
+    folders = sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))
+    assert set(folders) <= set(PRESETS) | OTHER_BENCHMARKS, sorted(set(folders) - set(PRESETS) - OTHER_BENCHMARKS)
+    nested = [os.path.relpath(d, root) for d, _, _ in os.walk(root) if SECOND_RUN.search(os.path.basename(d))]
+    assert not nested, f"second runs stored beside the latest (git keeps earlier runs): {nested}"
 
 
 @pytest.mark.parametrize("text, expected", [("docs/reproduce/{a,b}.{md,png}", 4), ("docs/x.md", 1)])

@@ -41,6 +41,42 @@ def test_the_shipped_configs_include_the_paper_baseline_and_tiny():
     assert {"models/dense_800m.gin", "models/tiny.gin"} <= set(GIN_FILES)
 
 
+def test_the_shipped_configs_are_the_package_terra_configs_from_the_top_level_configs_folder():
+    import terra.configs
+
+    top = os.path.join(REPO_ROOT, "configs")
+    assert gin_utils.CONFIGS_DIR == top == os.path.dirname(os.path.abspath(terra.configs.__file__))
+    assert not os.path.exists(os.path.join(REPO_ROOT, "terra", "configs"))
+    # gin finds an include's package path (terra/configs/models/tiny.gin) as a package resource.
+    assert all(os.path.isfile(os.path.join(top, folder, "__init__.py")) for folder in gin_utils.CONFIG_FOLDERS)
+    assert gin_utils.resolve_gin_file("terra/configs/models/tiny.gin") == os.path.join(top, "models", "tiny.gin")
+    assert gin_utils.shown_name(os.path.join(top, "models", "tiny.gin")) == "terra/configs/models/tiny.gin"
+
+
+@pytest.mark.slow
+def test_a_shipped_configs_package_path_resolves_in_a_checkout_on_sys_path_without_an_install(tmp_path):
+    # python -S: no site hooks, so no editable finder maps terra.configs to configs/.
+    import site
+
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "import importlib.util, gin\n"
+        "from terra import gin_utils\n"
+        "assert importlib.util.find_spec('terra.configs') is None\n"
+        "gin.parse_config_file('terra/configs/experiments/quickstart.gin', skip_unknown=True)\n"
+        "print(gin_utils.CONFIGS_DIR, gin.query_parameter('%TASK'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code, REPO_ROOT, *site.getsitepackages()],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [os.path.join(REPO_ROOT, "configs"), "embedded_span_corruption"]
+
+
 def test_every_gin_file_belongs_to_a_family_whose_files_are_all_instantiated():
     # models/ and sizes/ are instantiated here, tasks/ in test_data_pipeline.py, experiments/
     # (which include runs/) in test_trainer.py.
@@ -136,8 +172,18 @@ def test_a_misspelled_layer_reference_names_the_closest_configurable():
             "1.5 is a float, but it is bound to CheckpointSettings.every",
         ),
         ("MODEL_DIR = 5", "5 is an int, but MODEL_DIR is passed to Trainer.model_dir, which takes a str"),
+        (
+            "SparseFeedForward.ff_sparsity = '16'",
+            "'16' is a str, but it is bound to SparseFeedForward.ff_sparsity, which takes an int",
+        ),
     ],
-    ids=["str for int", "str for float", "float for int", "a macro, through the parameter it is bound to"],
+    ids=[
+        "str for int",
+        "str for float",
+        "float for int",
+        "a macro, through the parameter it is bound to",
+        "a registered layer's parameter",
+    ],
 )
 def test_a_wrong_typed_binding_names_the_parameter_and_its_type_before_the_library_runs(binding, message):
     with pytest.raises(gin_utils.GinConfigError) as info:

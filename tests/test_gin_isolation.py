@@ -159,6 +159,21 @@ gin.register(Branch, module="tests.gin_isolation")
 gin.register(Tree, module="tests.gin_isolation")
 
 
+@gin.configurable(module="tests.gin_isolation")
+@dataclasses.dataclass(frozen=True)
+class DecoratedInPlace:
+    size: int = 1
+
+
+def test_a_class_decorated_in_place_is_refused_with_the_fix():
+    # Calling such a class reads gin whatever is passed to it: nothing could stand for it.
+    gin.parse_config("tests.gin_isolation.Tree.branch_factory = @tests.gin_isolation.DecoratedInPlace")
+    with pytest.raises(TypeError, match="DecoratedInPlace is decorated with @gin.configurable.*gin.register"):
+        frozen_configurables.freeze_configurables(gin.get_configurable(Tree)())
+    with pytest.raises(TypeError, match="register it with gin.register"):
+        frozen_configurables.freeze_configurables(Tree(branch_factory=DecoratedInPlace))
+
+
 def test_references_inside_the_bindings_are_frozen_too():
     gin.parse_config(
         """

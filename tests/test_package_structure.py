@@ -125,6 +125,37 @@ def test_the_import_graph_has_no_loops():
     assert not loops, f"import loops: {loops}"
 
 
+def _subpackage(module: str) -> str:
+    """``terra.cli`` for ``terra.cli.convert``; a top-level module is its own unit."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_subpackages_import_each_other():
+    # Modules can avoid a loop while their packages close one (terra.convert's command line
+    # importing terra.cli, whose convert command imports terra.convert): the packages are the
+    # floors of the architecture, so they are checked as units too. The root package re-exports
+    # the public API and is left out.
+    units: Dict[str, Set[str]] = {}
+    for module, targets in GRAPH.items():
+        if module != "terra":
+            source = _subpackage(module)
+            units.setdefault(source, set()).update(_subpackage(t) for t in targets if t != "terra")
+    for source in units:
+        units[source].discard(source)
+
+    def reachable(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in units.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    loops = sorted(f"{a} -> {b} -> {a}" for a in units for b in units[a] if a < b and a in reachable(b))
+    assert not loops, f"subpackage loops: {loops}"
+
+
 @pytest.mark.parametrize(
     "lower, upper", [(LOWER, UPPER), (TRAINING, ABOVE_TRAINING)], ids=["layers-models-decoding", "training"]
 )
@@ -132,6 +163,22 @@ def test_lower_layers_never_import_the_layers_built_on_them(lower, upper):
     wrong = {name: sorted(m for m in _reachable(name) if _in(m, upper)) for name in MODULES if _in(name, lower)}
     wrong = {k: v for k, v in wrong.items() if v}
     assert not wrong, f"modules of {lower} reach {upper}: {wrong}"
+
+
+def test_layers_reach_the_machine_only_through_the_backend_primitives():
+    """A layer writes its decode step in the primitives of ``terra.backends``: no module of
+    ``terra.layers`` imports the native kernels, a backend's module or the weight stores of
+    ``terra.quantization`` (which backend runs a primitive, and for which weights, is the backend
+    package's business)."""
+    beyond = ("terra.quantization", "terra.backends")
+    wrong = {
+        name: sorted(t for t in GRAPH[name] if _in(t, beyond) and t != "terra.backends")
+        for name in MODULES
+        if _in(name, ("terra.layers",))
+    }
+    wrong = {k: v for k, v in wrong.items() if v}
+    assert not wrong, f"layers reaching past terra.backends' primitives: {wrong}"
+    assert "terra.backends.native_kernels" in MODULES  # the name checked above is the kernels' module
 
 
 def test_the_checker_sees_imports_inside_functions():
@@ -196,6 +243,24 @@ def test_package_init_files_only_import_and_declare():
             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
                 continue  # PEP 562 lazy attributes: defining one runs nothing
             raise AssertionError(f"{path}:{node.lineno} runs code on import ({ast.dump(node)[:80]}...)")
+
+
+def _imports_gin(name: str) -> bool:
+    for node in ast.walk(_parse(name)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "gin" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "gin":
+            return True
+    return False
+
+
+def test_layers_and_models_are_plain_python_registered_with_gin_in_one_place():
+    # terra/configurables.py registers them; a layer or model reading gin's global config would
+    # make a built model depend on whatever config is parsed later.
+    with_gin = sorted(name for name in MODULES if _in(name, ("terra.layers", "terra.models")) and _imports_gin(name))
+    assert not with_gin, f"modules of terra.layers or terra.models that import gin: {with_gin}"
+    assert _imports_gin("terra.configurables")
+    assert {"terra.layers", "terra.models"} <= GRAPH["terra.configurables"]
 
 
 def test_the_package_library_has_no_test_doubles():

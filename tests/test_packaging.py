@@ -104,6 +104,8 @@ def test_the_wheel_carries_every_config_the_licence_and_the_commands(installed):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"terra/configs/{n}" for folder in gin_utils.CONFIG_FOLDERS for n in gin_utils.shipped_configs(folder)}
     assert len(shipped) > 40 and shipped <= names
+    # configs/ of the checkout is the package terra.configs in the wheel, not a package of its own.
+    assert not any(n.startswith("configs/") for n in names)
     assert "terra/gin_registry.json" in names  # --gin overrides are checked against it before the imports
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -140,6 +142,24 @@ def test_commands_run_from_outside_the_checkout_with_the_shipped_configs(install
         text=True,
     )
     assert located.stdout.strip().startswith(str(site)), located.stdout  # the wheel's terra, not the checkout's
+
+
+def test_the_editable_install_finds_the_top_level_configs_from_another_folder(tmp_path):
+    (tmp_path / "runs").mkdir()  # a MODEL_DIR folder named like a config folder
+    command = os.path.join(os.path.dirname(sys.executable), "terra-params")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = ["--gin_file=experiments/quickstart.gin", "--gin.MODEL_DIR='runs/q'"]
+    result = subprocess.run([command, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Parameters of experiments/quickstart.gin" in result.stdout and "total" in result.stdout
+    located = subprocess.run(
+        [sys.executable, "-c", "import terra.configs; print(terra.configs.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert located.stdout.strip() == os.path.join(REPO_ROOT, "configs", "__init__.py"), located.stderr
 
 
 def test_a_users_gin_file_includes_shipped_configs_through_a_search_path(installed, tmp_path):

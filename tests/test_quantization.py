@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from terra import gin_utils
+from terra import backends, gin_utils
+from terra.backends import native_kernels, xla
 from terra.errors import ConfigError
 from terra.layers.dense import Dense
 from terra.layers.embedding import TokenEmbedding
@@ -18,8 +19,6 @@ from terra.quantization import (
     QuantizedTensor,
     dequantize,
     dequantize_params,
-    kernels,
-    products,
     quantize,
     quantize_params,
 )
@@ -62,11 +61,11 @@ def test_an_all_zero_row_quantizes_to_zero():
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a tail
 def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(kind, block_elements, monkeypatch):
-    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
     q = quantize(_weights((37, 24)), kind)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 24)).astype(np.float32))
-    with kernels.disabled():  # the XLA path (the native kernel has its own tests)
-        got = jax.jit(products.output_major_product)(x, q)
+    with native_kernels.disabled():  # the XLA path (the native kernel has its own tests)
+        got = jax.jit(backends.output_major_product)(x, q)
     want = x @ dequantize(q).T
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
 
@@ -74,10 +73,10 @@ def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(k
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("block_elements", [1 << 20, 4 * 19])  # one block; 4-row blocks and a tail
 def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, monkeypatch):
-    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
     q = quantize(_weights((30, 19)), kind)  # [in, out]: one scale per input row
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 30)).astype(np.float32))
-    got = jax.jit(products.input_major_product)(x, q)
+    got = jax.jit(backends.input_major_product)(x, q)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(q)), rtol=1e-6, atol=1e-5)
 
 
@@ -102,11 +101,11 @@ def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(
     output-major kernel or XLA's blocked product, equal to the dequantized product."""
     q = quantize(_weights((11, 6, 4)), kind, transposed=True)
     x = jnp.asarray(np.random.default_rng(1).normal(size=batch + (11,)).astype(np.float32))
-    with contextlib.nullcontext() if native else kernels.disabled():
-        product = functools.partial(products.input_major_product)  # its own trace: the path is chosen at tracing
+    with contextlib.nullcontext() if native else native_kernels.disabled():
+        product = functools.partial(backends.input_major_product)  # its own trace: the path is chosen at tracing
         jaxpr = str(jax.make_jaxpr(product)(x, q))
         got = jax.jit(product)(x, q)
-    assert ("terra_output_major" in jaxpr) == (native and kernels.available())
+    assert ("terra_output_major" in jaxpr) == (native and native_kernels.available())
     assert "terra_input_major" not in jaxpr
     want = x @ dequantize(q).reshape(11, 24)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
@@ -118,7 +117,7 @@ def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(
 def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel(
     kind, features, n_contract, in_shape, monkeypatch
 ):
-    monkeypatch.setattr(products, "BLOCK_ELEMENTS", 4 * 24)
+    monkeypatch.setattr(xla, "BLOCK_ELEMENTS", 4 * 24)
     n_out = 1 if isinstance(features, int) else len(features)
     layer = Dense(features, kernel_axes=("a",) * n_out + ("b",) * n_contract, n_contract=n_contract)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3) + in_shape).astype(np.float32))
@@ -142,7 +141,7 @@ def test_gathered_rows_are_widened_with_their_own_scales(kind):
     q = quantize(_weights((12, 4, 10)), kind)
     rows = jnp.array([0, 11, 5, 5])
     np.testing.assert_allclose(
-        np.asarray(jax.jit(products.take_rows)(q, rows)), np.asarray(dequantize(q))[np.asarray(rows)], rtol=1e-6
+        np.asarray(jax.jit(backends.take_rows)(q, rows)), np.asarray(dequantize(q))[np.asarray(rows)], rtol=1e-6
     )
 
 

@@ -1,8 +1,9 @@
-"""The fused native decode steps of the sparse layers (terra/quantization/kernels.py): a sparse
-feed-forward layer (controller, block choice, the selected rows of W1 and W2) and a sparse QKV
-layer's projections (multiplicative layer, convolution window, convolutions) each in one call. Each
-equals the same layer computed product by product, on odd shapes, in every instruction set, in the
-threads' split and inside the generation loop, and the decode step of a narrow model uses them."""
+"""The fused native decode steps of the sparse layers (terra/backends/cpu.py over
+terra/backends/native_kernels.py): a sparse feed-forward layer (controller, block choice, the
+selected rows of W1 and W2) and a sparse QKV layer's projections (multiplicative layer, convolution
+window, convolutions) each in one call. Each equals the same layer computed product by product, on
+odd shapes, in every instruction set, in the threads' split and inside the generation loop, and the
+decode step of a narrow model uses them."""
 
 import functools
 import os
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 
 from terra import gin_utils
+from terra.backends import native_kernels
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
-from terra.quantization import kernels, quantize, quantize_params
+from terra.quantization import quantize, quantize_params
 
 from conftest import xla_optimizations
 
@@ -30,21 +32,21 @@ KINDS = ("int8", "bfloat16")
 @pytest.fixture(autouse=True)
 def kernels_switched_on(monkeypatch):
     """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
-    switched = kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    switched = native_kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
     if switched:
-        kernels._library.cache_clear()
-    if not kernels.available():
-        pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
+        native_kernels._library.cache_clear()
+    if not native_kernels.available():
+        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
     yield
-    kernels.use_isa(kernels.ISAS[-1])
+    native_kernels.use_isa(native_kernels.ISAS[-1])
     if switched:
-        kernels._library.cache_clear()
+        native_kernels._library.cache_clear()
 
 
 def _use_isa(isa):
-    kernels.use_isa(isa)
-    assert kernels.ISAS.index(kernels.isa()) <= kernels.ISAS.index(isa)
+    native_kernels.use_isa(isa)
+    assert native_kernels.ISAS.index(native_kernels.isa()) <= native_kernels.ISAS.index(isa)
 
 
 def _assert_close(got, want):
@@ -91,13 +93,13 @@ def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, sha
     # A new function each time: jit's trace cache is keyed by the function, and the path is chosen
     # when tracing.
     step = functools.partial(_feed_forward_step, layer)
-    assert kernels.TARGETS["sparse_feed_forward", kind] in _targets(step, narrow, x)
-    with kernels.unfused():
+    assert native_kernels.TARGETS["sparse_feed_forward", kind] in _targets(step, narrow, x)
+    with native_kernels.unfused():
         step = functools.partial(_feed_forward_step, layer)
         assert "terra_sparse_feed_forward" not in _targets(step, narrow, x)
         want_y, want_indices = jax.jit(step)(narrow, x)
     step = jax.jit(functools.partial(_feed_forward_step, layer))
-    for isa in kernels.ISAS:
+    for isa in native_kernels.ISAS:
         _use_isa(isa)
         y, indices = step(narrow, x)  # the instruction set is read at run time
         np.testing.assert_array_equal(indices, want_indices)
@@ -123,7 +125,7 @@ def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():
     rows = quantize(jnp.ones((96, 40)), "int8")
     wrong = quantize(jnp.ones((95, 40)), "int8")
     with pytest.raises(Exception, match="sparse feed-forward"):
-        kernels.sparse_feed_forward(
+        native_kernels.sparse_feed_forward(
             jnp.ones((1, 40)),
             (q.values, q.scale),
             (up.values, up.scale),
@@ -174,10 +176,10 @@ def _decode_outputs(layer, narrow, args, xs):
 def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape, layer_class):
     layer, narrow, args = _attention(layer_class, *shape, kind)
     xs = jax.random.normal(jax.random.key(3), (2, 5, shape[0]))  # 5 steps: the window fills and slides
-    with kernels.unfused():
+    with native_kernels.unfused():
         want, jaxpr = _decode_outputs(layer, narrow, args, xs)
     assert "terra_sparse_attention" not in jaxpr
-    for isa in kernels.ISAS:
+    for isa in native_kernels.ISAS:
         _use_isa(isa)
         got, jaxpr = _decode_outputs(layer, narrow, args, xs)
         assert "terra_sparse_attention" in jaxpr
@@ -188,7 +190,7 @@ def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
     gate, kernel = quantize(jnp.ones((4, 40)), "int8"), quantize(jnp.ones((40, 10)), "int8")
     conv = quantize(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
     with pytest.raises(Exception, match="sparse attention"):
-        outs, _ = kernels.sparse_attention(
+        outs, _ = native_kernels.sparse_attention(
             jnp.ones((1, 40)),
             (gate.values, gate.scale),
             (kernel.values, kernel.scale),
@@ -231,6 +233,6 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     copies = [line for line in entry if re.search(r"\bcopy\(", line) and any(s in line for s in cache_shapes)]
     assert not copies, "a donated cache is copied inside the step:\n" + "\n".join(copies)
     fused = generate()
-    with kernels.unfused():
+    with native_kernels.unfused():
         decoder = model.decoder(37)  # traced afresh: the choice is made when tracing
         np.testing.assert_array_equal(generate(), fused)

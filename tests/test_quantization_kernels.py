@@ -1,5 +1,5 @@
-"""The native narrow-weight products (terra/quantization/kernels.py and its C++ library): built and
-loaded wherever a compiler is, equal to the XLA product of the same stored weights on odd shapes in
+"""The native narrow-weight products (terra/backends/native_kernels.py and its C++ library): built
+and loaded wherever a compiler is, equal to the XLA product of the same stored weights on odd shapes in
 every instruction set this CPU has, chosen by ``output_major_product`` only where they apply, and
 replaced by the XLA path, with one warning, when the library cannot be loaded."""
 
@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from terra.quantization import dequantize, kernels, products, quantize
+from terra import backends
+from terra.backends import native_kernels, xla
+from terra.quantization import dequantize, quantize
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
@@ -28,21 +30,21 @@ KINDS = ("int8", "bfloat16")
 def kernels_switched_on(monkeypatch):
     """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets
     (the switch is honoured again after each test)."""
-    switched = kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    switched = native_kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
     if switched:
-        kernels._library.cache_clear()
+        native_kernels._library.cache_clear()
     yield
     if switched:
-        kernels._library.cache_clear()
+        native_kernels._library.cache_clear()
 
 
 @pytest.fixture
 def reloaded():
     """The library state loaded afresh for the test, and again (the real library) after it."""
-    kernels._library.cache_clear()
+    native_kernels._library.cache_clear()
     yield
-    kernels._library.cache_clear()
+    native_kernels._library.cache_clear()
 
 
 def _weights(shape, seed=0):
@@ -65,15 +67,15 @@ def _odd_cases(kind):
     inputs = [_inputs(rows, n_in) for _, n_in, rows in ODD_SHAPES]
     weights = [_weights((n_out, n_in)) for n_out, n_in, _ in ODD_SHAPES]
     narrow = jax.jit(lambda ws: [quantize(w, kind) for w in ws])(weights)
-    with kernels.disabled():
-        xla = jax.jit(lambda xs, qs: [products.output_major_product(x, q) for x, q in zip(xs, qs)])(inputs, narrow)
+    with native_kernels.disabled():
+        xla = jax.jit(lambda xs, qs: [backends.output_major_product(x, q) for x, q in zip(xs, qs)])(inputs, narrow)
     return list(zip(inputs, narrow, xla))
 
 
 def _xla(x, q):
     """The XLA product of the same stored weights (the kernels off while it is traced)."""
-    with kernels.disabled():
-        return jax.jit(lambda x, q: products.output_major_product(x, q))(x, q)
+    with native_kernels.disabled():
+        return jax.jit(lambda x, q: backends.output_major_product(x, q))(x, q)
 
 
 def _assert_close(got, x, q, want=None):
@@ -97,34 +99,34 @@ def _assert_close(got, x, q, want=None):
 def _product():
     """A jitted ``output_major_product`` of its own: jit's trace cache is keyed by the function, and
     the path is chosen when tracing, so each test traces its products afresh."""
-    return jax.jit(lambda x, q: products.output_major_product(x, q))
+    return jax.jit(lambda x, q: backends.output_major_product(x, q))
 
 
 def _uses_kernel(x, q) -> bool:
-    return "terra_output_major" in str(jax.make_jaxpr(lambda x, q: products.output_major_product(x, q))(x, q))
+    return "terra_output_major" in str(jax.make_jaxpr(lambda x, q: backends.output_major_product(x, q))(x, q))
 
 
 def _use_isa(isa):
-    if not kernels.available():
-        pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
-    kernels.use_isa(isa)
+    if not native_kernels.available():
+        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
+    native_kernels.use_isa(isa)
     # A CPU without ``isa`` runs the best set below it, and the test checks that one.
-    assert kernels.ISAS.index(kernels.isa()) <= kernels.ISAS.index(isa)
+    assert native_kernels.ISAS.index(native_kernels.isa()) <= native_kernels.ISAS.index(isa)
 
 
 def test_the_kernels_are_built_and_load_where_there_is_a_compiler(reloaded):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         # The install skips the kernels without a compiler: no library, and the XLA path is used.
         with pytest.warns(RuntimeWarning, match="not built"):
-            assert kernels.library_path() is None and not kernels.available()
+            assert native_kernels.library_path() is None and not native_kernels.available()
         return
-    assert kernels.library_path() is not None, f"not built: {kernels.REBUILD}"
-    assert kernels.available()
-    assert kernels.isa() in kernels.ISAS
+    assert native_kernels.library_path() is not None, f"not built: {native_kernels.REBUILD}"
+    assert native_kernels.available()
+    assert native_kernels.isa() in native_kernels.ISAS
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
 @pytest.mark.slow
 def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(kind, isa):
     _use_isa(isa)
@@ -133,10 +135,10 @@ def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(ki
         for x, q, xla in _odd_cases(kind):
             _assert_close(product(x, q), x, q, want=xla)
     finally:
-        kernels.use_isa(kernels.ISAS[-1])
+        native_kernels.use_isa(native_kernels.ISAS[-1])
 
 
-@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.slow
 def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
@@ -149,9 +151,9 @@ def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
             for kind in KINDS:
                 q = quantize(_weights((n_out, n_in)), kind)
                 x = _inputs(rows, n_in)
-                _assert_close(kernels.output_major(x, q.values, q.scale, kind), x, q)
+                _assert_close(native_kernels.output_major(x, q.values, q.scale, kind), x, q)
     finally:
-        kernels.use_isa(kernels.ISAS[-1])
+        native_kernels.use_isa(native_kernels.ISAS[-1])
 
 
 def test_a_large_product_split_between_threads_equals_the_xla_product():
@@ -163,7 +165,7 @@ def test_a_large_product_split_between_threads_equals_the_xla_product():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
 def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
     # [out, heads, d_head]: int8 keeps a scale per (output, head), which the kernel applies per group
     # of d_head inputs; short rows and long (interleaved) ones, groups not a multiple of a vector.
@@ -177,7 +179,7 @@ def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
             assert got.shape == (2, 1, shape[0])
             _assert_close(got, x, q, want=_xla(x, q))
     finally:
-        kernels.use_isa(kernels.ISAS[-1])
+        native_kernels.use_isa(native_kernels.ISAS[-1])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -185,7 +187,7 @@ def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
 @pytest.mark.slow
 def test_the_xla_path_equals_the_stored_product_in_blocks_with_a_tail(kind, block_elements, monkeypatch):
     # The path the kernels fall back to, and the one for more than MAX_ROWS rows.
-    monkeypatch.setattr(products, "BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
     for shape in ((37, 24), (37, 2, 12)):
         q = quantize(_weights(shape), kind)
         for x in (_inputs(3, 24), _inputs(12, 24).reshape(3, 4, 24)):
@@ -200,13 +202,13 @@ def test_the_kernel_runs_under_jit_inside_a_while_loop_as_decoding_does(kind):
     def decode(q, x):  # three dependent steps, the output feeding the next input
         def step(carry):
             i, x = carry
-            return i + 1, x + 1e-3 * products.output_major_product(x, q)[:, :24]
+            return i + 1, x + 1e-3 * backends.output_major_product(x, q)[:, :24]
 
         return lax.while_loop(lambda c: c[0] < 3, step, (0, x))[1]
 
     assert "terra_output_major" in str(jax.make_jaxpr(decode)(q, x))
     got = jax.jit(decode)(q, x)
-    with kernels.disabled():
+    with native_kernels.disabled():
         want = jax.jit(lambda q, x: decode(q, x))(q, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
@@ -223,18 +225,18 @@ def test_the_kernel_is_used_only_where_it_applies():
 def test_vmap_over_the_rows_gives_the_unbatched_products():
     q = quantize(_weights((21, 10)), "int8")
     xs = _inputs(12, 10).reshape(4, 3, 10)
-    assert "terra_output_major" in str(jax.make_jaxpr(jax.vmap(lambda x: products.output_major_product(x, q)))(xs))
-    got = jax.jit(jax.vmap(lambda x: products.output_major_product(x, q)))(xs)
+    assert "terra_output_major" in str(jax.make_jaxpr(jax.vmap(lambda x: backends.output_major_product(x, q)))(xs))
+    got = jax.jit(jax.vmap(lambda x: backends.output_major_product(x, q)))(xs)
     _assert_close(got, xs, q, want=_xla(xs, q))
 
 
 def test_the_switch_turns_the_kernels_off_without_a_warning(reloaded, monkeypatch):
-    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    monkeypatch.setenv(native_kernels.ENV_SWITCH, "0")
     q = quantize(_weights((33, 17)), "int8")
     x = _inputs(1, 17)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not kernels.available()
+        assert not native_kernels.available()
         assert not _uses_kernel(x, q)
         got = _product()(x, q)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
@@ -242,20 +244,20 @@ def test_the_switch_turns_the_kernels_off_without_a_warning(reloaded, monkeypatc
 
 @pytest.mark.parametrize("broken", [False, True], ids=["missing", "unloadable"])
 def test_a_library_that_cannot_be_loaded_falls_back_with_one_warning(broken, reloaded, monkeypatch, tmp_path):
-    monkeypatch.setattr(kernels, "LIBRARY_DIR", str(tmp_path))
+    monkeypatch.setattr(native_kernels, "LIBRARY_DIR", str(tmp_path))
     if broken:  # a file where the library should be that is not one
-        (tmp_path / (kernels.LIBRARY_STEM + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not ELF")
+        (tmp_path / (native_kernels.LIBRARY_STEM + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not ELF")
     q = quantize(_weights((7, 3)), "bfloat16")
     x = _inputs(3, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert not kernels.available()
+            assert not native_kernels.available()
             got = _product()(x, q)
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert ("could not be loaded" if broken else "not built") in message
-    assert "XLA" in message and "make install" in message and kernels.ENV_SWITCH in message
+    assert "XLA" in message and "make install" in message and native_kernels.ENV_SWITCH in message
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_xla(x, q)))
 
 
@@ -267,7 +269,7 @@ def test_the_products_benchmark_times_every_path_streamed_and_in_cache():
 
     shapes = (("streamed", 64, 96, False), ("in cache", 64, 32, True))
     results, bandwidth = quantized_products.measure(rows=1, repeats=1, shapes=shapes, bandwidth=10e9)
-    paths = [name for name, _, native in quantized_products.VARIANTS if kernels.available() or not native]
+    paths = [name for name, _, native in quantized_products.VARIANTS if native_kernels.available() or not native]
     assert [(r["shape_name"], r["variant"]) for r in results] == [(s[0], p) for s in shapes for p in paths]
     by = {(r["shape_name"], r["variant"]): r for r in results}
     assert by["streamed", "float32"]["bytes"] == 64 * 96 * 4

@@ -1,9 +1,9 @@
-"""The native products of the sparse layers' narrow weights (terra/quantization/kernels.py): the
+"""The native products of the sparse layers' narrow weights (terra/backends/native_kernels.py): the
 input-major product (multiplicative layers, convolutions, the controller's up-projection, with one
 scale per input row or per input and group of outputs) and the gathered-row products (the rows of
 W1 and W2 a sparse feed-forward layer selects). Each equals the float64 product of the stored
 weights in every instruction set this CPU has, on odd shapes and in the threads' split, and is
-chosen by ``terra.quantization.products`` only where it applies."""
+chosen by the primitives of ``terra.backends`` only where it applies."""
 
 import os
 
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from terra.quantization import dequantize, kernels, products, quantize
+from terra import backends
+from terra.backends import native_kernels
+from terra.quantization import dequantize, quantize
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
@@ -25,22 +27,22 @@ KINDS = ("int8", "bfloat16")
 @pytest.fixture(autouse=True)
 def kernels_switched_on(monkeypatch):
     """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
-    switched = kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
+    switched = native_kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
     if switched:
-        kernels._library.cache_clear()
-    if not kernels.available():
-        pytest.fail(f"the native kernels are not available: {kernels.REBUILD}")
+        native_kernels._library.cache_clear()
+    if not native_kernels.available():
+        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
     yield
-    kernels.use_isa(kernels.ISAS[-1])
+    native_kernels.use_isa(native_kernels.ISAS[-1])
     if switched:
-        kernels._library.cache_clear()
+        native_kernels._library.cache_clear()
 
 
 def _use_isa(isa):
-    kernels.use_isa(isa)
+    native_kernels.use_isa(isa)
     # A CPU without ``isa`` runs the best set below it, and the test checks that one.
-    assert kernels.ISAS.index(kernels.isa()) <= kernels.ISAS.index(isa)
+    assert native_kernels.ISAS.index(native_kernels.isa()) <= native_kernels.ISAS.index(isa)
 
 
 def _normal(shape, seed):
@@ -71,7 +73,7 @@ def _check_input_major(x, q):
     w = _stored(q).reshape(n_in, -1)
     x64 = np.asarray(x, np.float64)
     scale = q.scale.reshape(n_in, -1) if q.kind == "int8" else q.scale
-    got = kernels.input_major(x, q.values.reshape(n_in, -1), scale, q.kind)
+    got = native_kernels.input_major(x, q.values.reshape(n_in, -1), scale, q.kind)
     _assert_within_rounding(got, x64 @ w, np.abs(x64) @ np.abs(w))
 
 
@@ -94,7 +96,7 @@ INPUT_MAJOR_KERNELS = [
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
 @pytest.mark.slow
 def test_input_major_kernel_equals_the_stored_product_on_odd_shapes_in_every_instruction_set(kind, isa):
     # 1..7 rows leave every remainder of the 6 rows a pass takes; past 6 rows the widened blocks are
@@ -125,16 +127,16 @@ def _check_gathered(kind, n, d, k, batch, seed=0):
     w = _stored(q)[rows]  # [batch, k, d]
     x = _normal((batch, d), seed + 1)
     x64 = np.asarray(x, np.float64)
-    got = kernels.gathered_dot(x, q.values, q.scale, jnp.asarray(rows), kind)
+    got = native_kernels.gathered_dot(x, q.values, q.scale, jnp.asarray(rows), kind)
     _assert_within_rounding(got, np.einsum("bd,bkd->bk", x64, w), np.einsum("bd,bkd->bk", np.abs(x64), np.abs(w)))
     h = _normal((batch, k), seed + 2)
     h64 = np.asarray(h, np.float64)
-    got = kernels.gathered_sum(h, q.values, q.scale, jnp.asarray(rows), kind)
+    got = native_kernels.gathered_sum(h, q.values, q.scale, jnp.asarray(rows), kind)
     _assert_within_rounding(got, np.einsum("bk,bkd->bd", h64, w), np.einsum("bk,bkd->bd", np.abs(h64), np.abs(w)))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("isa", kernels.ISAS)
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
 def test_gathered_row_kernels_equal_the_stored_products_on_odd_shapes_in_every_instruction_set(kind, isa):
     # Rows shorter than a vector, with a tail, and repeated selections; fewer and more selected rows
     # than the kernels ask for ahead (8); up to MAX_ROWS rows of x.
@@ -154,11 +156,11 @@ def test_gathered_rows_out_of_range_are_clipped_as_the_xla_gather_clips_them():
     q = quantize(_normal((6, 20), 0), "int8")
     rows = jnp.asarray([[-3, 0, 5, 9]], jnp.int32)
     x, h = _normal((1, 20), 1), _normal((1, 4), 2)
-    with kernels.disabled():
-        want_dot = jax.jit(products.gathered_rows_product)(x, q, rows)
-        want_sum = jax.jit(products.gathered_rows_sum)(h, q, rows)
-    np.testing.assert_allclose(kernels.gathered_dot(x, q.values, q.scale, rows, "int8"), want_dot, rtol=1e-6)
-    np.testing.assert_allclose(kernels.gathered_sum(h, q.values, q.scale, rows, "int8"), want_sum, rtol=1e-6)
+    with native_kernels.disabled():
+        want_dot = jax.jit(backends.gathered_rows_product)(x, q, rows)
+        want_sum = jax.jit(backends.gathered_rows_sum)(h, q, rows)
+    np.testing.assert_allclose(native_kernels.gathered_dot(x, q.values, q.scale, rows, "int8"), want_dot, rtol=1e-6)
+    np.testing.assert_allclose(native_kernels.gathered_sum(h, q.values, q.scale, rows, "int8"), want_sum, rtol=1e-6)
 
 
 def _jaxpr(fn, *args) -> str:
@@ -167,13 +169,13 @@ def _jaxpr(fn, *args) -> str:
 
 def test_the_products_use_the_kernels_only_where_they_apply():
     q = quantize(_normal((24, 16), 0), "int8")  # input-major [in, out]
-    assert "terra_input_major" in _jaxpr(products.input_major_product, jnp.ones((4, 64, 24)), q)  # 256 rows
-    assert "terra_input_major" not in _jaxpr(products.input_major_product, jnp.ones((257, 24)), q)
-    assert "terra_input_major" not in _jaxpr(products.input_major_product, jnp.ones((2, 24), jnp.bfloat16), q)
-    assert "terra_input_major" not in _jaxpr(products.input_major_product, jnp.ones((2, 24)), dequantize(q))
+    assert "terra_input_major" in _jaxpr(backends.input_major_product, jnp.ones((4, 64, 24)), q)  # 256 rows
+    assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((257, 24)), q)
+    assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((2, 24), jnp.bfloat16), q)
+    assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((2, 24)), dequantize(q))
     table = quantize(_normal((40, 16), 1), "bfloat16")
     rows = jnp.zeros((8, 1, 5), jnp.int32)
-    for fn, width in ((products.gathered_rows_product, 16), (products.gathered_rows_sum, 5)):
+    for fn, width in ((backends.gathered_rows_product, 16), (backends.gathered_rows_sum, 5)):
         assert "terra_gathered" in _jaxpr(fn, jnp.ones((8, 1, width)), table, rows)  # 8 rows of x
         assert "terra_gathered" not in _jaxpr(fn, jnp.ones((9, width)), table, jnp.zeros((9, 5), jnp.int32))
         assert "terra_gathered" not in _jaxpr(fn, jnp.ones((8, 1, width)), dequantize(table), rows)
@@ -190,10 +192,10 @@ def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does
     def decode(x):
         def step(carry):
             i, x = carry
-            logits = products.input_major_product(x @ down, up).reshape(x.shape[0], 3, 8)
+            logits = backends.input_major_product(x @ down, up).reshape(x.shape[0], 3, 8)
             rows = jnp.argmax(logits, axis=-1) + jnp.arange(3) * 8
-            mid = jax.nn.relu(products.gathered_rows_product(x, wi, rows))
-            return i + 1, x + 0.1 * products.gathered_rows_sum(mid, wo, rows)
+            mid = jax.nn.relu(backends.gathered_rows_product(x, wi, rows))
+            return i + 1, x + 0.1 * backends.gathered_rows_sum(mid, wo, rows)
 
         return lax.while_loop(lambda c: c[0] < 3, step, (0, x))[1]
 
@@ -201,7 +203,7 @@ def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does
     text = _jaxpr(decode, x)
     assert all(name in text for name in ("terra_input_major", "terra_gathered_dot", "terra_gathered_sum"))
     got = jax.jit(decode)(x)
-    with kernels.disabled():
+    with native_kernels.disabled():
         want = jax.jit(lambda x: decode(x))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -209,15 +211,15 @@ def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does
 def test_the_products_reject_operands_whose_shapes_disagree_naming_them():
     q = quantize(_normal((40, 24), 0), "int8")  # input-major [in 40, out 24]; output-major [out 40, in 24]
     with pytest.raises(Exception, match="values \\[in, out\\] and y \\[B, out\\] disagree"):
-        kernels.input_major(_normal((2, 41), 1), q.values, q.scale, "int8").block_until_ready()
+        native_kernels.input_major(_normal((2, 41), 1), q.values, q.scale, "int8").block_until_ready()
     with pytest.raises(Exception, match="at most 256 rows"):
-        kernels.input_major(_normal((257, 40), 1), q.values, q.scale, "int8").block_until_ready()
+        native_kernels.input_major(_normal((257, 40), 1), q.values, q.scale, "int8").block_until_ready()
     with pytest.raises(Exception, match="values \\[out, in\\] and y \\[B, out\\] disagree"):
-        kernels.output_major(_normal((2, 40), 1), q.values, q.scale, "int8").block_until_ready()
+        native_kernels.output_major(_normal((2, 40), 1), q.values, q.scale, "int8").block_until_ready()
     with pytest.raises(Exception, match="scale must be"):
-        kernels.output_major(_normal((2, 24), 1), q.values, q.scale[:39], "int8").block_until_ready()
+        native_kernels.output_major(_normal((2, 24), 1), q.values, q.scale[:39], "int8").block_until_ready()
     np.testing.assert_allclose(  # the same operands with their shapes right
-        kernels.output_major(_normal((2, 24), 1), q.values, q.scale, "int8"),
+        native_kernels.output_major(_normal((2, 24), 1), q.values, q.scale, "int8"),
         np.asarray(_normal((2, 24), 1), np.float64) @ _stored(q).T,
         rtol=1e-5,
         atol=1e-5,

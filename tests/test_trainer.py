@@ -306,7 +306,7 @@ def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_comp
     _parse(run, 6, every)
     again = trainer.Trainer()
     finished = again.run()
-    assert finished.step == 6 and not hasattr(again, "compiled_step")
+    assert finished.step == 6 and again.compiled_step is None
     assert "already at step 6" in capsys.readouterr().out
     _assert_same_params(finished.params, resumed.params, rtol=0, atol=0)
 
@@ -422,3 +422,25 @@ def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(tmp_path)
     ]
     losses = [c[3] for c in recorder.calls if c[0] == "after"]
     np.testing.assert_allclose(losses, _losses(tmp_path / "hooks"), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_trainer_steps_evaluates_and_saves_without_run_and_writes_only_when_it_saves(tmp_path):
+    evaluate = ("terra.training.EvaluationSettings.every = 1", "terra.training.EvaluationSettings.steps = 1")
+    _parse(tmp_path / "direct", 2, *evaluate)
+    built = trainer.Trainer()
+    state = built.init_state()
+    batch = built.global_batch(next(built.batches("train", built.feature_lengths, None, built.shuffle)))
+    state, metrics = built.step(state, batch)
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
+    results = built.evaluate(state.params, 1)
+    assert {"loss", "token_accuracy", "sequence_accuracy"} <= set(results)
+    assert not (tmp_path / "direct").exists()  # building, stepping and evaluating write nothing
+    assert built.save(1, state)
+    built.close()
+    assert checkpointing.Checkpointer(str(tmp_path / "direct")).latest_step() == 1
+    # The step it ran is the run's first step: the same batch, key and loss.
+    _parse(tmp_path / "run", 1, *evaluate)
+    ran = trainer.Trainer().run()
+    np.testing.assert_allclose(float(metrics["loss"]), _losses(tmp_path / "run")[0], rtol=1e-6)
+    assert results == pytest.approx(ran.last_eval_metrics, rel=1e-5)

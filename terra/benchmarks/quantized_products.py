@@ -1,7 +1,7 @@
 """Narrow-weight matrix-vector products against float32 on this CPU: the decode step's products
 ``x [rows, in] x W [out, in]^T`` with W stored float32, int8 or bfloat16, read by XLA (the
-block-widening product of ``terra/quantization/products.py``) or by the native kernel
-(``terra/quantization/kernels.py``), beside the machine's read bandwidth measured in the same run.
+block-widening product of ``terra/backends/xla.py``) or by the native kernel
+(``terra/backends/native_kernels.py``), beside the machine's read bandwidth measured in the same run.
 
 Batch-1 decoding reads every weight once per token, from DRAM: a weight is never in cache when
 the step comes back to it. So each timed call runs one product on each of enough copies of the
@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from terra import backends
+from terra.backends import native_kernels
 from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
-from terra.quantization import kernels, products, quantize
+from terra.quantization import quantize
 
 # (name, in, out, hot): the products of a decode step at the paper's widths, streamed from memory,
 # and two timed in cache (hot).
@@ -66,14 +68,14 @@ def _chain(x: jax.Array, weights: Sequence) -> jax.Array:
     """One product per weight, each on an input that depends on the previous output."""
     y = x
     for w in weights:
-        y = products.output_major_product(x, w)
+        y = backends.output_major_product(x, w)
         x = x + 1e-30 * y[..., :1]
     return y
 
 
 def _loop(x: jax.Array, w) -> jax.Array:
     def body(_, x):
-        return x + 1e-30 * products.output_major_product(x, w)[..., :1]
+        return x + 1e-30 * backends.output_major_product(x, w)[..., :1]
 
     return jax.lax.fori_loop(0, LOOP_CALLS, body, x)
 
@@ -82,7 +84,7 @@ def time_product(x: jax.Array, weights, native: bool, repeats: int, hot: bool = 
     """Median seconds of one product ``x`` times ``weights`` (float32 or a QuantizedTensor) by
     the native kernel or XLA, streamed from memory, or (``hot``) the same weights over and over
     from cache."""
-    if native and not kernels.available():
+    if native and not native_kernels.available():
         raise RuntimeError("the native kernels are not available")
     # A new function object per call: jit's cache must not hand one path's compilation to the other.
     if hot:
@@ -98,7 +100,7 @@ def time_product(x: jax.Array, weights, native: bool, repeats: int, hot: bool = 
     if native:
         jax.block_until_ready(fn(*args))
     else:
-        with kernels.disabled():
+        with native_kernels.disabled():
             jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
@@ -119,7 +121,7 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
         x = jax.random.normal(jax.random.key(1), (rows, n_in), jnp.float32)
         base = None
         for name, dtype, native in variants:
-            if native and not kernels.available():
+            if native and not native_kernels.available():
                 continue
             weights = _store(w, dtype)
             seconds = time_product(x, weights, native, repeats, hot)
@@ -166,8 +168,8 @@ def run(rows: int = 1, repeats: int = 15, print_fn: Callable[[str], None] = prin
     """Measures every shape (``rows`` rows of x, the median of ``repeats`` calls) and prints the table."""
     machine = describe_machine()
     print_fn(f"{machine['cpu']}, {machine['usable_cores']} cores, jax {machine['jax']}, {machine['backend']}")
-    if kernels.available():
-        print_fn(f"native kernels: {kernels.isa()}")
+    if native_kernels.available():
+        print_fn(f"native kernels: {native_kernels.isa()}")
     else:
         print_fn("native kernels: not available (kernel rows skipped)")
     results, bandwidth = measure(rows, repeats)

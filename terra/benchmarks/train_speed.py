@@ -3,15 +3,15 @@ and compiled memory of the jitted train step, dense against sparse, at a small s
 
 Each row builds a model from its gin config at the size below, creates the train state
 (Adafactor, as the trainer), compiles ``train_step`` once with the state donated, and times
-steps on fixed random batches (the input pipeline is measured separately by
-``terra.benchmarks.input_pipeline``). Tokens per second counts inputs + targets of every
-example. Sparse layers train with their masks over all units (paper §3: the speed-up is for
-decoding), so training is not expected to be faster. Writes ``train_speed.{json,md}``. Run by
-``terra-bench train``.
+steps on fixed random batches: synthetic input, so it reads no data and needs no TensorFlow
+(the input pipeline is measured separately by ``terra.benchmarks.input_pipeline``). Tokens per
+second counts inputs + targets of every example. Sparse layers train with their masks over all
+units (paper §3: the speed-up is for decoding), so training is not expected to be faster.
+Writes ``train_speed.{json,md}``. Run by ``terra-bench train``.
 """
 
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,7 @@ def measure(
     t0 = time.perf_counter()
     compiled = step.lower(state, batch, key).compile()
     compile_s = time.perf_counter() - t0
+    flops = compiled_flops(compiled)
     state, m = compiled(state, batch, key)  # warm-up
     jax.block_until_ready(m)
     times = []
@@ -74,8 +75,22 @@ def measure(
         "tokens_per_second": batch_size * (inputs + targets) / seconds,
         "compiled_memory_bytes": metrics_lib.compiled_memory_bytes(compiled),
         "compile_seconds": compile_s,
+        # XLA's count for the whole step (forward, backward, optimizer); None where it has none.
+        "flops_per_step": flops,
         "final_loss": float(m["loss"]),
     }
+
+
+def compiled_flops(compiled) -> Optional[float]:
+    """XLA's FLOP count of a compiled function (2 per multiply-add), or None where the backend
+    gives none."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # a backend without cost analysis: the count is optional
+        return None
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) and analysis else analysis
+    flops = analysis.get("flops") if isinstance(analysis, dict) else None
+    return float(flops) if flops and flops > 0 else None
 
 
 def markdown(rows: List[dict], note: str) -> str:

@@ -11,7 +11,7 @@
 | ``terra-params`` | ``terra.cli.params`` | parameter counts and weights read per decoded token |
 | ``terra-vocab`` | ``terra.cli.vocab`` | train a SentencePiece vocabulary |
 | ``terra-quickstart`` | ``terra.cli.quickstart`` | the job behind ``make run`` |
-| ``terra-convert`` | ``terra.cli.convert``, ``terra.convert`` | convert the paper's Trax checkpoints |
+| ``terra-convert`` | ``terra.cli.convert`` | convert the paper's Trax checkpoints |
 
 :mod:`terra.cli.app` parses and runs them; :mod:`terra.cli.flag_groups` holds the flags several
 commands share. Library modules have no command line of their own.

@@ -1,5 +1,6 @@
-"""Benchmarks: decode speed (the paper's tables), training throughput, input pipelines, and the
-memory of reversible training. Each prints a table and writes JSON (and a plot for decode)."""
+"""Benchmarks: decode speed (the paper's tables), training throughput, input pipelines, the
+memory of reversible training and the accelerator check. Each prints a table and writes JSON
+(and a plot for decode)."""
 
 from absl import flags
 
@@ -80,9 +81,9 @@ def run_decode(flag_values: flags.FlagValues, _) -> int:
 
 
 TRAIN_DOC = """Training throughput (tokens per second) and compiled memory of the jitted train step,
-dense against sparse, at a small size (6+6 layers, d_model 512). Sparse layers train with their
-masks over all units (paper §3), so training is not expected to be faster. Writes
-train_speed.{json,md}.
+dense against sparse, at a small size (6+6 layers, d_model 512), on fixed random batches: it
+reads no data and needs no TensorFlow. Sparse layers train with their masks over all units
+(paper §3), so training is not expected to be faster. Writes train_speed.{json,md}.
 
   terra-bench train --out out/train_speed
   terra-bench train --rows=dense --rows=terraformer --gin.TransformerConfig.dropout=0.0
@@ -217,6 +218,31 @@ def run_products(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
+ACCELERATOR_DOC = """The dense and fully sparse 800M models on whatever accelerator JAX sees (one chip): the
+train step in bfloat16 (tokens/s, and MFU against the chip's peak bfloat16 FLOP/s where the chip
+is known) and batch-1 greedy decode. Minutes on a GPU or TPU; scripts/accelerator_check.sh runs
+it under an 8-minute limit. Needs no TensorFlow. Writes accelerator_check.{json,md} to --out.
+
+  terra-bench accelerator --out out/accelerator
+  terra-bench accelerator --smoke --out /tmp/check     # the smallest sizes: seconds, on a CPU too
+"""
+
+
+def define_accelerator_flags(flag_values: flags.FlagValues, argv) -> None:
+    flags.DEFINE_string("out", "out/accelerator", "directory for accelerator_check.{json,md}", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "smoke", False, "the smallest sizes (terra-bench train's smoke size), for a CPU", flag_values=flag_values
+    )
+
+
+def run_accelerator(flag_values: flags.FlagValues, _) -> int:
+    from terra.benchmarks import accelerator_check
+
+    size = accelerator_check.SMOKE if flag_values.smoke else accelerator_check.FULL
+    accelerator_check.run(flag_values.out, size=size)
+    return 0
+
+
 def _sub(name, doc, define, run, **kwargs):
     return app.command(f"terra-bench {name}", "terra.cli.bench", doc, define_flags=define, run=run, **kwargs)
 
@@ -231,6 +257,7 @@ COMMAND = app.group(
         "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
         "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),
         "products": _sub("products", PRODUCTS_DOC, define_products_flags, run_products),
+        "accelerator": _sub("accelerator", ACCELERATOR_DOC, define_accelerator_flags, run_accelerator),
     },
 )
 main, call = COMMAND.main, COMMAND.call

@@ -1,4 +1,4 @@
-"""Convert checkpoints of other frameworks into terra run directories (also ``python -m terra.convert``).
+"""Convert checkpoints of other frameworks into terra run directories (also ``python -m terra.cli.convert``).
 
 terra-convert trax --checkpoint model.pkl.gz --trax_config ARGS.json --out runs/from_trax
 terra-convert trax --checkpoint model.pkl.gz --gin_file models/sparse_ff_qkv_loss4_800m.gin --out runs/st
@@ -17,7 +17,7 @@ same architecture (--gin_file); add a task config (--gin_file tasks/NAME.gin) so
 its data. Every array is checked; nothing is written on error.
 
   terra-convert trax --checkpoint model.pkl.gz --trax_config ARGS.json --out runs/from_trax
-  python -m terra.convert trax --checkpoint model.pkl.gz --trax_config ARGS.json \\
+  python -m terra.cli.convert trax --checkpoint model.pkl.gz --trax_config ARGS.json \\
       --gin_file tasks/c4_span_corruption.gin --out runs/from_trax
 """
 

@@ -167,10 +167,10 @@ def _example(name: str, default) -> str:
 
 def _shown(path: str) -> str:
     """A config's path as the user knows it: terra/configs/... for a shipped one."""
-    for base in (_PACKAGE_PARENT, os.getcwd()):
-        if path.startswith(base + os.sep):
-            return os.path.relpath(path, base)
-    return path
+    shown = gin_utils.shown_name(path)
+    if shown == path and path.startswith(os.getcwd() + os.sep):
+        return os.path.relpath(path, os.getcwd())
+    return shown
 
 
 # --- reading the configs' macros ------------------------------------------------------------------
@@ -212,12 +212,13 @@ def _read(path: str, search_paths: Sequence[str], macros: Macros, including: tup
 
 def _include(name: str, search_paths: Sequence[str]) -> str:
     """Where gin finds an include: the working directory, the search paths and terra's configs,
-    else a package resource (``terra/configs/models/tiny.gin``)."""
+    by name (``models/tiny.gin``) or package path (``terra/configs/models/tiny.gin``), else
+    another package's resource."""
     try:
         return gin_utils.resolve_gin_file(name, search_paths)
     except GinConfigError:
         pass
-    candidate = os.path.join(_PACKAGE_PARENT, name)
+    candidate = os.path.join(_PACKAGE_PARENT, name)  # another installed package's resource
     if os.path.isfile(candidate):
         return candidate
     raise _Unreadable(name)

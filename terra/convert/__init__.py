@@ -1,7 +1,7 @@
 """Converting checkpoints of the paper's own code (Trax) into terra run directories.
 
 :func:`convert_trax_checkpoint` is the Python entry point; ``terra-convert trax`` and
-``python -m terra.convert trax`` the command line. :mod:`~terra.convert.trax_file` reads the
+``python -m terra.cli.convert trax`` the command line. :mod:`~terra.convert.trax_file` reads the
 weight file, :mod:`~terra.convert.trax_arguments` maps the Trax constructor arguments onto
 terra's gin, :mod:`~terra.convert.trax_layout` maps every array onto a terra parameter.
 """

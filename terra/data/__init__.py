@@ -1,9 +1,9 @@
 """Data: seqio sources, preprocessors, tasks, vocabularies and the embedded default corpus.
 
 Every gin-configurable data function is re-exported here under the name gin knows it by
-(``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...). Importing the package registers
-them; ``terra.configurables.import_all`` does so before any config is parsed. Command-line
-tools load TensorFlow through ``terra.tensorflow_setup`` first.
+(``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...); ``terra.configurables``
+registers them with gin before any config is parsed. Command-line tools load TensorFlow through
+``terra.tensorflow_setup`` first.
 """
 
 from terra.data import (  # noqa: F401

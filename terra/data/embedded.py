@@ -51,7 +51,6 @@ import tempfile
 import warnings
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-import gin
 import seqio
 import tensorflow as tf
 
@@ -360,7 +359,3 @@ def corpus_texts(*, split: str = "train", cache_dir: Optional[str] = None) -> It
     path = os.path.join(build_corpus(cache_dir=cache_dir), f"lm-{split}.tfrecord")
     for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
         yield tf.train.Example.FromString(record).features.feature["text"].bytes_list.value[0].decode("utf-8")
-
-
-for _fn in (build_corpus, lm_source, summarization_source, corpus_texts):
-    gin.register(_fn, module="terra.data")

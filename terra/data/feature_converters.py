@@ -27,7 +27,6 @@ documents before cutting chunks (T5's span-corruption packing; no segment ids ne
 
 from typing import Mapping
 
-import gin
 import seqio
 import tensorflow as tf
 
@@ -156,7 +155,3 @@ class LanguageModelFeatureConverter(seqio.FeatureConverter):
 def language_model_converter() -> seqio.FeatureConverter:
     """:class:`LanguageModelFeatureConverter`: the synthetic tasks' language-model form."""
     return LanguageModelFeatureConverter()
-
-
-for _fn in (encoder_decoder_converter, prefix_lm_converter, length_concat_converter, language_model_converter):
-    gin.register(_fn, module="terra.data")

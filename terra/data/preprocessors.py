@@ -44,7 +44,6 @@ Every public preprocessor is registered with gin under ``terra.data``, e.g. a co
 
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-import gin
 import seqio
 import tensorflow as tf
 
@@ -581,19 +580,3 @@ def summarization(
         return tf.logical_and(tf.strings.length(features["inputs"]) > 0, tf.strings.length(features["targets"]) > 0)
 
     return dataset.map(clean, num_parallel_calls=tf.data.AUTOTUNE).filter(not_empty)
-
-
-# Registered (not wrapped): direct Python calls are unaffected; gin configs can refer to
-# @terra.data.span_corruption etc. and bind their keyword arguments.
-for _fn in (
-    random_spans_noise_mask,
-    span_corruption,
-    single_word_masking,
-    split_tokens,
-    concatenate_and_split,
-    prefix_lm,
-    full_lm,
-    summarization,
-):
-    gin.register(_fn, module="terra.data")
-del _fn

@@ -1,9 +1,13 @@
 """The task registry: every seqio task terra ships, under stable names, built from gin.
 
-A task is built when it is asked for (:func:`get_task`), from the gin bindings in force, and
-registered with seqio under its name, replacing an earlier registration — so re-running in a
-notebook or a test never hits seqio's "duplicate provider" error, and a data directory bound on
-the command line reaches the source. Nothing touches the disk until a dataset is read, and
+A task is built when it is first asked for (:func:`get_task`), from the gin bindings in force,
+and registered with seqio under its name once: later calls return the registered task while the
+bindings its data is built from (:data:`DEFINED_BY`) stay the same. When they changed (another
+config was parsed, a data directory bound on the command line), the name now stands for a
+different definition: the task is built again and replaces the registration, with a log line;
+a task that other code registered under one of terra's names is replaced with a warning. So
+re-running in a notebook or a test never hits seqio's "duplicate provider" error, and a binding
+always reaches the source. Nothing touches the disk until a dataset is read, and
 :func:`check_task_data` checks the data before a model is built.
 
 | name | source | objective |
@@ -27,7 +31,11 @@ Summarization tasks keep their source's document ``id`` as a string feature next
 
 import difflib
 import functools
-from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+import itertools
+import logging
+import os
+import re
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import gin
 import seqio
@@ -246,23 +254,100 @@ def task_names() -> list:
     return sorted(TASK_BUILDERS) + sorted(MIXTURES)
 
 
-def _register(name: str, task_kwargs: dict) -> seqio.Task:
-    if name in seqio.TaskRegistry.names():
-        seqio.TaskRegistry.remove(name)
-    return seqio.TaskRegistry.add(name, **task_kwargs)
+# The gin configurables the task builders call: with the builder, their bindings in force are a
+# task's definition.
+DEFINED_BY = (
+    c4_source,
+    arxiv_source,
+    text_vocabulary,
+    synthetic_vocabulary,
+    pretraining_preprocessors,
+    c4_span_corruption_paper,
+    synthetic.copy_dataset,
+    synthetic.addition_dataset,
+)
+Provider = Union[seqio.Task, seqio.Mixture]
+# What get_task registered under each name, and the definition it was built from.
+_REGISTERED: Dict[str, Tuple[tuple, Provider]] = {}
 
 
-def get_task(name: str):
-    """The task or mixture ``name`` built from the current gin config and (re-)registered."""
+# At most this many files of a bound folder are looked at (a full C4 folder holds about 2,000).
+MAX_FILES_LOOKED_AT = 20_000
+
+
+def _definition(name: str) -> tuple:
+    """What task ``name`` is built from now: its builder, the bindings (references and macros
+    resolved) of every configurable in :data:`DEFINED_BY` in the current gin scope, what is on
+    disk where they point, and where the embedded corpus is (``$TERRA_CACHE_DIR``)."""
+    bindings = [gin.get_bindings(fn) for fn in DEFINED_BY]
+    on_disk = tuple(_on_disk(value) for values in bindings for value in values.values())
+    return (TASK_BUILDERS[name], embedded.corpus_dir(), repr([sorted(b.items()) for b in bindings]), on_disk)
+
+
+def _on_disk(value) -> tuple:
+    """``(path, size, modification time)`` of the local files a bound value names: a file, the
+    files under a folder, or under the folder of a glob or ``{split}`` pattern (the sources list
+    the files when they are built, so data written, damaged or removed there since is another
+    definition). Parsing makes the bound paths absolute; other values name nothing here."""
+    if isinstance(value, (list, tuple)):
+        return tuple(entry for v in value for entry in _on_disk(v))
+    if not isinstance(value, str) or not os.path.isabs(value):
+        return ()
+    path = re.split(r"[*?\[{]", value, maxsplit=1)[0]
+    if not os.path.exists(path):
+        path = os.path.dirname(path)
+    if os.path.isdir(path):
+        paths = list(itertools.islice(_files_under(path), MAX_FILES_LOOKED_AT))
+    elif os.path.exists(path):
+        paths = [path]
+    else:
+        return ()
+    return tuple((p, *_size_and_time(p)) for p in paths)
+
+
+def _files_under(folder: str):
+    for root, folders, names in os.walk(folder):
+        folders.sort()
+        yield from (os.path.join(root, name) for name in sorted(names))
+
+
+def _size_and_time(path: str) -> tuple:
+    try:
+        stat = os.stat(path)
+    except OSError:  # a broken link: the source's check names it
+        return (None, None)
+    return (stat.st_size, stat.st_mtime_ns)
+
+
+def _registered(name: str, definition: tuple, registry, build: Callable[[], Provider]) -> Provider:
+    """The provider registered under ``name`` if it was built from ``definition``; else the one
+    ``build`` registers, replacing whatever the name stood for."""
+    known, current = _REGISTERED.get(name), registry.get(name) if name in registry.names() else None
+    if known is not None and current is known[1] and known[0] == definition:
+        return current
+    provider = build()
+    if current is not None:
+        if known is None or current is not known[1]:
+            logging.warning("replacing the seqio provider '%s' that other code registered with terra's task", name)
+        else:
+            logging.info("'%s' is defined differently under the gin config in force: registering it again", name)
+        registry.remove(name)
+    registry.add_provider(name, provider)
+    _REGISTERED[name] = (definition, provider)
+    return provider
+
+
+def get_task(name: str) -> Provider:
+    """The task or mixture ``name`` of the gin config in force, registered with seqio once per
+    definition (the module's docstring)."""
     if name in MIXTURES:
-        for member in MIXTURES[name]:
-            get_task(member)
-        if name in seqio.MixtureRegistry.names():
-            seqio.MixtureRegistry.remove(name)
-        return seqio.MixtureRegistry.add(name, [(m, 1.0) for m in MIXTURES[name]])
+        members = tuple(get_task(member) for member in MIXTURES[name])
+        return _registered(
+            name, members, seqio.MixtureRegistry, lambda: seqio.Mixture(name, [(m, 1.0) for m in members])
+        )
     if name not in TASK_BUILDERS:
         raise _unknown_task(name)
-    return _register(name, TASK_BUILDERS[name]())
+    return _registered(name, _definition(name), seqio.TaskRegistry, lambda: seqio.Task(name, **TASK_BUILDERS[name]()))
 
 
 def _unknown_task(name: str) -> ConfigError:

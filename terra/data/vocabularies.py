@@ -18,7 +18,6 @@ import os
 import uuid
 from typing import Iterable, Iterator, Optional
 
-import gin
 import sentencepiece as spm
 import seqio
 import tensorflow as tf
@@ -233,8 +232,3 @@ def embedded_vocabulary(
                 texts = embedded.corpus_texts(split="train", cache_dir=cache_dir)
                 train_sentencepiece(texts, path, vocab_size=vocab_size)
     return sentencepiece_vocabulary(path, extra_ids=extra_ids)
-
-
-for _fn in (sentencepiece_vocabulary, byte_vocabulary, digit_vocabulary, train_sentencepiece, embedded_vocabulary):
-    gin.register(_fn, module="terra.data")
-del _fn

@@ -1,7 +1,7 @@
 """Flax linen layers, one concept per module.
 
-Importing this package registers every layer with gin (module ``terra.layers``), so
-gin files can inject them at the model's swap points.
+Plain Flax modules: no layer imports gin. ``terra/configurables.py`` registers them with gin
+(module ``terra.layers``), so gin files can inject them at the model's swap points.
 """
 
 from terra.layers import axes

@@ -12,17 +12,14 @@ the body, so an unguarded index update would advance on creation
 from typing import Optional
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from terra.backends import MASK_VALUE, cached_attention
 from terra.layers import axes
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
-
-# Additive mask value for disallowed positions (the reference uses -1e9).
-MASK_VALUE = -1e9
 
 
 def padding_bias(key_mask: jax.Array) -> jax.Array:
@@ -34,36 +31,6 @@ def causal_bias(length: int) -> jax.Array:
     """``[1, 1, length, length]`` additive bias that hides future positions."""
     idx = jnp.arange(length)
     return jnp.where(idx[:, None] >= idx[None, :], 0.0, MASK_VALUE)[None, None].astype(jnp.float32)
-
-
-def decode_attention_step(q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None):
-    """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
-    position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
-    prefill padded some, ``key_mask [b, max_len]`` true for real ones). Returns ``y [b, h, 1, d]``
-    and the caches with k and v written at ``index``.
-
-    It attends over the cache as it was plus the new token, then writes the new key and value in
-    place. XLA:CPU copies a donated buffer that is both read and updated in one step unless the
-    update provably comes after the reads (two full copies of every cache per layer per token;
-    docs/architecture.md): ``write_after_read`` gives the update that data dependency."""
-    max_len = cached_key.shape[2]
-    scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-    visible = jnp.arange(max_len)[None, :] < index
-    if key_mask is not None:
-        visible = visible & key_mask
-    past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-    past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key).astype(jnp.float32)
-    past_logits = past_logits + past_bias[:, None, None, :]
-    self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
-    probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
-    if dropout is not None:
-        probs = dropout(probs)
-    probs = probs.astype(v.dtype)
-    past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value)
-    y = past_values + probs[..., max_len:] * v
-    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, past_logits, index), (0, 0, index, 0))
-    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, past_values, index), (0, 0, index, 0))
-    return y, cached_key, cached_value
 
 
 def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> jax.Array:
@@ -192,7 +159,7 @@ class AttentionBase(nn.Module):
             )
         index = cache_index.value
         key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
-        y, cached_key.value, cached_value.value = decode_attention_step(
+        y, cached_key.value, cached_value.value = cached_attention(
             q,
             k,
             v,
@@ -280,14 +247,6 @@ class CausalSelfAttention(AttentionBase):
         return self._output(self._heads_first(y))
 
 
-def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
-    """``update`` unchanged, but data-dependent on ``read`` so XLA schedules the cache read
-    before the in-place cache write. The added term is selected by a predicate that is
-    false at run time but unknown at compile time, so it is exactly 0 (NaN-safe)."""
-    dependency = jnp.where(index < 0, jnp.sum(read), 0.0)
-    return update + dependency.astype(update.dtype)
-
-
 class CrossAttention(AttentionBase):
     """Encoder-decoder attention: queries from the decoder, keys/values from the encoder.
 
@@ -312,7 +271,3 @@ class CrossAttention(AttentionBase):
         keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
         y = self._attend(q, keys, values, bias, deterministic)
         return self._output(self._heads_first(y))
-
-
-for _cls in (SelfAttention, CausalSelfAttention, CrossAttention):
-    gin.register(_cls, module="terra.layers")

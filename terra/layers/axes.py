@@ -6,8 +6,6 @@ constrained with them, so partitioning is decided by the rules (data), never by 
 
 from typing import Sequence, Tuple
 
-import gin
-
 # Activation axes.
 BATCH = "batch"
 LENGTH = "length"
@@ -49,7 +47,6 @@ MODEL_AXIS = "model"
 AxisRules = Tuple[Tuple[str, object], ...]
 
 
-@gin.configurable(module="terra.layers")
 def default_axis_rules(*, shard_embed: bool = False, additional_rules: Sequence[Tuple[str, object]] = ()) -> AxisRules:
     """Logical-to-mesh rules in priority order (the T5X/Flax ``logical_axis_rules`` form).
 

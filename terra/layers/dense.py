@@ -14,8 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from terra.quantization.products import output_major_product
-from terra.quantization.quantized import QuantizedTensor
+from terra.backends import output_major_product
 
 Features = Union[int, Sequence[int]]
 
@@ -80,10 +79,8 @@ class Dense(nn.Module):
         # are free, and XLA:CPU then reads the kernel in place. Given a multi-axis kernel
         # directly, its dot canonicaliser transposes the kernel to ``[in, out]`` and copies
         # it on every call, which dominates batch-1 decoding (docs/architecture.md).
-        n_features, n_inputs = math.prod(features), math.prod(in_shape)
-        x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (n_inputs,))
-        if not isinstance(kernel, QuantizedTensor):  # a decode tree's kernel is read narrow, unreshaped
-            kernel = jnp.asarray(kernel, self.dtype).reshape(n_features, n_inputs)
+        # A decode tree's narrow kernel is read by the backend as it is stored.
+        x2 = x.astype(self.dtype).reshape(x.shape[: x.ndim - n_in] + (math.prod(in_shape),))
         y = output_major_product(x2, kernel).reshape(x.shape[: x.ndim - n_in] + features)
         if self.use_bias:
             bias = self.param(
@@ -94,3 +91,8 @@ class Dense(nn.Module):
             )
             y = y + jnp.asarray(bias, self.dtype)
         return y
+
+    def stored_weights(self):
+        """The kernel as the parameters store it (float, or a decode tree's narrow weights), for a
+        layer that hands its weights to a backend's fused decode step; ``None`` before it exists."""
+        return nn.unbox(self.get_variable("params", "kernel"))

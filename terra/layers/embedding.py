@@ -9,9 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from terra.backends import look_up_rows
 from terra.layers import axes
-from terra.quantization import products
-from terra.quantization.quantized import QuantizedTensor
 
 
 class TokenEmbedding(nn.Module):
@@ -32,6 +31,4 @@ class TokenEmbedding(nn.Module):
             nn.with_logical_partitioning(init, (axes.VOCAB, axes.EMBED)),
             (self.vocab_size, self.d_model),
         )
-        if isinstance(table, QuantizedTensor):  # a decode tree: each row widened with its own scale
-            return products.take_rows(table, tokens).astype(self.dtype)
-        return jnp.take(jnp.asarray(table, self.dtype), tokens, axis=0)
+        return look_up_rows(table, tokens, self.dtype)  # a decode tree's rows widened with their own scales

@@ -9,7 +9,6 @@ module with one gin line.
 """
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -45,6 +44,3 @@ class FeedForward(nn.Module):
         y = Dense(self.d_model, kernel_axes=(axes.EMBED, axes.MLP), dtype=self.dtype, name="wo")(h)
         shared = axes.dropout_broadcast_dims(self.share_dropout_over_length)
         return nn.Dropout(self.dropout_rate, broadcast_dims=shared)(y, deterministic=deterministic)
-
-
-gin.register(FeedForward, module="terra.layers")

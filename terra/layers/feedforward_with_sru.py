@@ -10,7 +10,6 @@ with its own dropout).
 from typing import Optional
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -71,6 +70,3 @@ class FeedForwardWithSRU(nn.Module):
             )
             y = y + sru(x, deterministic=deterministic, decode=decode, prefix_mask=prefix_mask).astype(y.dtype)
         return y
-
-
-gin.register(FeedForwardWithSRU, module="terra.layers")

@@ -6,7 +6,6 @@ embedding, as in the reference). It is a swap point: the sparse loss layer
 """
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +28,3 @@ class DenseLogits(nn.Module):
             name="dense",
         )(x)
         return logits.astype(jnp.float32)
-
-
-gin.register(DenseLogits, module="terra.layers")

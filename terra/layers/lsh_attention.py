@@ -68,14 +68,14 @@ import zlib
 from typing import Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from terra.backends import write_after_read
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.attention import MASK_VALUE, output_projection, write_after_read
+from terra.layers.attention import MASK_VALUE, output_projection
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
 from terra.layers.multiplicative import MultiplicativeDense
@@ -541,6 +541,3 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         if y is None:
             y = self._forward(q, v, mask, buckets, deterministic)
         return self._output(y)
-
-
-gin.register(LSHSelfAttention, module="terra.layers")

@@ -15,17 +15,15 @@ deterministic so that decoding equals evaluation.
 """
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
+from terra.backends import as_float, output_major_product, take_rows
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
 from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
-from terra.quantization.products import output_major_product, take_rows
-from terra.quantization.quantized import as_float
 
 
 class MixtureOfExpertsFeedForward(nn.Module):
@@ -89,6 +87,3 @@ class MixtureOfExpertsFeedForward(nn.Module):
     def params_read_per_token(params) -> int:
         n_experts, block, d_model = params["wi"].shape
         return params["router"]["kernel"].size + 2 * block * d_model + params["wo_bias"].size
-
-
-gin.register(MixtureOfExpertsFeedForward, module="terra.layers")

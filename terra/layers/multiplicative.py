@@ -10,15 +10,13 @@ head see any part of the embedding, and the sparse loss uses it for the logits.
 from typing import Tuple
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
+from terra.backends import as_float, input_major_product
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT
-from terra.quantization.products import input_major_product
-from terra.quantization.quantized import as_float
 
 
 class MultiplicativeDense(nn.Module):
@@ -73,5 +71,8 @@ class MultiplicativeDense(nn.Module):
             y = y + jnp.asarray(bias, self.dtype).reshape(self.n_modules, size)
         return y if self.split_modules else y.reshape(y.shape[:-2] + (self.features,))
 
-
-gin.register(MultiplicativeDense, module="terra.layers")
+    def stored_weights(self):
+        """``(D, E, b)`` as the parameters store them (float, or a decode tree's narrow weights), for
+        a layer that hands its weights to a backend's fused decode step; ``None`` for any not yet
+        created."""
+        return tuple(nn.unbox(self.get_variable("params", name)) for name in ("gate", "kernel", "bias"))

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from terra.backends import as_float, slice_rows
 from terra.layers import axes
-from terra.quantization.products import slice_rows
-from terra.quantization.quantized import as_float
 
 
 def sinusoid_table(max_len: int, d_model: int) -> np.ndarray:

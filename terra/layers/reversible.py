@@ -61,7 +61,6 @@ modules: a custom-VJP function cannot write module state, and no gradient is tak
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 from flax.core import meta
@@ -333,7 +332,3 @@ class ReversibleStack(nn.Module):
             return y, d
 
         return fn
-
-
-gin.register(HalfResidual, module="terra.layers")
-gin.register(ReversibleStack, module="terra.layers")

@@ -1,7 +1,7 @@
 """Discrete block selection shared by the sparse feed-forward layers (the Scaling Transformer's
 controller and the mixture-of-experts router): choose one entry per block, train the choice
 with a straight-through estimator. Decoding reads only the chosen rows
-(``terra.quantization.products.take_rows``, for float32 and narrow weights alike).
+(``terra.backends.take_rows``, for float32 and narrow weights alike).
 """
 
 import jax

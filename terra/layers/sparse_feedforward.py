@@ -25,25 +25,23 @@ import math
 from typing import Optional
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
-from terra.errors import ConfigError
-from terra.layers import axes
-from terra.layers.dense import BIAS_INIT, Dense
-from terra.layers.initializers import glorot_uniform
-from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
-from terra.quantization import kernels
-from terra.quantization.products import (
-    fused_applies,
+from terra import backends
+from terra.backends import (
+    as_float,
     gathered_rows_product,
     gathered_rows_sum,
     input_major_product,
     output_major_product,
     take_rows,
 )
-from terra.quantization.quantized import QuantizedTensor, as_float
+from terra.errors import ConfigError
+from terra.layers import axes
+from terra.layers.dense import BIAS_INIT, Dense
+from terra.layers.initializers import glorot_uniform
+from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
@@ -260,51 +258,27 @@ class SparseFeedForward(nn.Module):
         return h @ as_float(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
 
     def _fused_decode(self, x):
-        """Decode with narrow weights on the CPU: the whole layer in one native call
-        (``kernels.sparse_feed_forward``), the same floats as the controller, the choice and the
-        gathered products computed one by one; ``None`` where it does not apply (float32 weights,
-        the paper's first-layer bias, more rows than the kernels take)."""
-        down = self.variables["params"]["controller_down"]["kernel"]
-        weights = (down, self.controller_up, self.wi, self.wo)
-        kinds = {w.kind if isinstance(w, QuantizedTensor) else None for w in weights}
-        rows = math.prod(x.shape[:-1])
-        if (
-            len(kinds) != 1
-            or None in kinds
-            or not self.controller_up.transposed
-            or self.paper_formula
-            or self.dtype != jnp.float32
-            or not fused_applies(x, rows, kernels.MAX_ROWS)
-        ):
+        """Decode as one backend call where a backend fuses this layer's weights (narrow weights on
+        the CPU: ``backends.sparse_feed_forward_step``), the same floats as the controller, the
+        choice and the gathered products computed one by one; ``None`` where it does not apply
+        (float32 weights, more rows than the kernels take), and for the paper's first-layer bias
+        or a narrower compute dtype, which the fused step does not compute."""
+        if self.paper_formula or self.dtype != jnp.float32:
             return None
-        kind = kinds.pop()
-        n_ff = self.d_ff
+        weights = backends.SparseFeedForwardWeights(
+            self.controller_down.stored_weights(),
+            self.controller_up,
+            self.controller_bias,
+            self.wi,
+            self.wo,
+            self.wo_bias,
+        )
 
-        def pair(w, n_rows):
-            values = w.values.reshape(n_rows, -1)
-            return values, (w.scale.reshape(n_rows) if kind == "int8" else None)
-
-        def native(x, *leaves):
-            down_, up_, wi_, wo_ = jax.tree.unflatten(structure, leaves)
-            y, chosen = kernels.sparse_feed_forward(
-                x.reshape(rows, -1),
-                pair(down_, down_.shape[0]),
-                pair(up_.output_major(), n_ff),
-                self.controller_bias,
-                pair(wi_, n_ff),
-                pair(wo_, n_ff),
-                self.wo_bias,
-                kind,
-            )
-            return y.reshape(x.shape), chosen.reshape(x.shape[:-1] + chosen.shape[-1:])
-
-        def unfused(x, *leaves):
-            del leaves
+        def unfused(x):
             chosen = block_argmax(self.controller_logits(x))
             return self._gathered(x, chosen).astype(self.dtype), chosen
 
-        leaves, structure = jax.tree.flatten(weights)
-        return jax.lax.platform_dependent(x, *leaves, cpu=native, default=unfused)
+        return backends.sparse_feed_forward_step(x, weights, unfused)
 
     def _gathered(self, x, indices):
         """Decode: read only the selected row of every block of W1 and W2."""
@@ -326,6 +300,3 @@ class SparseFeedForward(nn.Module):
         )
         read = controller + 2 * n_blocks * d_model + params["wo_bias"].size
         return read + (n_blocks if "wi_bias" in params else 0)
-
-
-gin.register(SparseFeedForward, module="terra.layers")

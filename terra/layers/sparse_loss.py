@@ -7,7 +7,6 @@ reads ``S·d + d·V/S`` weights instead of ``d·V``. The reference builds it the
 """
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -40,6 +39,3 @@ class SparseLossLogits(nn.Module):
             name="multiplicative",
         )(x)
         return logits.astype(jnp.float32)
-
-
-gin.register(SparseLossLogits, module="terra.layers")

@@ -15,21 +15,19 @@ Q, K, V and output; 'conv': convolutions on the raw modules, output convolution 
 only) and a sparse query path for encoder-decoder attention are in this module too.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
+from terra import backends
+from terra.backends import as_float, cached_attention, input_major_product
 from terra.errors import ConfigError
 from terra.layers import axes
-from terra.layers.attention import AttentionBase, decode_attention_step
+from terra.layers.attention import AttentionBase
 from terra.layers.dense import BIAS_INIT
 from terra.layers.multiplicative import MultiplicativeDense
-from terra.quantization import kernels
-from terra.quantization.products import fused_applies, input_major_product
-from terra.quantization.quantized import QuantizedTensor, as_float
 
 VARIANTS = ("multconv", "mult", "conv")
 
@@ -92,6 +90,12 @@ class ModuleConvolution(nn.Module):
         windows = windows.reshape(batch, out_length, n_modules, f * k * m_in)
         return input_major_product(windows, kernel.reshape(f * k * m_in, m_out))
 
+    def stored_weights(self):
+        """``(kernel, bias)`` as the parameters store them (float, or a decode tree's narrow
+        weights), for a layer that hands its weights to a backend's fused decode step; ``None`` for
+        any not yet created."""
+        return tuple(nn.unbox(self.get_variable("params", name)) for name in ("kernel", "bias"))
+
 
 def attention_sparsity_modules(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:
     s = n_heads if attention_sparsity is None else attention_sparsity
@@ -132,42 +136,38 @@ class ConvolutionCacheMixin:
         return window, False
 
     def fused_decode(
-        self, x: jax.Array, convolutions, length_kernel_size: int, decode: bool, deterministic: bool, attention=None
+        self,
+        x: jax.Array,
+        mult: MultiplicativeDense,
+        convolutions: Sequence[ModuleConvolution],
+        decode: bool,
+        deterministic: bool,
+        attention=None,
     ):
         """A decode step of the multiplicative layer ``mult``, its convolution window and the
-        convolutions ``convolutions`` (``(name, module kernel size)`` each), and with
-        ``attention`` the attention too, in one native call (``kernels.sparse_attention``) when the
-        weights are narrow and the step runs on the CPU: the same computation as the layers one by
-        one, in one call instead of about twenty operations (``docs/decode_speed.md``).
+        convolutions ``convolutions``, and with ``attention`` the attention too, as one backend call
+        (``backends.sparse_attention_step``; one native call when the weights are narrow and the
+        step runs on the CPU): the same computation as the layers one by one, in one call instead
+        of about twenty operations (``docs/decode_speed.md``).
 
         ``attention``: ``None`` returns each convolution's output ``[b, 1, S, M]``; ``"self"``
         (Q, K, V) attends causally over this module's KV cache and ``("cross", keys, values,
         bias)`` over the encoder's, each returning ``y [b, 1, d_model]``, where the S modules are
         the heads (otherwise the convolutions' outputs are returned and the caller attends).
-        Returns ``None`` where the fused call does not apply (training, prefill, float32 weights, a
-        batch past the kernel's rows), and the caller computes the layers one by one."""
-        batch = x.shape[0]
+        Returns ``None`` where the fused call does not apply (training, prefill, no backend fusing
+        these weights: float32 weights, a batch past the kernel's rows), and the caller computes
+        the layers one by one."""
+        batch, length_kernel_size = x.shape[0], convolutions[0].length_kernel_size
         if not decode or length_kernel_size < 2 or x.ndim != 3 or x.shape[1] != 1 or self.dtype != jnp.float32:
             return None
-        if not self.has_variable("cache", "conv_rows") or "mult" not in self.variables.get("params", {}):
+        gate, kernel, bias = mult.stored_weights()
+        if not self.has_variable("cache", "conv_rows") or gate is None:
             return None
-        params = self.variables["params"]
-        mult = params["mult"]
-        weights = [mult["gate"], mult["kernel"]] + [params[name]["kernel"] for name, _ in convolutions]
-        kinds = {w.kind if isinstance(w, QuantizedTensor) else None for w in weights}
-        if len(kinds) != 1 or None in kinds:
-            return None
-        kind, n_modules = kinds.pop(), mult["gate"].shape[0]
-        shapes = [w.shape[:2] for w in weights[2:]]
-        if shapes != [(length_kernel_size, k) for _, k in convolutions]:
-            return None
-        if not fused_applies(x, batch * n_modules, kernels.MAX_INPUT_MAJOR_ROWS):
-            return None
+        n_modules = gate.shape[0]
         if attention is not None and (n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0)):
             attention = None
         if attention == "self" and not self.has_variable("cache", "cached_key"):
             attention = None
-        rows = self.variable("cache", "conv_rows")
         mode = attention if attention in (None, "self") else attention[0]
         if mode == "self":
             key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
@@ -175,51 +175,28 @@ class ConvolutionCacheMixin:
             cache += (self.get_variable("cache", "cache_index"), key_mask)
         else:
             cache = None if mode is None else tuple(attention[1:])
+        weights = backends.SparseAttentionWeights(
+            gate, kernel, bias, tuple(convolution.stored_weights() for convolution in convolutions)
+        )
 
-        def pair(w):
-            return w.values, (w.scale if kind == "int8" else None)
-
-        def native(x, conv_rows, cache, *leaves):
-            gate, kernel, *kernels_ = jax.tree.unflatten(structure, leaves)
-            convs = [(pair(k), params[name]["bias"]) for (name, _), k in zip(convolutions, kernels_)]
-            if mode == "self" and cache[3] is None:
-                cache = cache[:3] + (jnp.ones((batch, cache[0].shape[2]), bool),)
-            outs, new_rows, attended = kernels.sparse_attention(
-                x.reshape(batch, -1),
-                pair(gate),
-                pair(kernel),
-                mult["bias"],
-                conv_rows,
-                convs,
-                kind,
-                None if mode is None else (mode,) + tuple(cache),
-            )
-            if attended is None:
-                return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
-            return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:])
-
-        def unfused(x, conv_rows, cache, *leaves):
-            del leaves
-            u = MultiplicativeDense(x.shape[-1], n_modules, split_modules=True, dtype=self.dtype, name="mult")(x)
-            window = jnp.concatenate([conv_rows, u], axis=1)
-            m = u.shape[-1]
-            outs = [
-                ModuleConvolution(m, length_kernel_size, k, dtype=self.dtype, name=name)(window, causal_pad=False)
-                for name, k in convolutions
-            ]
+        def unfused(x, conv_rows, cache):
+            window = jnp.concatenate([conv_rows, mult(x)], axis=1)
+            outs = [convolution(window, causal_pad=False) for convolution in convolutions]
             if mode is None:
                 return outs, window[:, 1:]
             heads = [self._heads_first(o.reshape(batch, 1, self.n_heads, -1)) for o in outs]
             if mode == "self":
-                y, keys, values = decode_attention_step(*heads, *cache)
+                y, keys, values = cached_attention(*heads, *cache)
                 extra = (keys, values)
             else:
                 y, extra = self._attend(heads[0], *cache, deterministic=True), ()
             return (self._heads_first(y).reshape(batch, 1, -1), window[:, 1:]) + extra
 
-        leaves, structure = jax.tree.flatten(weights)
-        result = jax.lax.platform_dependent(x, rows.value, cache, *leaves, cpu=native, default=unfused)
-        rows.value = result[1]
+        conv_rows = self.get_variable("cache", "conv_rows")
+        result = backends.sparse_attention_step(x, weights, conv_rows, mode, cache, unfused)
+        if result is None:
+            return None
+        self.put_variable("cache", "conv_rows", result[1])
         if mode == "self":
             self.put_variable("cache", "cached_key", result[2])
             self.put_variable("cache", "cached_value", result[3])
@@ -272,30 +249,26 @@ class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
                 heads(MultiplicativeDense(self.d_model, s, dtype=self.dtype, name=name)(x)) for name in ("q", "k", "v")
             )
         else:
-            convolutions = (
-                ("q_conv", self.module_kernel_size),
-                ("k_conv", self.module_kernel_size),
-                ("v_conv", self.value_module_kernel_size),
-            )
-            fused = None
+            mult = None
             if self.variant == "multconv":
-                fused = self.fused_decode(
-                    x, convolutions, self.length_kernel_size, decode, deterministic, attention="self"
+                mult = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")
+            convolutions = [
+                ModuleConvolution(m, self.length_kernel_size, k, dtype=self.dtype, name=name)
+                for name, k in (
+                    ("q_conv", self.module_kernel_size),
+                    ("k_conv", self.module_kernel_size),
+                    ("v_conv", self.value_module_kernel_size),
                 )
+            ]
+            fused = None
+            if mult is not None:
+                fused = self.fused_decode(x, mult, convolutions, decode, deterministic, attention="self")
                 if fused is not None and not isinstance(fused, list):  # the attention is in the call too
                     return fused
             if fused is None:
-                if self.variant == "multconv":
-                    u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-                else:
-                    u = x.reshape(batch, length, s, m)
+                u = x.reshape(batch, length, s, m) if mult is None else mult(x)
                 window, causal_pad = self.conv_window(u, self.length_kernel_size, decode, prefix_mask)
-                fused = [
-                    ModuleConvolution(m, self.length_kernel_size, k, dtype=self.dtype, name=name)(
-                        window, causal_pad=causal_pad
-                    )
-                    for name, k in convolutions
-                ]
+                fused = [convolution(window, causal_pad=causal_pad) for convolution in convolutions]
             q, k, v = (heads(t) for t in fused)
         y = self._causal_attend(
             q,
@@ -333,23 +306,19 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
         s = attention_sparsity_modules(self.d_model, self.n_heads, self.attention_sparsity, "SparseQueryCrossAttention")
         m = self.d_model // s
         batch = x.shape[0]
+        mult = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")
+        q_conv = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")
+        fused = None
         if decode and self.has_variable("cache", "cached_key"):
             cached = ("cross",) + self._encoder_keys_values(encoded, encoder_mask, decode=decode)
-            fused = self.fused_decode(
-                x, (("q_conv", self.module_kernel_size),), self.length_kernel_size, decode, deterministic, cached
-            )
+            fused = self.fused_decode(x, mult, [q_conv], decode, deterministic, cached)
             if fused is not None and not isinstance(fused, list):  # the attention is in the call too
                 return fused
-        else:
-            fused = None
         if fused is not None:
             q = fused[0]
         else:
-            u = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")(x)
-            window, causal_pad = self.conv_window(u, self.length_kernel_size, decode)
-            q = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")(
-                window, causal_pad=causal_pad
-            )
+            window, causal_pad = self.conv_window(mult(x), self.length_kernel_size, decode)
+            q = q_conv(window, causal_pad=causal_pad)
         q = self._heads_first(q.reshape(batch, -1, self.n_heads, self.d_head))
         keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
         y = self._attend(q, keys, values, bias, deterministic)
@@ -362,7 +331,3 @@ def sparse_qkv_param_count(d_model: int, n_heads: int, attention_sparsity: int, 
     s, f = attention_sparsity, length_kernel_size
     m = d_model // s
     return s * d_model + d_model * m + d_model + 2 * (f * 3 * m * m + m) + (f * m * m + m)
-
-
-for _cls in (SparseQKVAttention, SparseQueryCrossAttention):
-    gin.register(_cls, module="terra.layers")

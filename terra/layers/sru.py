@@ -29,7 +29,6 @@ import math
 from typing import Optional
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -194,6 +193,3 @@ class LowRankSRU(nn.Module):
                 h, decode=decode, mask=mask, prefix_mask=prefix_mask
             )
         return Dense(self.d_model, kernel_axes=(axes.EMBED, SRU_UNITS), dtype=self.dtype, name="up")(h)
-
-
-gin.register(LowRankSRU, module="terra.layers")

@@ -8,7 +8,6 @@ reads like a row of the paper's tables.
 import dataclasses
 from typing import Optional
 
-import gin
 import jax.numpy as jnp
 
 from terra.errors import ConfigError
@@ -16,7 +15,6 @@ from terra.errors import ConfigError
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-@gin.configurable(module="terra.models")
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Sizes and regularisation of an encoder-decoder Transformer.

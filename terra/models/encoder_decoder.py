@@ -31,7 +31,6 @@ import dataclasses
 from typing import Callable, Optional
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -233,6 +232,3 @@ class EncoderDecoderTransformer(nn.Module):
             encoder_mask = self.encoder_mask(encoder_input_tokens)
         encoded = self.encode(encoder_input_tokens, encoder_mask, deterministic=deterministic)
         return self.decode(decoder_input_tokens, encoded, encoder_mask, deterministic=deterministic)
-
-
-gin.register(EncoderDecoderTransformer, module="terra.models")

@@ -19,7 +19,6 @@ import math
 from typing import Dict, Optional, Tuple
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -337,7 +336,3 @@ def _family_for(module: nn.Module) -> str:
         if isinstance(module, family.module_type):
             return family.__name__
     return "<a model class for it>"
-
-
-for _family in FAMILIES:
-    gin.register(_family, module="terra.models")

@@ -46,7 +46,6 @@ import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
@@ -255,10 +254,6 @@ class Terraformer(nn.Module):
         return self.logits(self._output(y1, y2))
 
 
-gin.register(Terraformer, module="terra.models")
-
-
-@gin.configurable(module="terra.models")
 def shared_qk_from_dense_attention(params, scopes: Sequence[str] = ("encoder_stack",)):
     """A ``param_map`` for fine-tuning (``terra.training.Trainer.param_map``): initialise LSH attention
     from a checkpoint trained with dense attention.

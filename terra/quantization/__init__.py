@@ -1,6 +1,6 @@
 """Weight-only quantization for decoding (the paper's §7 future work): int8 with per-row float32
-scales and bfloat16 stored as its 16 bits, read by products that widen the narrow weights block by
-block in cache. Training is unchanged; see ``docs/decode_speed.md``."""
+scales and bfloat16 stored as its 16 bits, the data types the decode primitives of
+``terra.backends`` read in place. Training is unchanged; see ``docs/decode_speed.md``."""
 
 from terra.quantization.quantized import (
     WEIGHTS_DTYPES,

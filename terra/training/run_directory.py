@@ -17,7 +17,7 @@ from typing import List, Optional
 from etils import epath
 from gin import config_parser
 
-from terra import files, gin_utils
+from terra import files, gin_text
 from terra.errors import ConfigError
 
 CONFIG_FILE = "config.gin"
@@ -58,9 +58,9 @@ def _check_config(config: epath.Path) -> None:
             f"{config} is {size:,d} bytes; a run's config.gin is tens of kilobytes (limit {MAX_CONFIG_BYTES:,d})."
         )
     try:
-        statements = gin_utils.read_statements(config.read_text())
+        statements = gin_text.read_statements(config.read_text())
     except SyntaxError as error:
-        raise gin_utils.explain_gin_error(error, f"file {config}") from None
+        raise gin_text.explain_gin_error(error, f"file {config}") from None
     for statement in statements:
         if isinstance(statement, config_parser.ImportStatement) and statement.module.split(".")[0] != "terra":
             raise ConfigError(

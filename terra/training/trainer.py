@@ -1,10 +1,16 @@
 """The trainer behind ``terra-train``: gin-configured, sharded, resumable.
 
 ``Trainer(...)`` validates everything it can before touching ``model_dir`` (settings, data
-present, model and task agree, evaluation hooks ready); ``run()`` then:
+present, model and task agree, evaluation hooks ready) and builds every piece of a run without
+writing anything: the mesh, the logical-axis shardings of the state (parameters from the
+model's logical names, optimizer state derived from them), the jitted train and evaluation
+steps and the dropout key. :meth:`Trainer.step`, :meth:`Trainer.evaluate` and
+:meth:`Trainer.save` therefore work on a state from :meth:`Trainer.init_state` as soon as the
+trainer exists (a study drives them itself); the step compiles on its first batch, the
+evaluation batches are read on the first evaluation and the checkpoints open on the first save.
+``run()`` then:
 
-1. builds the mesh and the logical-axis shardings of the state (parameters from the model's
-   logical names, optimizer state derived from them), and creates the state already sharded;
+1. creates the state already sharded, or
 2. resumes from the latest good checkpoint in ``model_dir`` (state and data position), or
    initialises parameters from ``init_from`` (fine-tuning: parameters only, fresh optimizer
    and step), or from the seed;
@@ -16,10 +22,14 @@ present, model and task agree, evaluation hooks ready); ``run()`` then:
    :class:`TrainingDiverged`, leaving the last checkpoint as it was.
 
 Each host feeds its own shard of the data (``batch_size`` is global); only host 0 writes logs.
-The model is anything implementing ``terra.models.Model``.
+The model is anything implementing ``terra.models.Model``. The data layer (``terra.data``, on
+TensorFlow and seqio) is imported by the methods that read data, so this module, like the train
+step, optimizers and checkpointing beside it, imports where TensorFlow is not installed.
 """
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -33,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra.data import json_lines, pipeline, tasks
 from terra.errors import ConfigError, TrainingError
 from terra.layers import axes
 from terra.models.protocol import Model
@@ -163,6 +172,8 @@ class Trainer:
         self.evaluation = evaluation or EvaluationSettings()
         self.logging = logging or LoggingSettings()
         self.step_hooks = tuple(step_hooks)
+        from terra.data import tasks
+
         self.provider = tasks.get_task(task)
         tasks.check_vocabulary_and_lengths(
             self.provider,
@@ -199,10 +210,30 @@ class Trainer:
         devices = jax.devices()[: self.parallel.num_devices] if self.parallel.num_devices else None
         self.mesh = mesh_lib.make_mesh(**dict(self.parallel.mesh_shape or {}), devices=devices)
         self.is_host0 = jax.process_index() == 0
+        # ---- the run's pieces: built here, nothing written or compiled ---------------------
+        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.abstract_params, self.state_shardings = self._state_shardings()
+        self.rng = jax.random.key(self.seed + 1)  # dropout; the parameters start from seed
+        tx, batch_sh = self.optimizer.transform, sharding.batch_sharding(self.mesh)
+        self.jitted_step = jax.jit(
+            lambda s, b, r: train_step(model, tx, s, b, r),
+            in_shardings=(self.state_shardings, batch_sh, self.replicated),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=(0,),
+        )
+        self.eval_fn = jax.jit(
+            model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=self.replicated
+        )
+        # The step compiled for the first batch's shapes (by step() or compile_step()).
+        self.compiled_step = None
+        # Opened by the first save or restore: creating it creates model_dir/checkpoints.
+        self._checkpointer: Optional[checkpointing.Checkpointer] = None
 
     # ----- data ----------------------------------------------------------------------------
     def batches(self, split: str, lengths: Mapping[str, int], num_epochs: Optional[int], shuffle: bool):
         """This host's batches of ``split``: a checkpointable iterator."""
+        from terra.data import pipeline
+
         return pipeline.batch_iterator(
             self.provider,
             split,
@@ -214,32 +245,70 @@ class Trainer:
             num_epochs=num_epochs,
         )
 
+    def global_batch(self, host_batch):
+        """This host's batch as the global array the compiled steps take (``batch_size`` rows)."""
+        return sharding.global_batch(host_batch, self.mesh)
+
     def read_eval_batches(self) -> List:
         """The first ``EvaluationSettings.steps`` batches of the eval split, unshuffled, as
         global arrays: every evaluation scores the same examples."""
         if not self.evaluation.teacher_forced:
             return []
         hosts = self.batches(self.evaluation.split, self.eval_feature_lengths, 1, False)
-        return [sharding.global_batch(h, self.mesh) for h in itertools.islice(hosts, self.evaluation.steps)]
+        return [self.global_batch(h) for h in itertools.islice(hosts, self.evaluation.steps)]
+
+    @functools.cached_property
+    def eval_batches(self) -> List:
+        """:meth:`read_eval_batches`, read once, by the first evaluation that needs them."""
+        return self.read_eval_batches()
 
     # ----- state ---------------------------------------------------------------------------
-    def _shardings(self):
+    @contextlib.contextmanager
+    def placement(self):
+        """The mesh and logical-axis rules the run's functions are traced and run under."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    def _state_shardings(self):
+        """``(abstract parameters carrying their shardings, the TrainState's shardings)``."""
         abstract_vars = self.model.abstract_variables()
         p_shardings = sharding.param_shardings(abstract_vars, self.mesh, self.rules)
-        self.abstract_params = jax.tree.map(
+        abstract_params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             sharding.unboxed(abstract_vars)["params"],
             p_shardings,
         )
-        o_shardings = sharding.opt_state_shardings(
-            self.optimizer.transform, self.abstract_params, p_shardings, self.mesh
-        )
-        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self.state_shardings = TrainState(step=self.replicated, params=p_shardings, opt_state=o_shardings)
+        o_shardings = sharding.opt_state_shardings(self.optimizer.transform, abstract_params, p_shardings, self.mesh)
+        return abstract_params, TrainState(step=self.replicated, params=p_shardings, opt_state=o_shardings)
 
     def _init_state(self, rng) -> TrainState:
         params = nn.unbox(self.model.init_variables(rng))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.transform.init(params))
+
+    def init_state(self) -> TrainState:
+        """A fresh state from ``seed`` at step 0, created already sharded over the mesh."""
+        with self.placement():
+            return sharding.sharded_init(self._init_state, jax.random.key(self.seed), self.state_shardings)
+
+    @property
+    def checkpointer(self) -> checkpointing.Checkpointer:
+        """The run's checkpoints in ``model_dir`` (opened, and the folder created, on first use)."""
+        if self._checkpointer is None:
+            self._checkpointer = checkpointing.Checkpointer(
+                self.model_dir,
+                save_interval_steps=self.checkpoints.every,
+                keep_last=self.checkpoints.keep_last,
+                keep_best=self.checkpoints.keep_best,
+                best_metric=self.checkpoints.best_metric,
+                best_mode=self.best_mode,
+            )
+        return self._checkpointer
+
+    def close(self) -> None:
+        """Waits for and closes the checkpoints, if any were opened (a later save reopens them)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
 
     def _initial_state(self, train_batches, init_params):
         """``(state, start_step, origin)``: restored, fine-tuned from ``init_params`` (read from
@@ -252,7 +321,7 @@ class Trainer:
         if restored is not None:
             state, start_step = restored
             return state, start_step, f"resumed from step {start_step}"
-        state = sharding.sharded_init(self._init_state, jax.random.key(self.seed), self.state_shardings)
+        state = self.init_state()
         if init_params is None:
             return state, 0, "initialised from seed"
         opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(init_params)
@@ -263,9 +332,18 @@ class Trainer:
         )
 
     # ----- the pieces of one iteration -----------------------------------------------------
+    def compile_step(self, state: TrainState, batch):
+        """Compiles the train step for the shapes of ``state`` and ``batch`` (arrays or
+        ``jax.ShapeDtypeStruct``) and keeps it as ``compiled_step``; returns it."""
+        with self.placement():
+            self.compiled_step = self.jitted_step.lower(state, batch, self.rng).compile()
+        return self.compiled_step
+
     def step(self, state: TrainState, batch) -> tuple:
-        """One compiled optimizer step: ``(state, metrics)``; the old state is donated."""
-        return self.compiled_step(state, batch, self.rng)
+        """One compiled optimizer step on a global ``batch``: ``(state, metrics)``; the old state
+        is donated. The first call compiles the step for its shapes."""
+        compiled = self.compiled_step or self.compile_step(state, batch)
+        return compiled(state, batch, self.rng)
 
     def _due(self, every: int, step: int) -> bool:
         """Every ``every`` steps (0: never) and at the last step."""
@@ -280,27 +358,35 @@ class Trainer:
         """Teacher-forced metrics on the eval batches, plus every hook due at ``step``."""
         teacher_forced, hooks = self._due_evaluations(step)
         results: Dict[str, float] = {}
-        if teacher_forced:
-            results.update(evaluate_batches(self.eval_fn, params, self.eval_batches))
-        for hook in hooks:
-            results.update(hook(params))
+        with self.placement():
+            if teacher_forced:
+                results.update(evaluate_batches(self.eval_fn, params, self.eval_batches))
+            for hook in hooks:
+                results.update(hook(params))
         return results
 
     def evaluation_due(self, step: int) -> bool:
         teacher_forced, hooks = self._due_evaluations(step)
         return teacher_forced or bool(hooks)
 
-    def maybe_save(self, step: int, state: TrainState, train_batches, *, force: bool, metrics: Optional[dict]) -> None:
+    def maybe_save(
+        self, step: int, state: TrainState, train_batches=None, *, force: bool = False, metrics: Optional[dict] = None
+    ) -> bool:
         """Saves at the checkpoint interval, when forced (end, preemption), or at orbax's
         preemption sync point; ``metrics`` rank the best checkpoints. Called before the next
-        batch is read, so the stored data position is ``step``."""
-        self.checkpointer.save(
+        batch is read, so the stored data position is ``step``. Returns whether it saved."""
+        return self.checkpointer.save(
             step,
             state,
             data_iterator=train_batches,
             force=force,
             metrics={f"eval/{k}": v for k, v in metrics.items()} if metrics else None,
         )
+
+    def save(self, step: int, state: TrainState, train_batches=None, *, metrics: Optional[dict] = None) -> bool:
+        """Saves ``state`` as checkpoint ``step`` now (with the data position of
+        ``train_batches`` when given), whatever the interval."""
+        return self.maybe_save(step, state, train_batches, force=True, metrics=metrics)
 
     def _raise_if_diverged(self, metrics, last_step: int, to_close) -> None:
         """Raise :class:`TrainingDiverged` naming the first of the steps ``last_step - len + 1 ..
@@ -321,10 +407,11 @@ class Trainer:
         """Train to ``steps`` (or to preemption) and return the final state's summary. Every check
         (the data pipeline, a fine-tuning checkpoint's fit) runs before ``model_dir`` is created,
         and the run holds ``model_dir``'s lock (``run_lock``) while it writes there."""
+        from terra.data import json_lines
+
         train_batches = self.batches("train", self.feature_lengths, None, self.shuffle)
         first = next(train_batches)  # fails here, before model_dir exists, if the pipeline cannot run
-        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-            self._shardings()
+        with self.placement():
             init_params = None
             if self.init_from and not checkpointing.has_checkpoint(self.model_dir):
                 # Read (and checked against this model) before anything is written: a checkpoint
@@ -342,14 +429,6 @@ class Trainer:
     def _train(self, train_batches, first, init_params) -> TrainResult:
         """Restores or initialises the state, compiles the step and runs the loop (locked)."""
         os.makedirs(self.model_dir, exist_ok=True)  # every process; process 0's lock made it already
-        self.checkpointer = checkpointing.Checkpointer(
-            self.model_dir,
-            save_interval_steps=self.checkpoints.every,
-            keep_last=self.checkpoints.keep_last,
-            keep_best=self.checkpoints.keep_best,
-            best_metric=self.checkpoints.best_metric,
-            best_mode=self.best_mode,
-        )
         state, start_step, origin = self._initial_state(train_batches, init_params)
         if start_step >= self.steps:  # a finished run: nothing to compile or train
             if self.is_host0:
@@ -358,7 +437,7 @@ class Trainer:
                     "nothing to do.",
                     flush=True,
                 )
-            self.checkpointer.close()
+            self.close()
             return TrainResult(
                 step=start_step,
                 params=state.params,
@@ -369,27 +448,14 @@ class Trainer:
             )
         if start_step:
             first = None  # the restored data position replaces the batch read to check the pipeline
-        model, tx = self.model, self.optimizer.transform
-        batch_sh = sharding.batch_sharding(self.mesh)
-        step_fn = jax.jit(
-            lambda s, b, r: train_step(model, tx, s, b, r),
-            in_shardings=(self.state_shardings, batch_sh, self.replicated),
-            out_shardings=(self.state_shardings, self.replicated),
-            donate_argnums=(0,),
-        )
-        self.eval_fn = jax.jit(
-            model.eval_metrics, in_shardings=(self.state_shardings.params, batch_sh), out_shardings=self.replicated
-        )
-        self.rng = jax.random.key(self.seed + 1)
         host_next = first if first is not None else next(train_batches)
-        pending = sharding.global_batch(host_next, self.mesh)
-        self.compiled_step = step_fn.lower(state, pending, self.rng).compile()
-        self.eval_batches = self.read_eval_batches()
+        pending = self.global_batch(host_next)
+        compiled = self.compile_step(state, pending)
         param_count = int(sum(np.prod(x.shape) for x in jax.tree.leaves(self.abstract_params)))
         summary = metrics_lib.summarize_start(
             mesh_description=mesh_lib.describe_mesh(self.mesh),
             param_count=param_count,
-            compiled_memory_bytes=metrics_lib.compiled_memory_bytes(self.compiled_step),
+            compiled_memory_bytes=metrics_lib.compiled_memory_bytes(compiled),
         )
         if self.is_host0:
             print(f"train: {summary}; {origin}; {self.model_dir}", flush=True)
@@ -399,6 +465,8 @@ class Trainer:
         return self._loop(state, start_step, train_batches, host_next, pending)
 
     def _loop(self, state, start_step, train_batches, host_next, pending) -> TrainResult:
+        from terra.data import pipeline
+
         writer = metrics_lib.MetricsWriter(self.model_dir, enabled=self.is_host0, resume_step=start_step)
         bar = metrics_lib.ProgressBar(
             self.steps, initial_step=start_step, enabled=self.is_host0 and self.logging.progress
@@ -433,7 +501,7 @@ class Trainer:
                     or step == self.steps
                     or term.received
                 ):
-                    self._raise_if_diverged(unchecked, step, (writer, bar, self.checkpointer))
+                    self._raise_if_diverged(unchecked, step, (writer, bar, self))
                     unchecked = []
                 if step % log_every == 0 or step == self.steps:
                     elapsed = time.perf_counter() - window_start
@@ -467,10 +535,10 @@ class Trainer:
                     break
                 if step < self.steps:
                     host_next = next(train_batches)
-                    pending = sharding.global_batch(host_next, self.mesh)
+                    pending = self.global_batch(host_next)
         writer.close()
         bar.close()
-        self.checkpointer.close()
+        self.close()
         return TrainResult(
             step=step,
             params=state.params,

@@ -1,16 +1,18 @@
-"""The native narrow-weight products (``terra/quantization/native/narrow_products.cc``) as XLA FFI
-custom calls on the CPU.
+"""The native narrow-weight products (the C++ of ``terra/quantization/native/``) as XLA FFI
+custom calls on the CPU: what the CPU backend (``terra/backends/cpu.py``) calls.
 
 The shared library is built by the package's install (``setup.py``, an optional extension placed
 next to its source). It is loaded with ctypes on first use and its handlers registered with
 ``jax.ffi``; when it is missing or cannot be loaded, one warning says so and :func:`available`
-is false, so ``terra/quantization/products.py`` keeps its XLA path. ``TERRA_NATIVE_KERNELS=0``
-turns the kernels off without a warning (to compare both paths, or to rule the kernels out).
+is false, so the primitives (``terra/backends/primitives.py``) keep their XLA forms.
+``TERRA_NATIVE_KERNELS=0`` turns the kernels off without a warning (to compare both paths, or to
+rule the kernels out).
 
-Four products: the output-major matrix-vector product of the dense layers (:func:`output_major`),
-the input-major one of the small sparse-layer kernels (:func:`input_major`), and the dot and the
-weighted sum of the rows a sparse feed-forward layer selects (:func:`gathered_dot`,
-:func:`gathered_sum`).
+Four products and two fused layer steps: the output-major matrix-vector product of the dense
+layers (:func:`output_major`), the input-major one of the small sparse-layer kernels
+(:func:`input_major`), the dot and the weighted sum of the rows a sparse feed-forward layer selects
+(:func:`gathered_dot`, :func:`gathered_sum`), and a sparse feed-forward layer's and a sparse QKV
+layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse_attention`).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
@@ -37,7 +39,8 @@ MAX_ROWS = 8
 # is widened once and used by every row, so its arithmetic grows with them; past this, XLA's matrix
 # product is the faster one.
 MAX_INPUT_MAJOR_ROWS = 256
-LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+# The library is built next to its source, in the quantization package (setup.py's extension path).
+LIBRARY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization", "native")
 LIBRARY_STEM = "_narrow_products"  # the extension module setup.py builds: terra.quantization.native._narrow_products
 REBUILD = (
     "rebuild it with `make install` (after `rm .venv/.terra-installed`) or "

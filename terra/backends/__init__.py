@@ -1,0 +1,41 @@
+"""Decode backends: the primitives a layer's decode step is written in (products of float or narrow
+weights, row gathers, attention over a KV cache, the sparse layers' fused steps) and, per platform,
+what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA everywhere else
+(``xla``). Layers import this package only; a new backend is a module here and an entry in
+``primitives.BACKENDS``. See ``docs/architecture.md``, "Decode backends"."""
+
+from terra.backends.primitives import (
+    SparseAttentionWeights,
+    SparseFeedForwardWeights,
+    cached_attention,
+    gathered_rows_product,
+    gathered_rows_sum,
+    input_major_product,
+    look_up_rows,
+    output_major_product,
+    slice_rows,
+    sparse_attention_step,
+    sparse_feed_forward_step,
+    take_rows,
+    write_after_read,
+)
+from terra.backends.xla import MASK_VALUE
+from terra.quantization.quantized import as_float
+
+__all__ = [
+    "MASK_VALUE",
+    "SparseAttentionWeights",
+    "SparseFeedForwardWeights",
+    "as_float",
+    "cached_attention",
+    "gathered_rows_product",
+    "gathered_rows_sum",
+    "input_major_product",
+    "look_up_rows",
+    "output_major_product",
+    "slice_rows",
+    "sparse_attention_step",
+    "sparse_feed_forward_step",
+    "take_rows",
+    "write_after_read",
+]

@@ -1,0 +1,174 @@
+"""The CPU backend: the native forms of the decode primitives (``terra/backends/native_kernels.py``)
+and when each applies.
+
+Each function takes what a primitive knows at trace time (the activations, the stored weights)
+and returns the native form, a function of the primitive's operands, or ``None`` where it does not
+apply: activations that are not float32, more rows than a kernel takes (prefill, training), float32
+weights, the kernels not built or switched off (``native_kernels.disabled``, ``unfused``). The
+primitives (``terra/backends/primitives.py``) run a native form only in the program lowered for
+the CPU; elsewhere the XLA form.
+
+The native kernels widen 16 narrow weights at a time in registers: the dense output-major product
+streams int8 weights about twice as fast as XLA's blocked product (``terra-bench products``), the
+sparse layers' products read their narrow weights in place, with no float32 copy of a kernel or of
+the gathered rows, and a sparse layer's decode step is one call (docs/architecture.md, decisions).
+"""
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from terra.backends import native_kernels
+from terra.quantization.quantized import QuantizedTensor
+
+PLATFORM = "cpu"
+
+
+def native_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
+    """Whether a product of ``x`` (``rows`` rows of activations) may use a native kernel: float32
+    activations, 1 to ``max_rows`` rows (decoding), and the kernels built and switched on."""
+    return x.dtype == jnp.float32 and 0 < rows <= max_rows and native_kernels.available()
+
+
+def fused_applies(x: jax.Array, rows: int, max_rows: int) -> bool:
+    """Whether a sparse layer's decode step may run as one fused native call: as
+    :func:`native_applies`, with the fused kernels not turned off (``native_kernels.unfused``)."""
+    return native_applies(x, rows, max_rows) and native_kernels.fused_available()
+
+
+def _one_narrow_kind(weights) -> Optional[str]:
+    """The store shared by every weight of ``weights``, or ``None`` if one is float32 or they differ."""
+    kinds = {w.kind if isinstance(w, QuantizedTensor) else None for w in weights}
+    return None if len(kinds) != 1 or None in kinds else kinds.pop()
+
+
+def output_major_product(x: jax.Array, kernel: QuantizedTensor, n_out: int):
+    """``(x, values [out, in], scale) -> [..., out]``: the output-major kernel."""
+    rows = math.prod(x.shape[:-1])
+    if not (n_out > 0 and native_applies(x, rows, native_kernels.MAX_ROWS)):
+        return None
+
+    def native(x, values, scale):
+        n_in = x.shape[-1]
+        # int8: one scale per output row, or per row and group of in_axes[-1] consecutive inputs.
+        groups = scale.reshape(n_out, -1) if kernel.kind == "int8" else scale
+        y = native_kernels.output_major(x.reshape(rows, n_in), values.reshape(n_out, n_in), groups, kernel.kind)
+        return y.reshape(x.shape[:-1] + (n_out,))
+
+    return native
+
+
+def input_major_product(x: jax.Array, kernel: QuantizedTensor):
+    """``(x, values [in, out], scale [in, groups]) -> [..., out]``: the input-major kernel."""
+    rows = math.prod(x.shape[:-1])
+    if not native_applies(x, rows, native_kernels.MAX_INPUT_MAJOR_ROWS):
+        return None
+
+    def native(x, values, scale):
+        y = native_kernels.input_major(x.reshape(rows, values.shape[0]), values, scale, kernel.kind)
+        return y.reshape(x.shape[:-1] + (values.shape[1],))
+
+    return native
+
+
+def transposed_chunk_rows(x: jax.Array) -> Optional[int]:
+    """Rows per output-major product for an input-major kernel stored transposed, where ``x`` has
+    more rows than the output-major kernel takes (a beam search's sparse loss: beams x S modules):
+    each chunk reads the weights again, yet with the sparse loss's ``[1024, 8000]`` kernel in int8
+    that is faster than the input-major kernel at 16 rows and within 1.2x of it at 32, where XLA's
+    blocked product is 1.3-1.5x slower. ``None``: one product."""
+    rows = math.prod(x.shape[:-1])
+    if rows <= native_kernels.MAX_ROWS or not native_applies(x, rows, native_kernels.MAX_INPUT_MAJOR_ROWS):
+        return None
+    return native_kernels.MAX_ROWS
+
+
+def _gathered(kernel, x: jax.Array, matrix: QuantizedTensor, rows: jax.Array, out_width: int):
+    batch = math.prod(rows.shape[:-1])
+    if not native_applies(x, batch, native_kernels.MAX_ROWS):
+        return None
+
+    def native(x, values, scale, rows):
+        y = kernel(x.reshape(batch, -1), values, scale, rows.reshape(batch, -1).astype(jnp.int32), matrix.kind)
+        return y.reshape(rows.shape[:-1] + (out_width,))
+
+    return native
+
+
+def gathered_rows_product(x: jax.Array, matrix: QuantizedTensor, rows: jax.Array):
+    """``(x, values, scale, rows) -> [..., k]``: the dot with the selected rows, read in place."""
+    return _gathered(native_kernels.gathered_dot, x, matrix, rows, rows.shape[-1])
+
+
+def gathered_rows_sum(h: jax.Array, matrix: QuantizedTensor, rows: jax.Array):
+    """``(h, values, scale, rows) -> [..., d]``: the weighted sum of the selected rows, read in place."""
+    return _gathered(native_kernels.gathered_sum, h, matrix, rows, matrix.shape[-1])
+
+
+def sparse_feed_forward_step(x: jax.Array, weights):
+    """``(x, C1, C2, W1, W2) -> (y, choices)``: a sparse feed-forward layer's decode step in one
+    call (``native_kernels.sparse_feed_forward``), where every weight is narrow of one store and C2
+    is stored output-major."""
+    rows = math.prod(x.shape[:-1])
+    kind = _one_narrow_kind((weights.controller_down, weights.controller_up, weights.wi, weights.wo))
+    if kind is None or not weights.controller_up.transposed or not fused_applies(x, rows, native_kernels.MAX_ROWS):
+        return None
+    n_ff = math.prod(weights.wi.shape[:-1])
+
+    def pair(w, n_rows):
+        values = w.values.reshape(n_rows, -1)
+        return values, (w.scale.reshape(n_rows) if kind == "int8" else None)
+
+    def native(x, down, up, wi, wo):
+        y, chosen = native_kernels.sparse_feed_forward(
+            x.reshape(rows, -1),
+            pair(down, down.shape[0]),
+            pair(up.output_major(), n_ff),
+            weights.controller_bias,
+            pair(wi, n_ff),
+            pair(wo, n_ff),
+            weights.wo_bias,
+            kind,
+        )
+        return y.reshape(x.shape), chosen.reshape(x.shape[:-1] + chosen.shape[-1:])
+
+    return native
+
+
+def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Optional[str]):
+    """``(x, conv_rows, cache, D, E, *convolution kernels) -> results``: a sparse QKV layer's decode
+    step in one call (``native_kernels.sparse_attention``), where every weight is narrow of one
+    store, the convolutions span the cached window, and the batch's modules fit the kernel."""
+    batch, n_modules = x.shape[0], weights.gate.shape[0]
+    kernels = [kernel for kernel, _ in weights.convolutions]
+    kind = _one_narrow_kind([weights.gate, weights.kernel] + kernels)
+    length = conv_rows.shape[1] + 1
+    if kind is None or any(kernel.shape[0] != length for kernel in kernels):
+        return None
+    if not fused_applies(x, batch * n_modules, native_kernels.MAX_INPUT_MAJOR_ROWS):
+        return None
+
+    def pair(w):
+        return w.values, (w.scale if kind == "int8" else None)
+
+    def native(x, conv_rows, cache, gate, kernel, *kernels):
+        convs = [(pair(k), bias) for k, (_, bias) in zip(kernels, weights.convolutions)]
+        if mode == "self" and cache[3] is None:
+            cache = cache[:3] + (jnp.ones((batch, cache[0].shape[2]), bool),)
+        outs, new_rows, attended = native_kernels.sparse_attention(
+            x.reshape(batch, -1),
+            pair(gate),
+            pair(kernel),
+            weights.bias,
+            conv_rows,
+            convs,
+            kind,
+            None if mode is None else (mode,) + tuple(cache),
+        )
+        if attended is None:
+            return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
+        return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:])
+
+    return native

@@ -1,0 +1,153 @@
+"""The XLA forms of the decode primitives: what runs on every platform, and wherever no native
+form applies (training, prefill, more rows than a kernel takes, the kernels not built).
+
+XLA:CPU turns ``w.astype(float32) @ x`` into a conversion of the whole matrix to a float32 buffer
+in memory followed by the product: the narrow weights are read once and a 4-byte copy written and
+read again, 10× slower than the float32 product (``docs/design/cpu_decoding.md``). Converting
+block by block inside a loop keeps each widened block in cache, so memory traffic is the narrow
+bytes alone; that still runs at about half the bandwidth, which is why the CPU backend
+(``terra/backends/cpu.py``) replaces these forms in decoding.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from terra.quantization.quantized import QuantizedTensor, widen
+
+# Widened float32 elements per block: 4 MiB, about the size of a core's L2 plus part of the L3
+# slice, where the measured time stops improving (docs/design/cpu_decoding.md).
+BLOCK_ELEMENTS = 1 << 20
+# Additive mask value for disallowed positions (the reference uses -1e9).
+MASK_VALUE = -1e9
+
+
+def dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in]`` times a 2-D output-major ``kernel [out, in]`` -> ``[..., out]``, read in
+    place: XLA:CPU reads this layout faster than ``[in, out]`` and no transpose is ever
+    materialised (``terra/layers/dense.py``)."""
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def widened_output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """``x [..., in]`` times narrow ``values [out, *in_axes]`` (``scale`` per row, or per row and
+    run of ``in_axes[-1]`` inputs; a scalar for bfloat16), widened block by block of
+    ``BLOCK_ELEMENTS``, the last block possibly shorter.
+
+    The blocks are dynamic slices of ``values`` in a ``fori_loop``: a ``lax.map`` over
+    ``values[:head].reshape(blocks, ...)`` (``head`` short of ``out`` when a shorter last block
+    remains) measured 5x slower on XLA:CPU ([32000, 1024] int8: 14.9 ms against 2.4 ms)."""
+    n_out = values.shape[0]
+    per_row = kind == "int8"  # bfloat16 has one unused scale, passed whole to every block
+
+    def product(start, size):
+        v = lax.dynamic_slice_in_dim(values, start, size)
+        s = lax.dynamic_slice_in_dim(scale, start, size) if per_row else scale
+        return dot(x, widen(v, s, kind).reshape(size, -1))
+
+    def place(y, start, part):  # each block is its own slice of the output
+        return lax.dynamic_update_slice_in_dim(y, part, start, axis=-1)
+
+    return _over_blocks(n_out, x.shape[-1], product, place, x.shape[:-1] + (n_out,))
+
+
+def widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
+    """``x [..., in]`` times narrow input-major ``values [in, out]`` (int8 ``scale [in, groups]``).
+
+    A kernel with one scale per input row has its scales folded into ``x`` (``sum_i x_i s_i v_i =
+    sum_i (x_i s_i) v_i``) and only the values widened, block by block of ``BLOCK_ELEMENTS`` input
+    rows, the partial products summed; finer scales (several output axes) are widened whole."""
+    if kind == "int8" and scale.shape[1] > 1:
+        return x @ widen(values.reshape(scale.shape + (-1,)), scale, kind).reshape(values.shape)
+    if kind == "int8":
+        x = x * scale[:, 0]
+    unscaled = jnp.ones((), jnp.float32)  # int8's scales are in x; bfloat16 has none
+
+    def product(start, size):
+        x_block = lax.dynamic_slice_in_dim(x, start, size, axis=-1)
+        return x_block @ widen(lax.dynamic_slice_in_dim(values, start, size), unscaled, kind)
+
+    def accumulate(y, start, part):  # each block of input rows adds its partial product
+        return y + part
+
+    return _over_blocks(values.shape[0], values.shape[1], product, accumulate, x.shape[:-1] + (values.shape[1],))
+
+
+def _over_blocks(n_rows: int, row_elements: int, product, add, out_shape):
+    """``product(start, size)`` over blocks of ``BLOCK_ELEMENTS // row_elements`` weight rows, in
+    a ``fori_loop`` of dynamic slices (slicing ``values[:head]`` up front copies the matrix), and a
+    shorter last block; ``add(y, start, part)`` folds each block's product into the float32
+    ``y`` of ``out_shape``."""
+    block = max(1, min(n_rows, BLOCK_ELEMENTS // row_elements))
+    n_blocks, tail = divmod(n_rows, block)
+    if n_blocks == 1 and not tail:
+        return product(0, n_rows)
+    y = jnp.zeros(out_shape, jnp.float32)
+    y = lax.fori_loop(0, n_blocks, lambda k, y: add(y, k * block, product(k * block, block)), y)
+    head = n_blocks * block
+    return add(y, head, product(head, tail)) if tail else y
+
+
+def read_rows(matrix, select) -> jax.Array:
+    """``select(matrix)`` (a selection along axis 0) as float32: of a float32 array, or of a
+    :class:`QuantizedTensor`'s values and their row scales, then only those rows widened."""
+    if not isinstance(matrix, QuantizedTensor):
+        return select(matrix)
+    scale = matrix.scale if matrix.kind == "bfloat16" else select(matrix.scale)
+    return widen(select(matrix.values), scale, matrix.kind)
+
+
+def take_rows(matrix, rows: jax.Array) -> jax.Array:
+    """``matrix[rows]`` along axis 0 as float32, for a float32 array or a :class:`QuantizedTensor`
+    (the gathered rows are widened with their own scales: a few rows, in cache).
+    ``mode='clip'``: the rows are in range by construction, and the default bounds handling
+    ('fill') makes XLA:CPU's gather about twice as slow."""
+    return read_rows(matrix, lambda a: jnp.take(a, rows, axis=0, mode="clip"))
+
+
+def gathered_rows_product(x: jax.Array, matrix, rows: jax.Array) -> jax.Array:
+    """``y[..., j] = matrix[rows[..., j]] . x[...]`` with the rows gathered (and widened) first."""
+    return jnp.einsum("...d,...kd->...k", x, take_rows(matrix, rows))
+
+
+def gathered_rows_sum(h: jax.Array, matrix, rows: jax.Array) -> jax.Array:
+    """``y[...] = sum_j h[..., j] matrix[rows[..., j]]`` with the rows gathered (and widened) first."""
+    return jnp.einsum("...k,...kd->...d", h, take_rows(matrix, rows))
+
+
+def cached_attention(q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None):
+    """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
+    position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
+    prefill padded some, ``key_mask [b, max_len]`` true for real ones). Returns ``y [b, h, 1, d]``
+    and the caches with k and v written at ``index``.
+
+    It attends over the cache as it was plus the new token, then writes the new key and value in
+    place. XLA:CPU copies a donated buffer that is both read and updated in one step unless the
+    update provably comes after the reads (two full copies of every cache per layer per token;
+    docs/architecture.md): :func:`write_after_read` gives the update that data dependency."""
+    max_len = cached_key.shape[2]
+    scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    visible = jnp.arange(max_len)[None, :] < index
+    if key_mask is not None:
+        visible = visible & key_mask
+    past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
+    past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key).astype(jnp.float32)
+    past_logits = past_logits + past_bias[:, None, None, :]
+    self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
+    probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    probs = probs.astype(v.dtype)
+    past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value)
+    y = past_values + probs[..., max_len:] * v
+    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, past_logits, index), (0, 0, index, 0))
+    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, past_values, index), (0, 0, index, 0))
+    return y, cached_key, cached_value
+
+
+def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
+    """``update`` unchanged, but data-dependent on ``read`` so XLA schedules the cache read
+    before the in-place cache write. The added term is selected by a predicate that is
+    false at run time but unknown at compile time, so it is exactly 0 (NaN-safe)."""
+    dependency = jnp.where(index < 0, jnp.sum(read), 0.0)
+    return update + dependency.astype(update.dtype)

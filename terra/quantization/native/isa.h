@@ -1,0 +1,296 @@
+// The instruction sets the kernels are compiled for, and the one mechanism that compiles them.
+//
+// Every kernel is written once, as a template over an instruction-set tag (Portable, Avx2, Avx512
+// below: the vector width, widening, loads, multiply-adds, reductions and tails of that set). The
+// tag's operations carry the set's target attribute; the kernel bodies carry none and are always
+// inlined, so that WithIsa can compile a body inside a function with the set's target attribute,
+// once per set. The set is chosen at run time (__builtin_cpu_supports), never by -march=native,
+// so one build runs on any x86-64 machine.
+
+#ifndef TERRA_QUANTIZATION_NATIVE_ISA_H_
+#define TERRA_QUANTIZATION_NATIVE_ISA_H_
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+// GCC 12 reports its own intrinsics' deliberately undefined lanes (_mm512_undefined_*) as
+// uninitialized wherever they are inlined: false positives that would bury real warnings.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The vector operations below are always inlined into a function of their own instruction set:
+// no vector crosses a call boundary, so the ABI note on vector arguments does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#include <immintrin.h>
+#define TERRA_X86 1
+#endif
+
+#define TERRA_INLINE inline __attribute__((always_inline))
+// For a lambda handed to WithIsa: its body is compiled inside the instruction set's function.
+#define TERRA_INLINE_LAMBDA __attribute__((always_inline))
+#define TERRA_AVX2 __attribute__((target("avx2,fma")))
+#define TERRA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+namespace terra::native {
+
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The best instruction set this CPU supports.
+int SupportedIsa();
+// What the handlers use: the best supported, or a lower one asked for (terra_narrow_products_isa).
+extern std::atomic<int> g_isa;
+inline int ActiveIsa() { return g_isa.load(std::memory_order_relaxed); }
+
+// Asks for the line at `address` into L2 (any address: a prefetch never faults). An asm statement,
+// because GCC 12 drops __builtin_prefetch and _mm_prefetch from some of the kernels' loops.
+TERRA_INLINE void PrefetchLine(uintptr_t address) {
+#if TERRA_X86
+  asm volatile("prefetcht1 (%0)" ::"r"(address));
+#else
+  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 2);
+#endif
+}
+
+// One narrow weight as float32: int8 as its value, bfloat16 (its bits as uint16) as the float32
+// with the same upper half.
+inline float Widen(int8_t v) { return static_cast<float>(v); }
+inline float Widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// 16 lanes of float32 as a GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones,
+// whichever the target attribute of the function it is inlined into allows (plain loops over a
+// float[16] were vectorised only 4 lanes wide). The kernels whose loops the compiler vectorises
+// (input-major, gathered, attention) are written over these lanes.
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int8_t Int8Lanes __attribute__((vector_size(kLanes)));
+typedef uint16_t Uint16Lanes __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef int16_t Int16Lanes __attribute__((vector_size(kLanes * sizeof(int16_t))));
+typedef int32_t Int32Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t Uint32Lanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+TERRA_INLINE Lanes LoadLanes(const float* x) {
+  Lanes lanes;
+  std::memcpy(&lanes, x, sizeof lanes);
+  return lanes;
+}
+TERRA_INLINE void StoreLanes(float* y, const Lanes& lanes) { std::memcpy(y, &lanes, sizeof lanes); }
+
+// Generic widening: GCC 12 widens int8 lanes straight to int32 or float one lane at a time, so
+// through int16 and int32.
+TERRA_INLINE Lanes GenericWidenLanes(const int8_t* v) {
+  Int8Lanes narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  const Int32Lanes wide = __builtin_convertvector(__builtin_convertvector(narrow, Int16Lanes), Int32Lanes);
+  return __builtin_convertvector(wide, Lanes);
+}
+TERRA_INLINE Lanes GenericWidenLanes(const uint16_t* v) {
+  Uint16Lanes narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  return reinterpret_cast<Lanes>(__builtin_convertvector(narrow, Uint32Lanes) << 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The instruction-set tags. Each has:
+//   Vec, kWidth          its float32 vector and lanes per vector
+//   kAccumulators        the accumulator vectors a row kernel keeps in registers beside its
+//                        weights and one vector of x
+//   kBlockRows           rows of x per register tile of the blocked input-major product
+//   kTransposedSums      whether SumsOfWidth (kWidth vectors' sums as one vector) is cheaper than
+//                        kWidth reductions
+//   Zero, Broadcast, Load(x[, m]), Store, Widen(w[, m]), Fma, Mul, Sum: m = the lanes of a tail
+//   WidenLanes           16 narrow weights as Lanes, with the set's own conversions: the generic
+//                        conversion takes 8 instructions for 16 int8 weights where AVX-512 takes 2
+//                        (vpmovsxbd, vcvtdq2ps), and the gathered and input-major kernels are bound
+//                        by widening, not by memory, when their weights are in cache.
+
+// Portable C++ (any machine): the 16 generic lanes.
+struct Portable {
+  static constexpr int kIsa = kPortable;
+  using Vec = Lanes;
+  static constexpr int64_t kWidth = kLanes;
+  static constexpr int kAccumulators = 2;
+  static constexpr int kBlockRows = 2;
+  static constexpr bool kTransposedSums = false;
+
+  static TERRA_INLINE Vec Zero() { return Vec{}; }
+  static TERRA_INLINE Vec Broadcast(float s) { return Vec{} + s; }
+  static TERRA_INLINE Vec Load(const float* x) { return LoadLanes(x); }
+  static TERRA_INLINE Vec Load(const float* x, int64_t m) {
+    float padded[kWidth] = {};
+    std::memcpy(padded, x, m * sizeof(float));
+    return LoadLanes(padded);
+  }
+  static TERRA_INLINE void Store(float* y, const Vec& v) { StoreLanes(y, v); }
+  template <typename W>
+  static TERRA_INLINE Vec Widen(const W* v) {
+    return GenericWidenLanes(v);
+  }
+  template <typename W>
+  static TERRA_INLINE Vec Widen(const W* v, int64_t m) {
+    W padded[kWidth] = {};
+    std::memcpy(padded, v, m * sizeof(W));
+    return GenericWidenLanes(padded);
+  }
+  // By reference: a 64-byte vector by value in a function without AVX-512 draws GCC's ABI note.
+  static TERRA_INLINE Vec Fma(const Vec& a, const Vec& b, const Vec& c) { return a * b + c; }
+  static TERRA_INLINE Vec Mul(const Vec& a, const Vec& b) { return a * b; }
+  static TERRA_INLINE float Sum(const Vec& v) {
+    float total = 0.0f;
+    for (int64_t l = 0; l < kWidth; ++l) total += v[l];
+    return total;
+  }
+  template <typename W>
+  static TERRA_INLINE Lanes WidenLanes(const W* v) {
+    return GenericWidenLanes(v);
+  }
+};
+
+#if TERRA_X86
+
+// AVX2 + FMA: 8 lanes per vector, 16 vector registers. Tails go through zero-padded buffers.
+struct Avx2 {
+  static constexpr int kIsa = kAvx2;
+  using Vec = __m256;
+  static constexpr int64_t kWidth = 8;
+  static constexpr int kAccumulators = 8;
+  // 2 * 3 accumulators of 16 lanes: 12 of the 16 registers.
+  static constexpr int kBlockRows = 3;
+  static constexpr bool kTransposedSums = false;
+
+  TERRA_AVX2 static inline Vec Zero() { return _mm256_setzero_ps(); }
+  TERRA_AVX2 static inline Vec Broadcast(float s) { return _mm256_set1_ps(s); }
+  TERRA_AVX2 static inline Vec Load(const float* x) { return _mm256_loadu_ps(x); }
+  TERRA_AVX2 static inline Vec Load(const float* x, int64_t m) {
+    float padded[kWidth] = {};
+    std::memcpy(padded, x, m * sizeof(float));
+    return _mm256_loadu_ps(padded);
+  }
+  TERRA_AVX2 static inline void Store(float* y, Vec v) { _mm256_storeu_ps(y, v); }
+  TERRA_AVX2 static inline Vec Widen(const int8_t* v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+  }
+  TERRA_AVX2 static inline Vec Widen(const uint16_t* v) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  template <typename W>
+  TERRA_AVX2 static inline Vec Widen(const W* v, int64_t m) {
+    W padded[kWidth] = {};
+    std::memcpy(padded, v, m * sizeof(W));
+    return Widen(padded);
+  }
+  TERRA_AVX2 static inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  TERRA_AVX2 static inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  TERRA_AVX2 static inline float Sum(Vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  template <typename W>
+  TERRA_AVX2 static inline Lanes WidenLanes(const W* v) {
+    const __m256 low = Widen(v), high = Widen(v + 8);
+    Lanes lanes;
+    std::memcpy(&lanes, &low, sizeof low);
+    std::memcpy(reinterpret_cast<char*>(&lanes) + sizeof low, &high, sizeof high);
+    return lanes;
+  }
+};
+
+// AVX-512 (F, BW, VL): 16 lanes per vector, 32 vector registers. Tails by masked loads.
+struct Avx512 {
+  static constexpr int kIsa = kAvx512;
+  using Vec = __m512;
+  static constexpr int64_t kWidth = 16;
+  static constexpr int kAccumulators = 16;
+  // 2 * 8 accumulators: 16 of the 32 registers.
+  static constexpr int kBlockRows = 8;
+  static constexpr bool kTransposedSums = true;
+
+  TERRA_AVX512 static inline __mmask16 Mask(int64_t m) { return static_cast<__mmask16>((1u << m) - 1u); }
+  TERRA_AVX512 static inline Vec Zero() { return _mm512_setzero_ps(); }
+  TERRA_AVX512 static inline Vec Broadcast(float s) { return _mm512_set1_ps(s); }
+  TERRA_AVX512 static inline Vec Load(const float* x) { return _mm512_loadu_ps(x); }
+  TERRA_AVX512 static inline Vec Load(const float* x, int64_t m) { return _mm512_maskz_loadu_ps(Mask(m), x); }
+  TERRA_AVX512 static inline void Store(float* y, Vec v) { _mm512_storeu_ps(y, v); }
+  TERRA_AVX512 static inline Vec Widen(const int8_t* v) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
+  }
+  TERRA_AVX512 static inline Vec Widen(const uint16_t* v) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  TERRA_AVX512 static inline Vec Widen(const int8_t* v, int64_t m) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(Mask(m), v)));
+  }
+  TERRA_AVX512 static inline Vec Widen(const uint16_t* v, int64_t m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(Mask(m), v)), 16));
+  }
+  TERRA_AVX512 static inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  TERRA_AVX512 static inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  TERRA_AVX512 static inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  template <typename W>
+  TERRA_AVX512 static inline Lanes WidenLanes(const W* v) {
+    return reinterpret_cast<Lanes>(Widen(v));
+  }
+
+  // The 16 sums of v[0..16) as one vector (sum r = lane r): a transpose-and-add tree of 45
+  // instructions, against about 10 for each Sum.
+  TERRA_AVX512 static inline Vec SumsOfWidth(const Vec (&v)[kWidth]) {
+    __m512 pairs[8], quads[4];
+    for (int k = 0; k < 8; ++k)  // per 128-bit lane: [r0 r1 r0 r1] partial sums of rows 2k, 2k + 1
+      pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {  // per 128-bit lane: [r0 r1 r2 r3] of rows 4k..4k + 3
+      const __m512d a = _mm512_castps_pd(pairs[2 * k]), b = _mm512_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // Across the four 128-bit lanes: [q0 (lanes 0+1), q0 (2+3), q1 (0+1), q1 (2+3)], then whole sums.
+    const __m512 h0 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 h1 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h0, h1, 0x88), _mm512_shuffle_f32x4(h0, h1, 0xdd));
+  }
+};
+
+#endif  // TERRA_X86
+
+// ---------------------------------------------------------------------------------------------
+// Compiling a body once per instruction set: `body` is a generic lambda taking the tag, marked
+// TERRA_INLINE_LAMBDA, whose kernels (TERRA_INLINE templates over the tag) are inlined into these
+// functions and so compiled with their target attribute.
+
+template <typename Body>
+void OnPortable(const Body& body) {
+  body(Portable{});
+}
+#if TERRA_X86
+template <typename Body>
+TERRA_AVX2 void OnAvx2(const Body& body) {
+  body(Avx2{});
+}
+template <typename Body>
+TERRA_AVX512 void OnAvx512(const Body& body) {
+  body(Avx512{});
+}
+#endif
+
+// Runs `body` compiled for instruction set `isa` (kPortable, kAvx2 or kAvx512).
+template <typename Body>
+void WithIsa(int isa, const Body& body) {
+#if TERRA_X86
+  if (isa == kAvx512) return OnAvx512(body);
+  if (isa == kAvx2) return OnAvx2(body);
+#endif
+  OnPortable(body);
+}
+
+}  // namespace terra::native
+
+#endif  // TERRA_QUANTIZATION_NATIVE_ISA_H_
