@@ -202,6 +202,50 @@ def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
         outs[0].block_until_ready()
 
 
+def _ffi_results(function, *args):
+    """The result shapes of each FFI call ``function`` traces, by target."""
+    eqns = jax.make_jaxpr(function)(*args).eqns
+    return {
+        eqn.params["target_name"]: [v.aval.shape for v in eqn.outvars] for eqn in eqns if "target_name" in eqn.params
+    }
+
+
+def test_the_fused_calls_return_only_what_the_layer_uses():
+    q, up, rows = (quantize(jnp.ones(shape), "int8") for shape in ((12, 40), (96, 12), (96, 40)))
+    feed_forward = _ffi_results(
+        lambda x: native_kernels.sparse_feed_forward(
+            x,
+            (q.values, q.scale),
+            (up.values, up.scale),
+            jnp.zeros((12, 8)),
+            (rows.values, rows.scale),
+            (rows.values, rows.scale),
+            jnp.zeros((40,)),
+            "int8",
+        ),
+        jnp.ones((2, 40)),
+    )
+    assert feed_forward == {native_kernels.TARGETS["sparse_feed_forward", "int8"]: [(2, 40), (2, 12)]}
+    gate, kernel = quantize(jnp.ones((4, 40)), "int8"), quantize(jnp.ones((40, 10)), "int8")
+    conv = quantize(jnp.ones((3, 1, 10, 10)), "int8")
+    cache = jnp.zeros((2, 4, 6, 10))
+    attention = _ffi_results(
+        lambda x: native_kernels.sparse_attention(
+            x,
+            (gate.values, gate.scale),
+            (kernel.values, kernel.scale),
+            jnp.zeros((40,)),
+            jnp.zeros((2, 2, 4, 10)),
+            [((conv.values, conv.scale), jnp.zeros((10,)))] * 3,
+            "int8",
+            ("self", cache, cache, 0, jnp.ones((2, 6), bool)),
+        ),
+        jnp.ones((2, 40)),
+    )
+    outs, new_rows, attended = [(2, 4, 10)] * 3, [(2, 2, 4, 10)], [(2, 40), (2, 4, 6, 10), (2, 4, 6, 10)]
+    assert attention == {native_kernels.TARGETS["sparse_attention_self", "int8"]: outs + new_rows + attended}
+
+
 # --- in a model ----------------------------------------------------------------------------------
 
 

@@ -31,7 +31,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 ENV_SWITCH = "TERRA_NATIVE_KERNELS"
 MAX_ROWS = 8
@@ -62,7 +61,16 @@ TARGETS.update(
         for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
     }
 )
-TARGETS.update({("sparse_attention", kind): "terra_sparse_attention" for kind in ("int8", "bfloat16")})
+# The sparse attention: one target per store and variant (the projections with one to three
+# convolutions, or with the self- or cross-attention), each with its operands fixed by position.
+ATTENTION_VARIANTS = ("projections1", "projections2", "projections3", "self", "cross")
+TARGETS.update(
+    {
+        (f"sparse_attention_{variant}", kind): f"terra_sparse_attention_{variant}_{suffix}"
+        for variant in ATTENTION_VARIANTS
+        for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
+    }
+)
 
 
 def library_path():
@@ -210,25 +218,14 @@ def sparse_feed_forward(x: jax.Array, down, up, up_bias: jax.Array, w1, w2, out_
     if _library() is None:
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
     batch, d = x.shape
-    n_low, (n_blocks, n_units) = down[0].shape[0], up_bias.shape
-    f32, s32 = jnp.float32, jnp.int32
-    results = [
-        jax.ShapeDtypeStruct(shape, dtype)
-        for shape, dtype in (
-            ((batch, d), f32),
-            ((batch, n_blocks), s32),
-            ((batch, n_low), f32),
-            ((batch, n_blocks * n_units), f32),
-            ((batch, n_blocks), f32),
-            ((batch, n_blocks), s32),
-        )
-    ]
+    n_blocks = up_bias.shape[0]
+    results = [jax.ShapeDtypeStruct((batch, d), jnp.float32), jax.ShapeDtypeStruct((batch, n_blocks), jnp.int32)]
     call = jax.ffi.ffi_call(TARGETS["sparse_feed_forward", kind], results, vmap_method="sequential")
     if kind == "int8":
         operands = (x, *down, *up, up_bias, *w1, *w2, out_bias)
     else:
         operands = (x, down[0], up[0], up_bias, w1[0], w2[0], out_bias)
-    y, indices, *_ = call(*operands)
+    y, indices = call(*operands)
     return y, indices
 
 
@@ -254,15 +251,11 @@ def sparse_attention(
     """
     if _library() is None:
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
-    batch, d = x.shape
+    batch = x.shape[0]
     n_modules, module = gate[0].shape[0], kernel[0].shape[1]
-    length = conv_rows.shape[1] + 1
-    rows = batch * n_modules
     f32 = jnp.float32
     outputs = [jax.ShapeDtypeStruct((batch, n_modules, values.shape[3]), f32) for (values, _), _ in convolutions]
-    scratch = [jax.ShapeDtypeStruct((rows, d), f32), jax.ShapeDtypeStruct((rows, module), f32)]
-    windows = [jax.ShapeDtypeStruct((rows, length * values.shape[1] * module), f32) for (values, _), _ in convolutions]
-    results = outputs + [jax.ShapeDtypeStruct(conv_rows.shape, f32)] + scratch + windows
+    results = outputs + [jax.ShapeDtypeStruct(conv_rows.shape, f32)]
 
     def weight(pair):
         return pair if kind == "int8" else pair[:1]
@@ -272,10 +265,10 @@ def sparse_attention(
     aliases = {len(operands) - 1: len(convolutions)}
     for pair, bias in convolutions:
         operands += [*weight(pair), bias]
-    mode = 0
+    variant = f"projections{len(convolutions)}"
     if attention is not None:
         name, keys, values, *rest = attention
-        mode = {"self": 1, "cross": 2}[name]
+        variant = name
         results.append(jax.ShapeDtypeStruct((batch, n_modules * module), f32))
         if name == "self":
             index, key_mask = rest
@@ -286,11 +279,11 @@ def sparse_attention(
             (bias,) = rest
             operands += [keys, values, bias.reshape(batch, keys.shape[2])]
     call = jax.ffi.ffi_call(
-        TARGETS["sparse_attention", kind], results, vmap_method="sequential", input_output_aliases=aliases
+        TARGETS[f"sparse_attention_{variant}", kind], results, vmap_method="sequential", input_output_aliases=aliases
     )
-    out = call(*operands, attention=np.int64(mode))
+    out = call(*operands)
     n = len(convolutions)
-    return list(out[:n]), out[n], (tuple(out[2 * n + 3 :]) or None)
+    return list(out[:n]), out[n], (tuple(out[n + 1 :]) or None)
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

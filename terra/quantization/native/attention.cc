@@ -37,7 +37,6 @@ namespace {
 // wrote itself; split by tiles of outputs (the unfused products' work items), both threads read
 // every row of gated and windows, half of them from the other core's cache, and each reads half of
 // every line of the weights.
-constexpr int kMaxConvolutions = 3;
 
 template <typename W>
 struct Convolution {
@@ -225,127 +224,91 @@ void SparseAttentionDecode(ffi::ThreadPool& pool, SparseAttentionStep<W>& s) {
             });
 }
 
-// The sparse attention call's operands, all from the remaining arguments and results: the kind of
-// weights (int8 with a scale after each weight, or bfloat16 bits) is the gate's element type, and
-// the number of convolutions follows from the number of arguments.
-//   args: x [B, d], gate [S, d] (+ scale [S]), E [d, M] (+ scale [d]), mult_bias [S * M],
-//         conv rows [B, F - 1, S, M], then per convolution: kernel [F, k, M, M_out] (+ scale
-//         [F, k, M]), bias [M_out]
-//   rets: per convolution out [B, S, M_out]; new conv rows [B, F - 1, S, M]; then scratch: gated
-//         [B * S, d], u [B * S, M], per convolution windows [B * S, F * k * M]
+}  // namespace
+
+// The operands arrive by name (SparseAttentionOperands, bound by the handlers in handlers.cc); the
+// checks here are of their shapes, which the bindings do not fix.
 template <typename W>
-ffi::Error SparseAttentionImpl(ffi::ThreadPool& pool, int64_t mode, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                               bool scaled) {
-  if (mode < DecodeAttention::kNone || mode > DecodeAttention::kCross)
-    return ffi::Error::InvalidArgument("sparse attention: attention must be 0 (none), 1 (self) or 2 (cross)");
-  const size_t per_weight = scaled ? 2 : 1;
-  const size_t fixed = 1 + 2 * per_weight + 2;
-  const size_t attention_args = mode == DecodeAttention::kSelf ? 4 : mode == DecodeAttention::kCross ? 3 : 0;
-  const size_t attention_rets = mode == DecodeAttention::kSelf ? 3 : mode == DecodeAttention::kCross ? 1 : 0;
-  if (args.size() < fixed + attention_args + per_weight + 1 ||
-      (args.size() - fixed - attention_args) % (per_weight + 1) != 0)
-    return ffi::Error::InvalidArgument("sparse attention: wrong number of operands");
-  const int n_convs = static_cast<int>((args.size() - fixed - attention_args) / (per_weight + 1));
-  if (n_convs > kMaxConvolutions || rets.size() != static_cast<size_t>(2 * n_convs + 3) + attention_rets)
-    return ffi::Error::InvalidArgument("sparse attention: at most 3 convolutions, with one result and one window each");
-  if (n_convs != (mode == DecodeAttention::kSelf ? 3 : 1) && mode != DecodeAttention::kNone)
+ffi::Error SparseAttention(ffi::ThreadPool& pool, const SparseAttentionOperands<W>& o) {
+  using Mode = typename SparseAttentionOperands<W>::Mode;
+  const int64_t mode = o.mode;
+  const int n_convs = o.n_convs;
+  if (n_convs < 1 || n_convs > kMaxConvolutions)
+    return ffi::Error::InvalidArgument("sparse attention: one to three convolutions");
+  if (n_convs != (mode == Mode::kSelf ? 3 : 1) && mode != Mode::kNone)
     return ffi::Error::InvalidArgument("sparse attention: self-attention takes Q, K and V, cross-attention Q alone");
-  for (size_t i = 0; i < args.size(); ++i)
-    if (!args.get<ffi::AnyBuffer>(i).has_value()) return ffi::Error::InvalidArgument("sparse attention: unreadable operand");
-  for (size_t i = 0; i < rets.size(); ++i)
-    if (!rets.get<ffi::AnyBuffer>(i).has_value()) return ffi::Error::InvalidArgument("sparse attention: unreadable result");
-  size_t next = 0;
-  auto arg = [&]() { return *args.get<ffi::AnyBuffer>(next++); };
-  auto data_of = [&](size_t i) { return static_cast<float*>((*rets.get<ffi::AnyBuffer>(i))->untyped_data()); };
-  const auto x = arg(), gate = arg();
-  const auto* gate_scale = scaled ? static_cast<const float*>(arg().untyped_data()) : nullptr;
-  const auto e = arg();
-  const auto* e_scale = scaled ? static_cast<const float*>(arg().untyped_data()) : nullptr;
-  const auto mult_bias = arg(), rows = arg();
-  const auto xd = x.dimensions(), gd = gate.dimensions(), ed = e.dimensions(), rd = rows.dimensions();
+  const auto xd = o.x.shape, gd = o.gate.values.shape, ed = o.kernel.values.shape, rd = o.conv_rows.shape;
   if (xd.size() != 2 || gd.size() != 2 || ed.size() != 2 || rd.size() != 4)
     return ffi::Error::InvalidArgument("sparse attention: x, gate, E must be 2-D and the conv rows 4-D");
   const int64_t batch = xd[0], d = xd[1], n_modules = gd[0], module = ed[1], length = rd[1] + 1;
   if (gd[1] != d || ed[0] != d || rd[0] != batch || rd[2] != n_modules || rd[3] != module ||
-      static_cast<int64_t>(mult_bias.element_count()) != n_modules * module || batch * n_modules > kMaxInputMajorRows)
+      o.mult_bias.count != n_modules * module || batch * n_modules > kMaxInputMajorRows)
     return ffi::Error::InvalidArgument(
         "sparse attention: x [B, d], gate [S, d], E [d, M], bias [S * M] and conv rows [B, F - 1, S, M] disagree");
+  // The scratch is the calling thread's, grown to the largest layer it has run and reused by its
+  // later calls: a fresh allocation per call would be new pages to zero on every decode step, and
+  // XLA need not hold it as results. The pool's threads reach it only within this call.
+  thread_local std::vector<float> gated_scratch, u_scratch, window_scratch[kMaxConvolutions];
+  gated_scratch.resize(static_cast<size_t>(batch * n_modules * d));
+  u_scratch.resize(static_cast<size_t>(batch * n_modules * module));
   SparseAttentionStep<W> s{};
-  s.x = static_cast<const float*>(x.untyped_data());
-  s.gate = static_cast<const W*>(gate.untyped_data());
-  s.gate_scale = gate_scale;
-  s.gated = data_of(n_convs + 1);
-  s.mult = {s.gated, static_cast<const W*>(e.untyped_data()), e_scale, data_of(n_convs + 2),
-            batch * n_modules, d, module, 1};
-  s.mult_bias = static_cast<const float*>(mult_bias.untyped_data());
+  s.x = o.x.data;
+  s.gate = o.gate.values.data;
+  s.gate_scale = o.gate.scale.data;
+  s.gated = gated_scratch.data();
+  s.mult = {s.gated, o.kernel.values.data, o.kernel.scale.data, u_scratch.data(), batch * n_modules, d, module, 1};
+  s.mult_bias = o.mult_bias.data;
   // The new conv rows are written over the old ones (the result aliases the operand), which the
   // windows read first: they read a copy (F - 1 rows of S x M floats).
   thread_local std::vector<float> old_rows;
-  old_rows.assign(static_cast<const float*>(rows.untyped_data()),
-                  static_cast<const float*>(rows.untyped_data()) + rows.element_count());
+  old_rows.assign(o.conv_rows.data, o.conv_rows.data + o.conv_rows.count);
   s.rows = old_rows.data();
-  s.new_rows = data_of(n_convs);
+  s.new_rows = o.new_rows;
   s.batch = batch, s.d = d, s.n_modules = n_modules, s.module = module, s.length = length, s.n_convs = n_convs;
   for (int c = 0; c < n_convs; ++c) {
-    const auto kernel = arg();
-    const auto* scale = scaled ? static_cast<const float*>(arg().untyped_data()) : nullptr;
-    const auto bias = arg();
-    const auto kd = kernel.dimensions();
-    if (kd.size() != 4 || kd[0] != length || kd[2] != module || kd[1] % 2 == 0 || static_cast<int64_t>(bias.element_count()) != kd[3])
+    const NarrowWeight<W>& kernel = o.conv_kernels[c];
+    const auto kd = kernel.values.shape;
+    if (kd.size() != 4 || kd[0] != length || kd[2] != module || kd[1] % 2 == 0 || o.conv_biases[c].count != kd[3])
       return ffi::Error::InvalidArgument(
           "sparse attention: a convolution kernel must be [F, k (odd), M, M_out] with a bias [M_out]");
-    s.windows[c] = data_of(n_convs + 3 + c);
-    s.convs[c] = {{s.windows[c], static_cast<const W*>(kernel.untyped_data()), scale, data_of(c), batch * n_modules,
+    window_scratch[c].resize(static_cast<size_t>(batch * n_modules * length * kd[1] * module));
+    s.windows[c] = window_scratch[c].data();
+    s.convs[c] = {{s.windows[c], kernel.values.data, kernel.scale.data, o.outs[c], batch * n_modules,
                    length * kd[1] * module, kd[3], 1},
-                  static_cast<const float*>(bias.untyped_data()), kd[1]};
+                  o.conv_biases[c].data, kd[1]};
   }
-  if (mode != DecodeAttention::kNone) {
-    // self: keys, values [B, H, L, Dh], index s32[], key_mask pred [B, L]; cross: keys, values, bias
-    // f32 [B, L]. Results: y [B, H * Dh], and for self the keys and values (aliased to the operands).
-    const auto keys = arg(), values = arg();
-    const auto kd = keys.dimensions();
+  if (mode != Mode::kNone) {
+    const auto kd = o.keys.shape;
     for (int c = 0; c < n_convs; ++c)
       if (s.convs[c].product.n_out != module)
         return ffi::Error::InvalidArgument("sparse attention: fused attention needs convolutions of M outputs");
-    if (kd.size() != 4 || kd[0] != batch || kd[1] != n_modules || kd[3] != module || values.dimensions().size() != 4 ||
-        values.element_count() != keys.element_count() || kd[2] < 1)
+    if (kd.size() != 4 || kd[0] != batch || kd[1] != n_modules || kd[3] != module || o.values.shape.size() != 4 ||
+        o.values.count != o.keys.count || kd[2] < 1)
       return ffi::Error::InvalidArgument("sparse attention: keys and values must be [B, S, L, M] (S heads of M)");
     DecodeAttention& a = s.attention;
-    a.mode = mode, a.length = kd[2], a.y = data_of(2 * n_convs + 3);
-    if (mode == DecodeAttention::kSelf) {
-      const auto index = arg(), key_mask = arg();
-      if (index.element_type() != ffi::DataType::S32 || index.element_count() != 1 ||
-          key_mask.element_type() != ffi::DataType::PRED || static_cast<int64_t>(key_mask.element_count()) != batch * kd[2])
+    a.mode = mode, a.length = kd[2], a.y = o.y;
+    if (mode == Mode::kSelf) {
+      if (o.index.count != 1 || o.key_mask.count != batch * kd[2])
         return ffi::Error::InvalidArgument("sparse attention: the cache index must be s32[] and the key mask pred [B, L]");
-      a.index = *static_cast<const int32_t*>(index.untyped_data());
-      a.key_mask = static_cast<const bool*>(key_mask.untyped_data());
-      a.keys = data_of(2 * n_convs + 4), a.values = data_of(2 * n_convs + 5);
+      a.index = *o.index.data;
+      a.key_mask = o.key_mask.data;
+      a.keys = o.new_keys, a.values = o.new_values;
       // The results alias the operands; where XLA could not alias them it copied them in first.
-      if (a.keys != keys.untyped_data()) std::memcpy(a.keys, keys.untyped_data(), keys.size_bytes());
-      if (a.values != values.untyped_data()) std::memcpy(a.values, values.untyped_data(), values.size_bytes());
+      const size_t bytes = static_cast<size_t>(o.keys.count) * sizeof(float);
+      if (a.keys != o.keys.data) std::memcpy(a.keys, o.keys.data, bytes);
+      if (a.values != o.values.data) std::memcpy(a.values, o.values.data, bytes);
     } else {
-      const auto bias = arg();
-      if (static_cast<int64_t>(bias.element_count()) != batch * kd[2])
+      if (o.bias.count != batch * kd[2])
         return ffi::Error::InvalidArgument("sparse attention: the encoder bias must be [B, L]");
-      a.keys = static_cast<float*>(keys.untyped_data()), a.values = static_cast<float*>(values.untyped_data());
-      a.bias = static_cast<const float*>(bias.untyped_data());
+      a.keys = o.keys.data, a.values = o.values.data;
+      a.bias = o.bias.data;
     }
   }
   SparseAttentionDecode(pool, s);
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-ffi::Error SparseAttention(ffi::ThreadPool pool, int64_t attention, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (args.size() < 2) return ffi::Error::InvalidArgument("sparse attention: wrong number of operands");
-  auto gate = args.get<ffi::AnyBuffer>(1);
-  if (!gate.has_value()) return ffi::Error::InvalidArgument("sparse attention: unreadable gate");
-  if (gate->element_type() == ffi::DataType::S8) return SparseAttentionImpl<int8_t>(pool, attention, args, rets, true);
-  if (gate->element_type() == ffi::DataType::U16)
-    return SparseAttentionImpl<uint16_t>(pool, attention, args, rets, false);
-  return ffi::Error::InvalidArgument("sparse attention: weights must be int8 or bfloat16 bits (uint16)");
-}
-
+template ffi::Error SparseAttention<int8_t>(ffi::ThreadPool&, const SparseAttentionOperands<int8_t>&);
+template ffi::Error SparseAttention<uint16_t>(ffi::ThreadPool&, const SparseAttentionOperands<uint16_t>&);
 
 }  // namespace terra::native

@@ -12,7 +12,10 @@
 //   terra_gathered_sum_{int8,bf16}  x f32[B, k], values [n, d], scale f32[n] (int8), rows s32[B, k]
 //                                   -> y f32[B, d], y[b] = sum_j x[b, j] values[rows[b, j]]
 //   terra_sparse_feed_forward_{int8,bf16}  a sparse feed-forward layer's decode step (sparse_feedforward.h)
-//   terra_sparse_attention                 a sparse QKV layer's decode step and its attention (attention.cc)
+//   terra_sparse_attention_{projections1,projections2,projections3,self,cross}_{int8,bf16}
+//                                          a sparse QKV layer's decode step (with one to three
+//                                          convolutions) or with its self- or cross-attention too
+//                                          (attention.h names the operands, attention.cc runs it)
 // and terra_narrow_products_isa, which reads or lowers the instruction set the handlers use.
 
 #include <algorithm>
@@ -122,12 +125,8 @@ ffi::Error GatheredBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                             nullptr, {}, rows.typed_data(), rows.dimensions(), y->typed_data(), y->dimensions());
 }
 
-#define TERRA_FF_RESULTS                                                                                    \
-  ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S32> indices, ffi::ResultBuffer<ffi::F32> low,      \
-      ffi::ResultBuffer<ffi::F32> logits, ffi::ResultBuffer<ffi::F32> mid, ffi::ResultBuffer<ffi::S32> rows
-#define TERRA_FF_RESULT_DATA                                                                                 \
-  y->typed_data(), indices->typed_data(), low->typed_data(), logits->typed_data(), mid->typed_data(),        \
-      rows->typed_data()
+#define TERRA_FF_RESULTS ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S32> indices
+#define TERRA_FF_RESULT_DATA y->typed_data(), indices->typed_data()
 
 ffi::Error SparseFeedForwardInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> down,
                                  ffi::Buffer<ffi::F32> down_scale, ffi::Buffer<ffi::S8> up,
@@ -152,6 +151,91 @@ ffi::Error SparseFeedForwardBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
                                          out_bias.typed_data(), static_cast<int64_t>(out_bias.element_count()),
                                          TERRA_FF_RESULT_DATA);
 }
+
+// The sparse attention handlers: one per weight store, attention mode and number of convolutions,
+// each binding its operands by position and handing them on by name (SparseAttentionOperands).
+template <ffi::DataType D>
+Operand<const ffi::NativeType<D>> Read(const ffi::Buffer<D>& buffer) {
+  return {buffer.typed_data(), buffer.dimensions(), static_cast<int64_t>(buffer.element_count())};
+}
+
+template <ffi::DataType D>
+Operand<ffi::NativeType<D>> ReadWritable(const ffi::Buffer<D>& buffer) {
+  return {buffer.typed_data(), buffer.dimensions(), static_cast<int64_t>(buffer.element_count())};
+}
+
+// A narrow weight in a handler's parameters and as an operand: int8 values and their scale, or
+// bfloat16 bits.
+#define TERRA_WEIGHT_PARAMS_int8(NAME) ffi::Buffer<ffi::S8> NAME, ffi::Buffer<ffi::F32> NAME##_scale
+#define TERRA_WEIGHT_PARAMS_bf16(NAME) ffi::Buffer<ffi::U16> NAME
+#define TERRA_WEIGHT_int8(NAME) NarrowWeight<int8_t>{Read(NAME), Read(NAME##_scale)}
+#define TERRA_WEIGHT_bf16(NAME) NarrowWeight<uint16_t>{Read(NAME), {}}
+#define TERRA_CONV_PARAMS(KIND, C) TERRA_WEIGHT_PARAMS_##KIND(conv##C), ffi::Buffer<ffi::F32> conv##C##_bias
+#define TERRA_CONV(KIND, C) o.conv_kernels[C] = TERRA_WEIGHT_##KIND(conv##C), o.conv_biases[C] = Read(conv##C##_bias)
+#define TERRA_ATTENTION_PARAMS(KIND)                                                                           \
+  ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, TERRA_WEIGHT_PARAMS_##KIND(gate), TERRA_WEIGHT_PARAMS_##KIND(kernel), \
+      ffi::Buffer<ffi::F32> mult_bias, ffi::Buffer<ffi::F32> conv_rows
+#define TERRA_ATTENTION_OPERANDS(KIND, W, MODE, N_CONVS)                              \
+  SparseAttentionOperands<W> o;                                                       \
+  o.mode = SparseAttentionOperands<W>::MODE, o.n_convs = N_CONVS, o.x = Read(x);      \
+  o.gate = TERRA_WEIGHT_##KIND(gate), o.kernel = TERRA_WEIGHT_##KIND(kernel);         \
+  o.mult_bias = Read(mult_bias), o.conv_rows = Read(conv_rows)
+using Out = ffi::ResultBuffer<ffi::F32>;
+
+// The projections alone (mode none) with one, two or three convolutions; self-attention with Q, K
+// and V over the KV cache (keys and values aliased to the new ones); cross-attention with Q over
+// the encoder's keys and values.
+#define TERRA_ATTENTION_HANDLERS(KIND, W)                                                                  \
+  ffi::Error SparseProjections1_##KIND(TERRA_ATTENTION_PARAMS(KIND), TERRA_CONV_PARAMS(KIND, 0), Out out0,   \
+                                       Out new_rows) {                                                      \
+    TERRA_ATTENTION_OPERANDS(KIND, W, kNone, 1);                                                            \
+    TERRA_CONV(KIND, 0);                                                                                    \
+    o.outs[0] = out0->typed_data(), o.new_rows = new_rows->typed_data();                                    \
+    return SparseAttention<W>(pool, o);                                                                     \
+  }                                                                                                         \
+  ffi::Error SparseProjections2_##KIND(TERRA_ATTENTION_PARAMS(KIND), TERRA_CONV_PARAMS(KIND, 0),             \
+                                       TERRA_CONV_PARAMS(KIND, 1), Out out0, Out out1, Out new_rows) {      \
+    TERRA_ATTENTION_OPERANDS(KIND, W, kNone, 2);                                                            \
+    TERRA_CONV(KIND, 0), TERRA_CONV(KIND, 1);                                                               \
+    o.outs[0] = out0->typed_data(), o.outs[1] = out1->typed_data(), o.new_rows = new_rows->typed_data();    \
+    return SparseAttention<W>(pool, o);                                                                     \
+  }                                                                                                         \
+  ffi::Error SparseProjections3_##KIND(TERRA_ATTENTION_PARAMS(KIND), TERRA_CONV_PARAMS(KIND, 0),             \
+                                       TERRA_CONV_PARAMS(KIND, 1), TERRA_CONV_PARAMS(KIND, 2), Out out0,      \
+                                       Out out1, Out out2, Out new_rows) {                                  \
+    TERRA_ATTENTION_OPERANDS(KIND, W, kNone, 3);                                                            \
+    TERRA_CONV(KIND, 0), TERRA_CONV(KIND, 1), TERRA_CONV(KIND, 2);                                          \
+    o.outs[0] = out0->typed_data(), o.outs[1] = out1->typed_data(), o.outs[2] = out2->typed_data();         \
+    o.new_rows = new_rows->typed_data();                                                                    \
+    return SparseAttention<W>(pool, o);                                                                     \
+  }                                                                                                         \
+  ffi::Error SparseSelfAttention_##KIND(TERRA_ATTENTION_PARAMS(KIND), TERRA_CONV_PARAMS(KIND, 0),            \
+                                        TERRA_CONV_PARAMS(KIND, 1), TERRA_CONV_PARAMS(KIND, 2),               \
+                                        ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,             \
+                                        ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> key_mask,         \
+                                        Out out0, Out out1, Out out2, Out new_rows, Out y, Out new_keys,      \
+                                        Out new_values) {                                                   \
+    TERRA_ATTENTION_OPERANDS(KIND, W, kSelf, 3);                                                            \
+    TERRA_CONV(KIND, 0), TERRA_CONV(KIND, 1), TERRA_CONV(KIND, 2);                                          \
+    o.keys = ReadWritable(keys), o.values = ReadWritable(values);                                           \
+    o.index = Read(index), o.key_mask = Read(key_mask);                                                     \
+    o.outs[0] = out0->typed_data(), o.outs[1] = out1->typed_data(), o.outs[2] = out2->typed_data();         \
+    o.new_rows = new_rows->typed_data(), o.y = y->typed_data();                                             \
+    o.new_keys = new_keys->typed_data(), o.new_values = new_values->typed_data();                           \
+    return SparseAttention<W>(pool, o);                                                                     \
+  }                                                                                                         \
+  ffi::Error SparseCrossAttention_##KIND(TERRA_ATTENTION_PARAMS(KIND), TERRA_CONV_PARAMS(KIND, 0),           \
+                                         ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,            \
+                                         ffi::Buffer<ffi::F32> bias, Out out0, Out new_rows, Out y) {         \
+    TERRA_ATTENTION_OPERANDS(KIND, W, kCross, 1);                                                           \
+    TERRA_CONV(KIND, 0);                                                                                    \
+    o.keys = ReadWritable(keys), o.values = ReadWritable(values), o.bias = Read(bias);                      \
+    o.outs[0] = out0->typed_data(), o.new_rows = new_rows->typed_data(), o.y = y->typed_data();             \
+    return SparseAttention<W>(pool, o);                                                                     \
+  }
+
+TERRA_ATTENTION_HANDLERS(int8, int8_t)
+TERRA_ATTENTION_HANDLERS(bf16, uint16_t)
 
 }  // namespace
 
@@ -180,9 +264,7 @@ TERRA_HANDLER(terra_gathered_dot_bf16, GatheredBf16Impl<true>, ffi::U16, TERRA_R
 TERRA_HANDLER(terra_gathered_sum_bf16, GatheredBf16Impl<false>, ffi::U16, TERRA_ROWS)
 
 #define TERRA_F32 .Arg<ffi::Buffer<ffi::F32>>()
-#define TERRA_FF_RETS                                                                                    \
-  .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer< \
-      ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>()
+#define TERRA_FF_RETS .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_feed_forward_int8, SparseFeedForwardInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>() TERRA_F32
@@ -198,12 +280,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_feed_forward_bf16, SparseFeedForwardB
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>() TERRA_F32 TERRA_FF_RETS);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention, SparseAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<int64_t>("attention")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+// The sparse attention bindings, in the order of the handlers' parameters above.
+#define TERRA_WEIGHT_BIND_int8 .Arg<ffi::Buffer<ffi::S8>>() TERRA_F32
+#define TERRA_WEIGHT_BIND_bf16 .Arg<ffi::Buffer<ffi::U16>>()
+#define TERRA_CONV_BIND(KIND) TERRA_WEIGHT_BIND_##KIND TERRA_F32
+#define TERRA_OUT .Ret<ffi::Buffer<ffi::F32>>()
+#define TERRA_ATTENTION_BIND(KIND) \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_##KIND TERRA_WEIGHT_BIND_##KIND TERRA_F32 TERRA_F32
+#define TERRA_ATTENTION_SYMBOLS(KIND)                                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention_projections1_##KIND, SparseProjections1_##KIND,           \
+                                TERRA_ATTENTION_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_OUT TERRA_OUT);          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                               \
+      terra_sparse_attention_projections2_##KIND, SparseProjections2_##KIND,                                   \
+      TERRA_ATTENTION_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_OUT TERRA_OUT TERRA_OUT);   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention_projections3_##KIND, SparseProjections3_##KIND,           \
+                                TERRA_ATTENTION_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_CONV_BIND(KIND)          \
+                                    TERRA_CONV_BIND(KIND) TERRA_OUT TERRA_OUT TERRA_OUT TERRA_OUT);             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention_self_##KIND, SparseSelfAttention_##KIND,                  \
+                                TERRA_ATTENTION_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_CONV_BIND(KIND)          \
+                                    TERRA_CONV_BIND(KIND) TERRA_F32 TERRA_F32 .Arg<ffi::Buffer<ffi::S32>>()     \
+                                        .Arg<ffi::Buffer<ffi::PRED>>() TERRA_OUT TERRA_OUT TERRA_OUT TERRA_OUT  \
+                                            TERRA_OUT TERRA_OUT TERRA_OUT);                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_attention_cross_##KIND, SparseCrossAttention_##KIND,                \
+                                TERRA_ATTENTION_BIND(KIND) TERRA_CONV_BIND(KIND) TERRA_F32 TERRA_F32 TERRA_F32  \
+                                    TERRA_OUT TERRA_OUT TERRA_OUT);
+TERRA_ATTENTION_SYMBOLS(int8)
+TERRA_ATTENTION_SYMBOLS(bf16)
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one

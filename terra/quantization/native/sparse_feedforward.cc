@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "isa.h"
 #include "products.h"
@@ -109,7 +110,7 @@ ffi::Error SparseFeedForward(ffi::ThreadPool& pool, const float* x, ffi::Span<co
                              ffi::Span<const int64_t> bias_shape, const W* w1, const float* w1_scale, const W* w2,
                              const float* w2_scale, ffi::Span<const int64_t> w_shape,
                              ffi::Span<const int64_t> w2_shape, const float* out_bias, int64_t out_bias_size, float* y,
-                             int32_t* indices, float* low, float* logits, float* mid, int32_t* rows) {
+                             int32_t* indices) {
   if (x_shape.size() != 2 || down_shape.size() != 2 || up_shape.size() != 2 || bias_shape.size() != 2 ||
       w_shape.size() != 2)
     return ffi::Error::InvalidArgument("sparse feed-forward: x, C1, C2, the controller bias and W1/W2 must be 2-D");
@@ -120,6 +121,18 @@ ffi::Error SparseFeedForward(ffi::ThreadPool& pool, const float* x, ffi::Span<co
     return ffi::Error::InvalidArgument(
         "sparse feed-forward: x [B, d], C1 [L, d], C2 [F, L], bias [F / N, N], W1, W2 [F, d] and b2 [d] disagree");
   if (batch > kMaxRows) return ffi::Error::InvalidArgument("sparse feed-forward: at most 8 rows of x");
+  // The intermediates are scratch of the calling thread that grows to the largest layer it has run
+  // and is reused by its later calls: a fresh allocation per call would, for the wide logits, be
+  // new pages the kernel must zero on every decode step, and XLA need not hold them as results. The
+  // pool's threads only reach them through the step below, which ends with this call.
+  thread_local std::vector<float> float_scratch;
+  thread_local std::vector<int32_t> row_scratch;
+  float_scratch.resize(static_cast<size_t>(batch * (n_low + n_ff + n_blocks)));
+  row_scratch.resize(static_cast<size_t>(batch * n_blocks));
+  float* low = float_scratch.data();
+  float* logits = low + batch * n_low;
+  float* mid = logits + batch * n_ff;
+  int32_t* rows = row_scratch.data();
   const SparseFeedForwardStep<W> step{{x, down, down_scale, low, batch, d, n_low, 1},
                                       {low, up, up_scale, logits, batch, n_low, n_ff, 1},
                                       up_bias,
@@ -138,7 +151,7 @@ ffi::Error SparseFeedForward(ffi::ThreadPool& pool, const float* x, ffi::Span<co
       ffi::ThreadPool&, const float*, ffi::Span<const int64_t>, const W*, ffi::Span<const int64_t>, const float*, \
       const W*, ffi::Span<const int64_t>, const float*, const float*, ffi::Span<const int64_t>, const W*,         \
       const float*, const W*, const float*, ffi::Span<const int64_t>, ffi::Span<const int64_t>, const float*,     \
-      int64_t, float*, int32_t*, float*, float*, float*, int32_t*);
+      int64_t, float*, int32_t*);
 TERRA_INSTANTIATE(int8_t)
 TERRA_INSTANTIATE(uint16_t)
 #undef TERRA_INSTANTIATE
