@@ -7,6 +7,8 @@ what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA
 from terra.backends.primitives import (
     SparseAttentionWeights,
     SparseFeedForwardWeights,
+    cache_logits,
+    cache_weighted_values,
     cached_attention,
     gathered_rows_product,
     gathered_rows_sum,
@@ -27,6 +29,8 @@ __all__ = [
     "SparseAttentionWeights",
     "SparseFeedForwardWeights",
     "as_float",
+    "cache_logits",
+    "cache_weighted_values",
     "cached_attention",
     "gathered_rows_product",
     "gathered_rows_sum",

@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from terra.backends import native_kernels
+from terra.backends import native_kernels, xla
 from terra.quantization.quantized import QuantizedTensor
 
 PLATFORM = "cpu"
@@ -137,10 +137,14 @@ def sparse_feed_forward_step(x: jax.Array, weights):
     return native
 
 
-def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Optional[str]):
+def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Optional[str], cache=None):
     """``(x, conv_rows, cache, D, E, *convolution kernels) -> results``: a sparse QKV layer's decode
     step in one call (``native_kernels.sparse_attention``), where every weight is narrow of one
-    store, the convolutions span the cached window, and the batch's modules fit the kernel."""
+    store, the convolutions span the cached window, and the batch's modules fit the kernel.
+
+    The native attention reads float32 caches only: over a narrow cache (bfloat16, int8;
+    ``terra/layers/kv_cache.py``) the native call computes the projections and the attention is
+    XLA's (``xla.cached_attention``, which reads the cache narrow)."""
     batch, n_modules = x.shape[0], weights.gate.shape[0]
     kernels = [kernel for kernel, _ in weights.convolutions]
     kind = _one_narrow_kind([weights.gate, weights.kernel] + kernels)
@@ -149,26 +153,45 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
         return None
     if not fused_applies(x, batch * n_modules, native_kernels.MAX_INPUT_MAJOR_ROWS):
         return None
+    narrow_cache = mode is not None and cache[0].dtype != jnp.float32
 
     def pair(w):
         return w.values, (w.scale if kind == "int8" else None)
 
     def native(x, conv_rows, cache, gate, kernel, *kernels):
         convs = [(pair(k), bias) for k, (_, bias) in zip(kernels, weights.convolutions)]
-        if mode == "self" and cache[3] is None:
-            cache = cache[:3] + (jnp.ones((batch, cache[0].shape[2]), bool),)
+        attention = None
+        if mode == "self" and not narrow_cache:
+            key_mask = cache[3] if cache[3] is not None else jnp.ones((batch, cache[0].shape[2]), bool)
+            attention = (mode,) + tuple(cache[:3]) + (key_mask,)
+        elif mode == "cross" and not narrow_cache:
+            attention = (mode,) + tuple(cache[:3])
         outs, new_rows, attended = native_kernels.sparse_attention(
-            x.reshape(batch, -1),
-            pair(gate),
-            pair(kernel),
-            weights.bias,
-            conv_rows,
-            convs,
-            kind,
-            None if mode is None else (mode,) + tuple(cache),
+            x.reshape(batch, -1), pair(gate), pair(kernel), weights.bias, conv_rows, convs, kind, attention
         )
-        if attended is None:
+        if mode is None:
             return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
-        return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:])
+        if narrow_cache:
+            return _xla_attention(mode, [o[:, :, None, :] for o in outs], cache, new_rows)
+        if mode == "self":  # the scales (None for a float32 cache) pass through
+            return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:]) + tuple(cache[4:])
+        return attended[0].reshape(batch, 1, -1), new_rows
 
     return native
+
+
+def _xla_attention(mode: str, heads, cache, new_rows):
+    """The attention of a sparse QKV step over a narrow cache, in XLA: ``heads`` the projections
+    ``[b, S, 1, M]`` (Q, K, V for ``"self"``; Q for ``"cross"``), ``cache`` as
+    ``primitives.sparse_attention_step`` takes it; results as the fused call returns them."""
+    batch = heads[0].shape[0]
+    if mode == "self":
+        keys, values, index, key_mask, key_scale, value_scale = cache
+        out = xla.cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale)
+        y, rest = out[0], tuple(out[1:]) + ((None, None) if key_scale is None else ())
+        return (y.reshape(batch, 1, -1), new_rows) + rest
+    keys, values, bias, key_scale, value_scale = cache
+    q = heads[0] * jnp.asarray(heads[0].shape[-1] ** -0.5, heads[0].dtype)
+    probs = jax.nn.softmax(xla.cache_logits(q, keys, key_scale) + bias, axis=-1)
+    y = xla.cache_weighted_values(probs, values, value_scale)
+    return y.reshape(batch, 1, -1), new_rows

@@ -29,6 +29,8 @@ BACKENDS = {cpu.PLATFORM: cpu}
 Weight = Union[jax.Array, QuantizedTensor]
 
 cached_attention = xla.cached_attention
+cache_logits = xla.cache_logits
+cache_weighted_values = xla.cache_weighted_values
 write_after_read = xla.write_after_read
 take_rows = xla.take_rows
 
@@ -211,12 +213,14 @@ def sparse_attention_step(
 
     ``x [b, 1, d]``; ``conv_rows [b, F - 1, S, M]`` (the cached rows of the multiplicative layer's
     output). ``mode``: ``None`` returns ``([each convolution's [b, 1, S, M_out]], new conv rows)``;
-    ``"self"`` with ``cache = (keys, values, index, key_mask or None)`` (the KV cache, Q, K, V the
-    three convolutions) and ``"cross"`` with ``cache = (keys, values, bias)`` (the encoder's, Q the
-    one convolution) return ``(y [b, 1, d], new conv rows)``, plus for ``"self"`` the updated keys
-    and values. ``unfused(x, conv_rows, cache)`` computes the same from the other primitives and
-    runs on the platforms without the fused form. ``None`` where no backend fuses these weights."""
-    forms = _native_forms("sparse_attention_step", x, weights, conv_rows, mode)
+    ``"self"`` with ``cache = (keys, values, index, key_mask or None, key_scale, value_scale)``
+    (the KV cache, Q, K, V the three convolutions) and ``"cross"`` with ``cache = (keys, values,
+    bias, key_scale, value_scale)`` (the encoder's, Q the one convolution) return ``(y [b, 1, d],
+    new conv rows)``, plus for ``"self"`` the updated keys, values, key and value scales. The scales
+    are ``[b, h, L]`` for an int8 cache, else ``None`` (``terra/layers/kv_cache.py``).
+    ``unfused(x, conv_rows, cache)`` computes the same from the other primitives and runs on the
+    platforms without the fused form. ``None`` where no backend fuses these weights."""
+    forms = _native_forms("sparse_attention_step", x, weights, conv_rows, mode, cache)
     if not forms:
         return None
     narrow = [weights.gate, weights.kernel] + [kernel for kernel, _ in weights.convolutions]

@@ -9,15 +9,21 @@ bytes alone; that still runs at about half the bandwidth, which is why the CPU b
 (``terra/backends/cpu.py``) replaces these forms in decoding.
 """
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.quantization.quantized import QuantizedTensor, widen
+from terra.quantization.quantized import QuantizedTensor, quantize, widen
 
 # Widened float32 elements per block: 4 MiB, about the size of a core's L2 plus part of the L3
 # slice, where the measured time stops improving (docs/design/cpu_decoding.md).
 BLOCK_ELEMENTS = 1 << 20
+# Widened float32 elements per block of cache positions (8 MiB; 2048 positions of 16 heads x 64):
+# a 16 x 8192 x 64 int8 cache step measured 1.9 ms at this size, 2.7 ms at 2^19, 4.0 ms at 2^17
+# (each block is a loop iteration) and 7.4 ms widened whole (a float32 copy in memory).
+CACHE_BLOCK_ELEMENTS = 1 << 21
 # Additive mask value for disallowed positions (the reference uses -1e9).
 MASK_VALUE = -1e9
 
@@ -73,12 +79,13 @@ def widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind:
     return _over_blocks(values.shape[0], values.shape[1], product, accumulate, x.shape[:-1] + (values.shape[1],))
 
 
-def _over_blocks(n_rows: int, row_elements: int, product, add, out_shape):
+def _over_blocks(n_rows: int, row_elements: int, product, add, out_shape, block_elements=None):
     """``product(start, size)`` over blocks of ``BLOCK_ELEMENTS // row_elements`` weight rows, in
     a ``fori_loop`` of dynamic slices (slicing ``values[:head]`` up front copies the matrix), and a
     shorter last block; ``add(y, start, part)`` folds each block's product into the float32
-    ``y`` of ``out_shape``."""
-    block = max(1, min(n_rows, BLOCK_ELEMENTS // row_elements))
+    ``y`` of ``out_shape``. ``block_elements``: the widened elements per block (default
+    ``BLOCK_ELEMENTS``)."""
+    block = max(1, min(n_rows, (block_elements or BLOCK_ELEMENTS) // row_elements))
     n_blocks, tail = divmod(n_rows, block)
     if n_blocks == 1 and not tail:
         return product(0, n_rows)
@@ -115,11 +122,84 @@ def gathered_rows_sum(h: jax.Array, matrix, rows: jax.Array) -> jax.Array:
     return jnp.einsum("...k,...kd->...d", h, take_rows(matrix, rows))
 
 
-def cached_attention(q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None):
+def cache_logits(q: jax.Array, keys: jax.Array, key_scale: Optional[jax.Array] = None) -> jax.Array:
+    """``q [b, h, lq, d]`` (float) times a cache's ``keys [b, h, L, d]`` -> float32 logits
+    ``[b, h, lq, L]``.
+
+    Keys of ``q``'s dtype: one product, as before narrow caches. Narrow keys (int8 with
+    ``key_scale [b, h, L]``, or bfloat16 bits in ``uint16``): ``q . (s_k K_k) = s_k (q . K_k)``,
+    so the product runs on the widened values block by block of positions and the scale multiplies
+    the logits; XLA:CPU would otherwise write a float32 copy of the whole cache before the product
+    (``convert`` is not fused into a dot), reading 1 byte and writing 4 per element every step."""
+    if key_scale is None and keys.dtype == q.dtype:
+        return jnp.einsum("bhqd,bhkd->bhqk", q, keys).astype(jnp.float32)
+
+    def product(start, size):
+        block = _widened_positions(keys, start, size)
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), block)
+        if key_scale is not None:
+            logits = logits * lax.dynamic_slice_in_dim(key_scale, start, size, axis=2)[:, :, None, :]
+        return logits
+
+    def place(y, start, part):
+        return lax.dynamic_update_slice_in_dim(y, part, start, axis=-1)
+
+    out_shape = q.shape[:-1] + (keys.shape[2],)
+    return _over_positions(keys, product, place, out_shape)
+
+
+def cache_weighted_values(probs: jax.Array, values: jax.Array, value_scale: Optional[jax.Array] = None) -> jax.Array:
+    """``probs [b, h, lq, L]`` times a cache's ``values [b, h, L, d]`` -> ``[b, h, lq, d]``.
+
+    Values of ``probs``' dtype: one product. Narrow values: ``sum_k p_k s_k V_k = (p * s) . V``,
+    the scale folded into the probabilities and the values widened block by block of positions
+    (float32 result), as :func:`cache_logits`."""
+    if value_scale is None and values.dtype == probs.dtype:
+        return jnp.einsum("bhqk,bhkd->bhqd", probs, values)
+    probs = probs.astype(jnp.float32)
+    if value_scale is not None:
+        probs = probs * value_scale[:, :, None, :]
+
+    def product(start, size):
+        block = _widened_positions(values, start, size)
+        return jnp.einsum("bhqk,bhkd->bhqd", lax.dynamic_slice_in_dim(probs, start, size, axis=3), block)
+
+    def accumulate(y, start, part):
+        return y + part
+
+    return _over_positions(values, product, accumulate, probs.shape[:-1] + (values.shape[-1],))
+
+
+def _widened_positions(cache: jax.Array, start, size: int) -> jax.Array:
+    """Positions ``[start, start + size)`` of a narrow cache ``[b, h, L, d]`` as float32 (int8
+    unscaled). A bfloat16 cache is stored as its ``uint16`` bits (``terra/layers/kv_cache.py``),
+    widened shifted into a float32's high half in the slice's fused loop."""
+    block = lax.dynamic_slice_in_dim(cache, start, size, axis=2)
+    if block.dtype == jnp.uint16:
+        return lax.bitcast_convert_type(block.astype(jnp.uint32) << 16, jnp.float32)
+    return block.astype(jnp.float32)
+
+
+def _over_positions(cache: jax.Array, product, add, out_shape):
+    """:func:`_over_blocks` over the positions (axis 2) of a cache ``[b, h, L, d]``, in blocks of
+    ``CACHE_BLOCK_ELEMENTS`` widened elements."""
+    b, h, length, d = cache.shape
+    return _over_blocks(length, b * h * d, product, add, out_shape, CACHE_BLOCK_ELEMENTS)
+
+
+def cached_attention(
+    q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None, key_scale=None, value_scale=None
+):
     """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
     position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
     prefill padded some, ``key_mask [b, max_len]`` true for real ones). Returns ``y [b, h, 1, d]``
     and the caches with k and v written at ``index``.
+
+    Narrow caches (``terra/layers/kv_cache.py``): caches of another dtype than ``q`` (bfloat16
+    bits in ``uint16``, or int8 with ``key_scale``/``value_scale [b, h, max_len]``) are read by
+    :func:`cache_logits` and :func:`cache_weighted_values` and the new key and value written
+    narrow; with scales the result is ``(y, cached_key, cached_value, key_scale, value_scale)``.
+    The new position attends to its own k and v exactly.
 
     It attends over the cache as it was plus the new token, then writes the new key and value in
     place. XLA:CPU copies a donated buffer that is both read and updated in one step unless the
@@ -131,18 +211,36 @@ def cached_attention(q, k, v, cached_key, cached_value, index, key_mask=None, dr
     if key_mask is not None:
         visible = visible & key_mask
     past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-    past_logits = jnp.einsum("bhqd,bhkd->bhqk", q * scale, cached_key).astype(jnp.float32)
+    past_logits = cache_logits(q * scale, cached_key, key_scale)
     past_logits = past_logits + past_bias[:, None, None, :]
     self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
     probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
     if dropout is not None:
         probs = dropout(probs)
     probs = probs.astype(v.dtype)
-    past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :max_len], cached_value)
+    past_values = cache_weighted_values(probs[..., :max_len], cached_value, value_scale).astype(v.dtype)
     y = past_values + probs[..., max_len:] * v
+    (k, new_key_scale), (v, new_value_scale) = (_narrow_like(t, cached_key, key_scale) for t in (k, v))
     cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, past_logits, index), (0, 0, index, 0))
     cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, past_values, index), (0, 0, index, 0))
-    return y, cached_key, cached_value
+    if key_scale is None:
+        return y, cached_key, cached_value
+    new_key_scale = write_after_read(new_key_scale, past_logits, index)
+    new_value_scale = write_after_read(new_value_scale, past_values, index)
+    key_scale = lax.dynamic_update_slice(key_scale, new_key_scale, (0, 0, index))
+    value_scale = lax.dynamic_update_slice(value_scale, new_value_scale, (0, 0, index))
+    return y, cached_key, cached_value, key_scale, value_scale
+
+
+def _narrow_like(x: jax.Array, cache: jax.Array, scale: Optional[jax.Array]):
+    """``x [b, h, 1, d]`` as ``cache`` stores it: ``(values, scales [b, h, 1] or None)``; int8 as
+    ``terra.layers.kv_cache.narrow`` stores it (the weights' int8, one scale per row)."""
+    if scale is not None:
+        q = quantize(x, "int8")
+        return q.values, q.scale
+    if cache.dtype == jnp.uint16:  # bfloat16 bits
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
+    return x.astype(cache.dtype), None
 
 
 def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:

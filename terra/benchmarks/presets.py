@@ -5,7 +5,8 @@ rows (``terra-bench train``). Importing this module loads nothing heavy.
 
 A row is a name, the gin files that build its model and extra gin bindings; a preset adds the
 timing protocol. ``terra-bench decode --preset NAME`` overrides any field from the command line
-(``ml_collections.config_flags``), e.g. ``--config.tokens=20 --config.input_length=32``.
+(``ml_collections.config_flags``), e.g. ``--config.tokens=20 --config.input_length=32`` (or
+``--config.input_lengths=15360`` for the ``long_document`` preset's lengths).
 """
 
 import copy
@@ -28,11 +29,14 @@ def make_row(
     paper: float = 0.0,
     paper_note: str = "",
     weights_dtype: str = "",
+    cache_dtype: str = "",
 ):
     """One model to time. ``baseline``: the name of the row its speed-up is measured against
     (default: the preset's ``dense_row``); ``paper``: the paper's seconds for the same row on
     the paper's CPU (0: the paper has none), ``paper_note`` where that figure comes from;
-    ``weights_dtype``: how its weights are stored (default: the preset's ``weights_dtype``)."""
+    ``weights_dtype``: how its weights are stored (default: the preset's ``weights_dtype``);
+    ``cache_dtype``: how its attention caches are stored (default: the preset's ``cache_dtype``;
+    other than float32 it is the binding ``TransformerConfig.cache_dtype``)."""
     return ml_collections.ConfigDict(
         {
             "name": name,
@@ -44,6 +48,7 @@ def make_row(
             "paper": paper,
             "paper_note": paper_note,
             "weights_dtype": weights_dtype,
+            "cache_dtype": cache_dtype,
         }
     )
 
@@ -55,12 +60,23 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
             "rows": rows,
             "common_bindings": list(TIMING_SHAPE_800M),
             "input_length": 16,  # encoder tokens, as the reference
+            # Encoder lengths to time every row at (each row x each length), instead of input_length;
+            # --config.input_lengths=15360 runs one. Rows that do not fit the memory are skipped.
+            "input_lengths": (),
             "tokens": 12,  # steps per repetition; the first two are not timed
+            # Decoder self-attention slots, at least (more where tokens need them): the reference's
+            # max_inference_length = 2 x its max_len 16 (docs/design/reference_code.md §6).
+            "decoder_cache_length": 32,
             "skip": 2,
             "repeats": 3,
             "warmup": 4,
             "block_mode": "divide",  # 'divide': time / decoder layers; 'difference': see paper_17b_block
             "weights_dtype": "float32",  # or 'bfloat16', 'int8': rows without their own (terra.quantization)
+            "cache_dtype": "float32",  # or 'bfloat16', 'int8': the attention caches of rows without their own
+            # False: only the in-loop time (no per-call step protocol; one prefill per repetition).
+            "time_calls": True,
+            # With input_lengths: skip a row whose estimated memory exceeds this (0: what the machine has).
+            "memory_limit_gb": 0.0,
             "bandwidth_buffer_mb": 1024,
             "dense_row": 0,  # the row speed-ups are relative to (unless a row names its baseline)
             # Time the dense row's generation loop again beside every other row (decode_speed.py).
@@ -272,6 +288,42 @@ def tiny() -> ml_collections.ConfigDict:
     )
 
 
+LONG_DOCUMENT_LENGTHS = (1024, 4096, 15360)
+
+
+def long_document() -> ml_collections.ConfigDict:
+    """Decoding at arXiv-summarization input lengths (paper §5: inputs of 15,360 tokens), issue 40:
+    the dense baseline, the fully sparse model, the Terraformer with dense attention and with LSH,
+    each with float32 and int8 weights and with int8 weights and an int8 cache, at inputs of
+    1,024, 4,096 and 15,360 tokens, 256 generated tokens, 2+24-layer timing shape. Reports the
+    prefill, the in-loop ms per token, the bytes each token reads from weights and from caches
+    with their floors, and each row's peak memory; rows the machine cannot hold are skipped with
+    the reason. Positional tables of 16,384 rows (the Terraformer's) for every model."""
+    m = "models/{}_800m.gin".format
+    rows = []
+    for name, config in (
+        ("baseline Transf.", "dense"),
+        ("fully sparse", "fully_sparse"),
+        ("Terraformer", "terraformer"),
+        ("Terraformer LSH", "terraformer_lsh"),
+    ):
+        rows += [
+            make_row(f"{name} · float32", m(config), weights_dtype="float32"),
+            make_row(f"{name} · int8", m(config), weights_dtype="int8"),
+            make_row(f"{name} · int8 · int8 cache", m(config), weights_dtype="int8", cache_dtype="int8"),
+        ]
+    return timing_config(
+        rows,
+        common_bindings=list(TIMING_SHAPE_800M) + ["TransformerConfig.max_len = 16384"],
+        input_lengths=LONG_DOCUMENT_LENGTHS,
+        tokens=256,
+        decoder_cache_length=0,  # the 2 + 256 tokens decoded
+        repeats=2,  # each repetition is a prefill of up to 15,360 tokens and 258 steps
+        time_calls=False,
+        title="Long-document decoding at the 800M widths, 2+24-layer timing shape (batch 1, 256 generated tokens)",
+    )
+
+
 def select_rows(config: ml_collections.ConfigDict, patterns: Sequence[str]) -> ml_collections.ConfigDict:
     """``config`` with only the rows whose names contain one of ``patterns`` (case-insensitive),
     plus the rows their speed-ups are measured against (the dense row always, and a row's own
@@ -302,6 +354,7 @@ PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "paper_17b_block": paper_17b_block,
     "quantized_800m": quantized_800m,
     "quantized_17b_block": quantized_17b_block,
+    "long_document": long_document,
     "sparsity_sweep": sparsity_sweep,
     "tiny": tiny,
 }

@@ -5,6 +5,11 @@ names another), in the table and in the plot: a plot has one panel per baseline.
 seconds, where the paper has a figure for the row, appear beside ours as a speed-up (the paper's
 CPU is not this one, so only ratios compare). An in-loop time the generation loop's jitter hid
 (``None``) is shown as such, never as a number.
+
+Rows timed at several input lengths (``long_document``, ``--config.input_lengths``) have their own
+table (row, input length, prefill, in-loop ms per token, weights and caches MB per token, the
+floor, peak memory), speed-ups within each length and a plot against the length; a row that was
+``skipped`` shows its reason in the table and is left out of the plot.
 """
 
 import json
@@ -36,6 +41,11 @@ def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional
     return numerator / denominator
 
 
+def is_long_document(rows: Sequence[dict]) -> bool:
+    """Whether ``rows`` were timed at several input lengths (``long_document``)."""
+    return any(r.get("long_document") for r in rows)
+
+
 def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
     """Sets each row's ``speedup_reference`` (its ``baseline`` row's name, else row
     ``dense_row``'s), ``speedup_vs_dense`` and ``speedup_vs_dense_loop`` (the reference's time
@@ -43,23 +53,35 @@ def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
     (against the dense row's loop timed right after the row's own, ``baseline_beside``; None
     where it was not), ``loop_over_floor_and_arithmetic`` (the in-loop time over floor plus
     arith.) and ``paper_speedup`` (the same ratio of the paper's seconds, where the paper has
-    both)."""
+    both). Rows timed at several input lengths are compared within each length (``dense_row``
+    indexes the rows of one length); a skipped row's ratios are None."""
+    if is_long_document(rows):
+        lengths: Dict[int, List[dict]] = {}
+        for r in rows:
+            lengths.setdefault(r.get("input_length"), []).append(r)
+        for group in lengths.values():
+            _add_speedups(group, dense_row if dense_row < len(group) else 0)
+        return
+    _add_speedups(rows, dense_row)
+
+
+def _add_speedups(rows: List[dict], dense_row: int) -> None:
     by_name = {r["name"]: r for r in rows}
-    default = rows[dense_row]["name"]
+    default = rows[dense_row]["name"] if rows else ""
     key, loop_key = timing_keys(bool(rows) and rows[0].get("block_mode") == "difference")
     for r in rows:
-        reference = by_name[r.get("baseline") or default]
-        r["speedup_reference"] = reference["name"]
-        r["speedup_vs_dense"] = _ratio(reference[key], r[key])
-        r["speedup_vs_dense_loop"] = _ratio(reference[loop_key], r[loop_key])
+        reference = by_name.get(r.get("baseline") or default, by_name.get(default, {}))
+        r["speedup_reference"] = reference.get("name", default)
+        r["speedup_vs_dense"] = _ratio(reference.get(key), r.get(key))
+        r["speedup_vs_dense_loop"] = _ratio(reference.get(loop_key), r.get(loop_key))
         # The dense row's loop timed in the same minutes as this row's (baseline_beside).
-        beside = r.get("dense_loop_beside_seconds") if reference["name"] == default else None
-        r["speedup_vs_dense_loop_beside"] = _ratio(beside, r[loop_key])
+        beside = r.get("dense_loop_beside_seconds") if r["speedup_reference"] == default else None
+        r["speedup_vs_dense_loop_beside"] = _ratio(beside, r.get(loop_key))
         # How far the generation loop is from what the step's bytes and arithmetic need at the
         # least: 1.0 would overlap nothing and still reach the floor (docs/decode_speed.md sets
         # 1.5 as the quantized rows' target).
         floor_and_arithmetic = r.get("floor_seconds", 0.0) + r.get("arithmetic_seconds", 0.0)
-        r["loop_over_floor_and_arithmetic"] = _ratio(r[loop_key], floor_and_arithmetic)
+        r["loop_over_floor_and_arithmetic"] = _ratio(r.get(loop_key), floor_and_arithmetic)
         r["paper_speedup"] = _ratio(reference.get("paper_seconds"), r.get("paper_seconds"))
 
 
@@ -74,7 +96,65 @@ def _paper(row: dict) -> str:
     return f"{row['paper_seconds']:.3f} s{ratio}"
 
 
+def _header(machine: dict, bandwidth_gbps: float, title: str) -> List[str]:
+    return [
+        f"### {title}",
+        "",
+        f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
+        f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows, "
+        f"{machine['bandwidth_after_gbps']:.1f} GB/s after; small products {machine['product_gflops']:.0f} GFLOP/s"
+        f"; jax {machine['jax']} ({machine['backend']}).",
+    ]
+
+
+def _megabytes(n: Optional[float]) -> str:
+    return "—" if n is None else f"{n / 1e6:,.1f}"
+
+
+def long_document_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    """The table of rows timed at several input lengths: row, input length, prefill seconds,
+    in-loop ms per token, weights and caches MB read per token, the floor they set at the
+    bandwidth measured before the rows (total, and weights + caches), peak resident GB. A
+    skipped row shows its reason."""
+    lines = _header(machine, bandwidth_gbps, title) + [
+        "",
+        "Each row at each input length: the prefill of the input (median), then greedy decoding "
+        "inside one jitted `while_loop` (in loop: per token, the loop over all the tokens minus the "
+        "loop over the first few). MB per token: the weights the step reads, and the caches it reads "
+        "(an LSH layer only its kept rows and bucket bookkeeping; narrow caches at their itemsize); "
+        "floor: those bytes at the measured bandwidth, weights + caches. Peak: the process's peak "
+        "resident memory over the row.",
+        "",
+        "| row | input length | prefill | in loop | weights MB / token | caches MB / token | floor "
+        "(weights + caches) | peak GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['name']} | {r['input_length']:,} | skipped: {r['skipped']} | — | — | — | — | — |")
+            continue
+        peak = r.get("peak_resident_bytes")
+        floor = (
+            f"{r['floor_seconds'] * 1e3:.2f} ms ({r.get('weight_floor_seconds', 0) * 1e3:.2f} + "
+            f"{r.get('cache_floor_seconds', 0) * 1e3:.2f})"
+        )
+        lines.append(
+            f"| {r['name']} | {r['input_length']:,} | {r['prefill_seconds']:.3f} s | "
+            f"{milliseconds(r.get('seconds_per_token_loop'), 2)} | {_megabytes(r.get('weight_bytes_per_token'))} | "
+            f"{_megabytes(r.get('cache_bytes_per_token'))} | {floor} | "
+            f"{'—' if peak is None else f'{peak / 1e9:.2f}'} |"
+        )
+    sources = sorted({r["peak_resident_source"] for r in rows if r.get("peak_resident_source")})
+    if sources:
+        lines += ["", f"Peak: {'; '.join(sources)}."]
+    if any(not r.get("skipped") and r.get("seconds_per_token_loop") is None for r in rows):
+        lines += ["", "In loop —: the generation loop's jitter was larger than the time it measures."]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    if is_long_document(rows):
+        return long_document_table(rows, machine, bandwidth_gbps, title)
     block_mode = bool(rows) and rows[0].get("block_mode") == "difference"
     references = sorted({r["speedup_reference"] for r in rows})
     beside = any(r.get("speedup_vs_dense_loop_beside") is not None for r in rows)
@@ -114,14 +194,20 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
     ]
     _, loop_key = timing_keys(block_mode)
     for r in rows:
+        step = (
+            "—"
+            if r.get("seconds_per_token_median") is None
+            else f"{r['seconds_per_token_median'] * 1e3:.2f} ms (min {r['seconds_per_token_min'] * 1e3:.2f})"
+        )
+        fraction = r.get("fraction_of_bandwidth")
         lines.append(
-            f"| {r['name']} | {_millions(r['params'])} | {r['seconds_per_token_median'] * 1e3:.2f} ms "
-            f"(min {r['seconds_per_token_min'] * 1e3:.2f}) | {r['seconds_per_block'] * 1e3:.3f} ms | "
+            f"| {r['name']} | {_millions(r['params'])} | {step} | {milliseconds(r.get('seconds_per_block'))} | "
             f"{_ratio_cell(r['speedup_vs_dense'])} | {milliseconds(r[loop_key])} | "
             f"{_ratio_cell(r['speedup_vs_dense_loop'])} | "
             + (f"{_ratio_cell(r.get('speedup_vs_dense_loop_beside'))} | " if beside else "")
-            + f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | {r['achieved_gbps']:.1f} | "
-            f"{100 * r['fraction_of_bandwidth']:.0f}% | {r['floor_seconds'] * 1e3:.2f} ms | "
+            + f"{r.get('bytes_per_block', r['bytes_per_token']) / 1e6:,.1f} | "
+            + ("— | — | " if fraction is None else f"{r['achieved_gbps']:.1f} | {100 * fraction:.0f}% | ")
+            + f"{r['floor_seconds'] * 1e3:.2f} ms | "
             f"{r.get('flops_per_block', r['flops_per_token']) / 1e6:,.1f} | {r['arithmetic_seconds'] * 1e3:.2f} ms | "
             f"{_ratio_cell(r.get('loop_over_floor_and_arithmetic'), unit='')} | {_paper(r)} |"
         )
@@ -222,7 +308,7 @@ def _plot_bars(rows: Sequence[dict], title: str):
     unit = "ms per decoder block (batch 1)" if per_block else "ms per token (batch 1)"
     right = max(
         max(
-            _ms(r[step_key]),
+            _ms(r[step_key]) if r[step_key] else 0,
             _ms(r[loop_key]) if r[loop_key] else 0,
             (r["floor_seconds"] + r["arithmetic_seconds"]) * 1e3,
         )
@@ -240,8 +326,10 @@ def _plot_bars(rows: Sequence[dict], title: str):
         for i, r in enumerate(members):
             if r["speedup_vs_dense_loop"] is not None:
                 text = f"{r['speedup_vs_dense_loop']:.1f}x"
-            else:  # an in-loop time lost in jitter: the step-call speed-up stands in for it
+            elif r["speedup_vs_dense"] is not None:  # an in-loop time lost in jitter: the step-call one
                 text = f"{r['speedup_vs_dense']:.1f}x per step call (in loop: noise)"
+            else:
+                text = "in loop: noise"
             if r.get("paper_speedup") and r["name"] != reference:
                 text += f"  (paper {r['paper_speedup']:.1f}x)"
             ax.text(right * 1.03, i, text, va="center", fontsize=8)
@@ -261,10 +349,44 @@ def _plot_bars(rows: Sequence[dict], title: str):
     return fig
 
 
-def plot(rows: Sequence[dict], path: str, title: str) -> None:
-    """A sparsity sweep (rows with a ``series``) as curves, anything else as bars per baseline."""
+def _plot_lengths(rows: Sequence[dict], title: str):
+    """Rows timed at several input lengths: the in-loop ms per token of each row against the
+    input length (solid), with its byte floor (dashed, same colour); skipped rows are left out."""
     plt = pyplot()
-    fig = _plot_series(rows, title) if all(r.get("series") for r in rows) else _plot_bars(rows, title)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    measured = [r for r in rows if not r.get("skipped")]
+    names = list(dict.fromkeys(r["name"] for r in measured))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(names):
+        points = sorted((r for r in measured if r["name"] == name), key=lambda r: r["input_length"])
+        x = [r["input_length"] for r in points]
+        colour = colours[i % len(colours)]
+        ax.plot(x, [_ms(r.get("seconds_per_token_loop")) for r in points], "o-", color=colour, label=name)
+        ax.plot(x, [r["floor_seconds"] * 1e3 for r in points], "--", color=colour, alpha=0.6)
+    ax.set_xscale("log")
+    lengths = sorted({r["input_length"] for r in rows})
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+    ax.set_xlabel("input tokens (encoder)")
+    ax.set_ylabel("ms per generated token in the loop (batch 1); dashed: byte floor")
+    ax.grid(alpha=0.3)
+    if names:
+        ax.legend(fontsize=7, ncol=2)
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    ax.set_title(title + (f" ({skipped} skipped, see the table)" if skipped else ""), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot(rows: Sequence[dict], path: str, title: str) -> None:
+    """A sparsity sweep (rows with a ``series``) as curves, rows at several input lengths against
+    the length, anything else as bars per baseline."""
+    plt = pyplot()
+    if is_long_document(rows):
+        fig = _plot_lengths(rows, title)
+    elif all(r.get("series") for r in rows):
+        fig = _plot_series(rows, title)
+    else:
+        fig = _plot_bars(rows, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

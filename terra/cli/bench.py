@@ -13,9 +13,12 @@ Each model is built from its gin config with random weights; a 16-token input is
 single-token steps are timed one jitted call at a time (the paper's protocol) and inside one
 jitted while_loop (how generation runs). Reports ms per token (or per block), bytes read per
 token, the floor those bytes set at the bandwidth measured before the rows, and the step's FLOPs.
-Writes decode_speed.{md,json,png} and machine.json to --out.
+Writes decode_speed.{md,json,png} and machine.json to --out. The long_document preset times each
+row at inputs of 1,024, 4,096 and 15,360 tokens (prefill, in-loop ms per token, weight and cache
+bytes per token, peak memory; rows the memory cannot hold are skipped with the reason).
 
   terra-bench decode --preset paper_800m --out out/paper_800m        # Tables 1, 2, 7
+  terra-bench decode --preset long_document --config.input_lengths=15360 --rows=float32 --out out/long
   terra-bench decode --preset paper_17b_block --out out/17b          # per block at 17B widths
   terra-bench decode --preset sparsity_sweep --out out/sweep         # ms/token against N and S
   terra-bench decode --preset tiny                                   # seconds: a smoke run

@@ -7,6 +7,11 @@ never transposes the cache inside the step (``docs/design/cpu_decoding.md``). Ca
 created on the first decode call, guarded with ``has_variable``: ``init``/prefill *runs*
 the body, so an unguarded index update would advance on creation
 (``docs/design/jax_stack.md``, pitfall 7).
+
+``cache_dtype`` (``terra/layers/kv_cache.py``) stores the decode caches narrow: bfloat16, or int8
+with one float32 scale per (batch, head, position) in ``cached_key_scale``/``cached_value_scale``
+``[batch, heads, length]`` beside the caches. The step's products read them narrow
+(``backends.cache_logits``, ``backends.cache_weighted_values``); float32 leaves the caches as before.
 """
 
 from typing import Optional
@@ -16,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import MASK_VALUE, cached_attention
-from terra.layers import axes
+from terra.backends import MASK_VALUE, cache_logits, cache_weighted_values, cached_attention
+from terra.layers import axes, kv_cache
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
 
@@ -46,6 +51,32 @@ def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> j
     )(y)
 
 
+def attention_in_query_chunks(q, k, v, bias, *, causal: bool, chunk: int) -> jax.Array:
+    """Softmax attention computed ``chunk`` queries at a time, equal to the whole computation:
+    q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, ``bias`` ``[b|1, 1, 1, lk]`` (the same for every
+    query), ``causal`` for a self-attention (lq == lk) -> ``[b, h, lq, d]``. Peak memory holds
+    one chunk's scores, ``[b, h, chunk, lk]``, as long-context inference engines prefill."""
+    batch, heads, length, d = q.shape
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    q = q * jnp.asarray(d**-0.5, q.dtype)
+    chunks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(batch, heads, n_chunks, chunk, d)
+    key_positions = jnp.arange(k.shape[2])
+    bias = jnp.broadcast_to(bias, (bias.shape[0], 1, 1, k.shape[2])).astype(jnp.float32)
+
+    def one_chunk(args):
+        index, q_chunk = args
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q_chunk, k).astype(jnp.float32) + bias
+        if causal:
+            query_positions = index * chunk + jnp.arange(chunk)
+            logits = logits + jnp.where(key_positions[None, :] <= query_positions[:, None], 0.0, MASK_VALUE)
+        probs = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+
+    y = lax.map(one_chunk, (jnp.arange(n_chunks), jnp.moveaxis(chunks, 2, 0)))  # [n, b, h, chunk, d]
+    return jnp.moveaxis(y, 0, 2).reshape(batch, heads, n_chunks * chunk, d)[:, :, :length]
+
+
 class AttentionBase(nn.Module):
     """Shared sizes, projections and the softmax core.
 
@@ -59,6 +90,9 @@ class AttentionBase(nn.Module):
     dropout_rate: float = 0.0
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
+    query_chunk_size: int = 512
+    # How the decode caches are stored (kv_cache.CACHE_DTYPES); models set it on decoder attentions.
+    cache_dtype: str = "float32"
 
     @property
     def d_head(self) -> int:
@@ -94,14 +128,46 @@ class AttentionBase(nn.Module):
         """``[batch, length, heads, d_head] -> [batch, length, d_model]``."""
         return output_projection(y, d_model=self.d_model, use_bias=self.use_bias, dtype=self.dtype)
 
-    def _attend(self, q, k, v, bias, deterministic: bool) -> jax.Array:
+    def _attend(
+        self, q, k, v, bias, deterministic: bool, *, causal: bool = False, key_scale=None, value_scale=None
+    ) -> jax.Array:
         """Head-major core: q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, bias broadcastable to
-        ``[b, h, lq, lk]`` -> ``[b, h, lq, d]``."""
+        ``[b, h, lq, lk]`` -> ``[b, h, lq, d]``; ``causal`` (lq == lk) also hides later keys.
+
+        Without dropout and with a bias that does not vary over queries (``[b|1, 1, 1, lk]``),
+        queries longer than ``query_chunk_size`` are attended one chunk at a time
+        (``attention_in_query_chunks``): a 15,360-token prefill never holds the
+        ``[heads, lq, lk]`` scores whole (14 GB at 16 heads in float32).
+
+        k and v may be a decode cache stored narrow (int8 with ``key_scale``/``value_scale
+        [b, h, lk]``, or bfloat16): the backend reads them narrow (one query in decoding)."""
+        query_invariant = bias.ndim < 4 or bias.shape[2] == 1
+        stored_as_q = key_scale is None and k.dtype == q.dtype
+        if (
+            (deterministic or self.dropout_rate == 0.0)
+            and query_invariant
+            and stored_as_q
+            and q.shape[2] > self.query_chunk_size
+        ):
+            return attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=self.query_chunk_size)
+        if causal:
+            bias = bias + causal_bias(q.shape[2])
         q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32) + bias
+        logits = cache_logits(q, k, key_scale) + bias
         probs = jax.nn.softmax(logits, axis=-1)
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
-        return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+        return cache_weighted_values(probs.astype(q.dtype), v, value_scale).astype(q.dtype)
+
+    def _scale_variables(self, shape):
+        """The int8 caches' scale variables ``cached_key_scale``, ``cached_value_scale`` ``[batch,
+        heads, length]`` (ones until written) for caches of ``shape [batch, heads, length, d]``;
+        ``(None, None)`` for caches stored without scales."""
+        if kv_cache.empty((1,), self.cache_dtype)[1] is None:
+            return None, None
+        return tuple(
+            self.variable("cache", name, jnp.ones, shape[:3], jnp.float32)
+            for name in ("cached_key_scale", "cached_value_scale")
+        )
 
     def _causal_attend(
         self,
@@ -127,14 +193,17 @@ class AttentionBase(nn.Module):
         are never attended to) and continues at ``cache_index = length``. Terraformer uses
         this for the encoder prefix of its concatenated decoder sequence.
         """
+        no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
         if not decode:
-            return self._attend(q, k, v, causal_bias(q.shape[2]), deterministic)
+            return self._attend(q, k, v, no_bias, deterministic, causal=True)
         initialized = self.has_variable("cache", "cached_key")
         if not initialized and max_decode_length is None:
             raise ValueError(f"{type(self).__name__}: the cache-creating decode call needs max_decode_length.")
         shape = (q.shape[0], k.shape[1], max_decode_length or 0, k.shape[3])
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+        stored = kv_cache.storage_dtype(self.cache_dtype, k.dtype)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, stored)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, stored)
+        key_scale, value_scale = self._scale_variables(shape)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if not initialized and prefix_mask is not None:
             length = q.shape[2]
@@ -144,22 +213,25 @@ class AttentionBase(nn.Module):
                     f"{shape[2]}; raise max_decode_length."
                 )
             real = prefix_mask.astype(bool)
-            bias = causal_bias(length) + padding_bias(real)
-            cached_key.value = lax.dynamic_update_slice(cached_key.value, k, (0, 0, 0, 0))
-            cached_value.value = lax.dynamic_update_slice(cached_value.value, v, (0, 0, 0, 0))
+            bias = padding_bias(real)
+            for cache, scale, x in ((cached_key, key_scale, k), (cached_value, value_scale, v)):
+                values, scales = kv_cache.narrow(x, self.cache_dtype)
+                cache.value = lax.dynamic_update_slice(cache.value, values, (0, 0, 0, 0))
+                if scale is not None:
+                    scale.value = lax.dynamic_update_slice(scale.value, scales, (0, 0, 0))
             key_mask = jnp.ones((shape[0], shape[2]), bool).at[:, :length].set(real)
             self.put_variable("cache", "key_mask", key_mask)
             cache_index.value = jnp.asarray(length, jnp.int32)
-            return self._attend(q, k, v, bias, deterministic)
+            return self._attend(q, k, v, bias, deterministic, causal=True)
         if not initialized:
-            return self._attend(q, k, v, causal_bias(q.shape[2]), deterministic)
+            return self._attend(q, k, v, no_bias, deterministic, causal=True)
         if q.shape[2] != 1:
             raise ValueError(
                 f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
             )
         index = cache_index.value
         key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
-        y, cached_key.value, cached_value.value = cached_attention(
+        out = cached_attention(
             q,
             k,
             v,
@@ -168,28 +240,35 @@ class AttentionBase(nn.Module):
             index,
             key_mask,
             dropout=lambda probs: nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic),
+            key_scale=None if key_scale is None else key_scale.value,
+            value_scale=None if value_scale is None else value_scale.value,
         )
+        y, cached_key.value, cached_value.value = out[:3]
+        if key_scale is not None:
+            key_scale.value, value_scale.value = out[3:]
         cache_index.value = index + 1
         return y
 
     def _encoder_keys_values(self, encoded, encoder_mask, *, decode: bool):
-        """Head-major keys, values ``[batch, heads, kv_length, d_head]`` and the padding bias
-        of the encoder output; in decode mode computed once and then read from the cache."""
+        """Head-major keys, values ``[batch, heads, kv_length, d_head]``, the padding bias of the
+        encoder output and the key and value scales ``[batch, heads, kv_length]`` (``None`` but
+        for an int8 cache); in decode mode computed once, stored as ``cache_dtype`` says, and
+        then read from the cache (the creating call already returns them as stored)."""
+        names = ("cached_key", "cached_value", "encoder_bias", "cached_key_scale", "cached_value_scale")
         if decode and self.has_variable("cache", "cached_key"):
-            return (
-                self.get_variable("cache", "cached_key"),
-                self.get_variable("cache", "cached_value"),
-                self.get_variable("cache", "encoder_bias"),
-            )
+            return tuple(self.get_variable("cache", n) if self.has_variable("cache", n) else None for n in names)
         if encoded is None or encoder_mask is None:
             raise ValueError(f"{type(self).__name__} needs the encoder output and mask on its first call.")
         keys, values = (self._heads_first(t) for t in self._project(encoded, 2, "kv"))
         bias = padding_bias(encoder_mask)
-        if decode:
-            self.put_variable("cache", "cached_key", keys)
-            self.put_variable("cache", "cached_value", values)
-            self.put_variable("cache", "encoder_bias", bias)
-        return keys, values, bias
+        if not decode:
+            return keys, values, bias, None, None
+        (keys, key_scale), (values, value_scale) = (kv_cache.narrow(t, self.cache_dtype) for t in (keys, values))
+        stored = (keys, values, bias, key_scale, value_scale)
+        for name, value in zip(names, stored):
+            if value is not None:
+                self.put_variable("cache", name, value)
+        return stored
 
     @staticmethod
     def params_read_per_token(params) -> int:
@@ -268,6 +347,6 @@ class CrossAttention(AttentionBase):
         decode: bool = False,
     ) -> jax.Array:
         q = self._heads_first(self._project(x, 1, "q")[0])
-        keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
-        y = self._attend(q, keys, values, bias, deterministic)
+        keys, values, bias, key_scale, value_scale = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
+        y = self._attend(q, keys, values, bias, deterministic, key_scale=key_scale, value_scale=value_scale)
         return self._output(self._heads_first(y))

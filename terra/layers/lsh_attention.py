@@ -44,23 +44,39 @@ reference keeps them in the layer state for ``reverse_and_grad``).
 
 Decode (causal only; the reference's ``_incremental_forward_unbatched``). The cache holds,
 head-major as ``CausalSelfAttention``'s, the normalised keys and the values of every past
-token ``[batch, heads, max_decode_length, d_head]``, their buckets
-``[batch, heads, n_hashes, max_decode_length]`` (−1 = empty or padding) and the rotations.
-For the new token, past keys are ranked as the reference ranks them — first those sharing
-its bucket in any hash round, then by recency — and the top
-``n_hashes · chunk_len · (1 + n_chunks_before) − 1`` are attended to together with the token
-itself (the reference keeps ``n_hashes · chunk_len · (1 + n_chunks_before)`` keys including
+token ``[batch, heads, max_decode_length, d_head]`` (stored as ``cache_dtype``:
+``terra.layers.kv_cache``), their buckets ``[batch, heads, n_hashes, max_decode_length]``
+(−1 = empty or padding) and the rotations. For the new token, past keys are ranked as the
+reference ranks them (``docs/design/reference_code.md`` §4.5) — first those sharing its
+bucket in any hash round, then by recency — and the top
+``n_keep = n_hashes · chunk_len · (1 + n_chunks_before) − 1`` are attended to together with the
+token itself (the reference keeps ``n_hashes · chunk_len · (1 + n_chunks_before)`` keys including
 the token itself), with the same causal/exclude-self/padding masks and one softmax (no
-per-round combination, as the reference). Differences from the reference: keys/values are
-cached instead of recomputed from a cache of inputs; the memory is the full
-``max_decode_length`` cache (the reference's ``predict_mem_len`` with rolling
-``predict_drop_len`` drops is not implemented: a cache never wraps); auto ``n_buckets`` is
-computed from ``max_decode_length`` (the reference recomputes it from the 2-row query
-buffer); like ``CausalSelfAttention`` the cache-creating call runs the full forward and
-writes nothing, unless it is given ``prefix_mask`` (a multi-token prefill that hashes and
-writes the prefix's keys, padded ones with bucket −1). Decode equals the full forward
-whenever every past key is kept, e.g. for sequences of at most ``chunk_len`` tokens; beyond that both are
-approximations of full attention by different selection rules (as in the reference).
+per-round combination, as the reference).
+
+Ranking every cached position costs O(max_decode_length) per step and layer
+(``select_from_whole_cache``, ``decode_candidates='all'``). By default
+(``decode_candidates='buckets'``) the cache also keeps ring buffers of positions: per (round,
+bucket) the latest ``n_keep`` real positions hashed there, ``bucket_positions [batch, heads,
+n_hashes, n_buckets, n_keep]`` int32 (−1 = empty) with ``bucket_counts [batch, heads, n_hashes,
+n_buckets]``, and the latest ``n_keep`` real positions, ``recent_positions [batch, 1, n_keep]``
+with ``recent_counts [batch, 1]``. A step ranks only the ≤ ``(n_hashes + 1) · n_keep``
+positions of its own buckets' lists and the recent list (``select_from_bucket_lists``, which
+chooses exactly the same keys: the proof is in its docstring) and reads (and widens) only the
+kept key/value rows, so its cost no longer grows with the context. Memory: 4 · n_hashes ·
+n_buckets · n_keep bytes per head and example, 8 MiB per layer at the arXiv decoder's 16 heads,
+2 rounds, 128 buckets, n_keep 511 (the float32 key/value cache of 16,384 positions is 128 MiB).
+
+Differences from the reference: keys/values are cached instead of recomputed from a cache of
+inputs; the memory is the full ``max_decode_length`` cache (the reference's
+``predict_mem_len`` with rolling ``predict_drop_len`` drops is not implemented: a cache never
+wraps); auto ``n_buckets`` is computed from ``max_decode_length`` (the reference recomputes it
+from the 2-row query buffer); like ``CausalSelfAttention`` the cache-creating call runs the full
+forward and writes nothing, unless it is given ``prefix_mask`` (a multi-token prefill that
+hashes and writes the prefix's keys, padded ones with bucket −1, and fills the position lists).
+Decode equals the full forward whenever every past key is kept, e.g. for sequences of at most
+``chunk_len`` tokens; beyond that both are approximations of full attention by different
+selection rules (as in the reference).
 """
 
 import math
@@ -74,7 +90,7 @@ from jax import lax
 
 from terra.backends import write_after_read
 from terra.errors import ConfigError
-from terra.layers import axes
+from terra.layers import axes, kv_cache
 from terra.layers.attention import MASK_VALUE, output_projection
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
@@ -86,6 +102,7 @@ SELF_MASK_VALUE = -1e5
 # Above this many buckets the automatic choice factorises the hash (as the reference).
 MAX_UNFACTORED_BUCKETS = 128
 WEIGHTS_FORMATS = ("model", "sparse")
+DECODE_CANDIDATES = ("buckets", "all")
 
 NBuckets = Union[int, Sequence[int], None]
 
@@ -261,6 +278,175 @@ def lsh_attention(
     return jnp.sum(o * weights[..., None].astype(o.dtype), axis=2)
 
 
+def select_from_whole_cache(cached_buckets: jax.Array, q_buckets: jax.Array, n_keep: int) -> jax.Array:
+    """The reference's choice of past keys for a decode step (``docs/design/reference_code.md``
+    §4.5: same bucket as the query in any hash round first, then recency), over every cached
+    position: O(max_len) per step.
+
+    ``cached_buckets`` ``[batch, heads, n_hashes, max_len]`` (−1: empty or padding),
+    ``q_buckets`` ``[batch, heads, n_hashes]`` (−1: a padded query, which shares no bucket).
+    Returns the kept positions ``[batch, heads, n_keep]`` int32, −1 where fewer than ``n_keep``
+    positions are valid. The reference for :func:`select_from_bucket_lists`.
+    """
+    max_len = cached_buckets.shape[-1]
+    valid = cached_buckets[:, :, 0, :] >= 0
+    same = jnp.any(cached_buckets == q_buckets[..., None], axis=2)
+    position = jnp.arange(max_len, dtype=jnp.int32)
+    priority = jnp.where(valid, position + max_len * same.astype(jnp.int32), -1)
+    # float32 holds the priorities (< 2·max_len) exactly below 2^23 positions, and XLA:CPU's
+    # float32 top_k is its fast path: over 16,384 positions 2.7 ms against 40 ms for int32.
+    _, kept = lax.top_k(priority.astype(jnp.float32), n_keep)  # [b, h, n_keep]
+    return jnp.where(jnp.take_along_axis(valid, kept, axis=2), kept, -1).astype(jnp.int32)
+
+
+def select_from_bucket_lists(
+    bucket_lists: jax.Array, recent: jax.Array, cached_buckets: jax.Array, q_buckets: jax.Array, n_keep: int
+) -> jax.Array:
+    """The same kept set as :func:`select_from_whole_cache`, ranked over at most
+    ``(n_hashes + 1) · n_keep`` candidates instead of ``max_len`` positions.
+
+    ``bucket_lists`` ``[batch, heads, n_hashes, capacity]``: per round, the latest (at most
+    ``capacity``) valid positions hashed to the query's bucket of that round (−1: empty);
+    ``recent`` ``[batch, capacity]``: the latest valid positions; ``cached_buckets``
+    ``[batch, heads, n_hashes, max_len]``; ``q_buckets`` ``[batch, heads, n_hashes]`` (−1: a
+    padded query). Returns ``[batch, heads, n_keep]`` int32 positions, −1 = none.
+
+    Why the sets are equal when ``capacity >= n_keep``: the whole-cache rule keeps the
+    ``n_keep`` valid positions of highest priority ``position + max_len · same`` (distinct
+    priorities). A kept same-bucket position p has fewer than ``n_keep`` same-bucket positions
+    after it, so in the first round r0 where it shares the query's bucket fewer than ``n_keep``
+    positions of that bucket follow it: p is in round r0's list. A kept other position exists
+    only when all S < ``n_keep`` same-bucket positions are kept, and p is then among the latest
+    ``n_keep - S`` other positions: fewer than ``n_keep`` valid positions follow it, so p is in
+    ``recent``. Duplicates are dropped: a round-r entry that shares the query's bucket in an
+    earlier round (it is in that round's list, or it has ``n_keep`` same-bucket positions after
+    it and is not kept), and a ``recent`` entry that shares it in any round (fewer than
+    ``n_keep`` positions follow it, so it is in its first matching round's list). The
+    candidates are then distinct valid positions with the right ``same`` flags and include the
+    whole-cache choice, so their top ``n_keep`` by the same priority is that choice (in another
+    order, which one softmax does not see).
+    """
+    batch, heads, n_hashes, capacity = bucket_lists.shape
+    max_len = cached_buckets.shape[-1]
+    lists = jnp.where(q_buckets[..., None] >= 0, bucket_lists, -1).reshape(batch, heads, n_hashes * capacity)
+    candidates = jnp.concatenate([lists, jnp.broadcast_to(recent[:, None, :], (batch, heads, capacity))], axis=-1)
+    # Each candidate's buckets in every round  [b, h, n_hashes, (n_hashes + 1) · capacity].
+    their_buckets = jnp.take_along_axis(cached_buckets, jnp.maximum(candidates, 0)[:, :, None, :], axis=3)
+    matches = their_buckets == q_buckets[..., None]
+    source = jnp.repeat(jnp.arange(n_hashes + 1), capacity)  # an entry's round; n_hashes: recent
+    earlier = jnp.arange(n_hashes)[:, None] < source[None, :]
+    candidates = jnp.where(jnp.any(matches & earlier, axis=2), -1, candidates)
+    priority = jnp.where(candidates >= 0, candidates + max_len * (source < n_hashes), -1)
+
+    # The n_keep-th highest priority by bisection (the priorities are distinct integers in
+    # [0, 2·max_len)); 0 when fewer than n_keep candidates are valid, so all of them are kept.
+    # Cheaper on XLA:CPU than lax.top_k over the candidates (0.22-0.27 against 0.57 ms at 16
+    # heads, n_keep 511), and the kept order does not matter.
+    def bisect(_, bounds):
+        low, high = bounds
+        middle = (low + high + 1) // 2
+        enough = jnp.sum(priority >= middle[..., None], axis=-1) >= n_keep
+        return jnp.where(enough, middle, low), jnp.where(enough, high, middle - 1)
+
+    low = jnp.zeros((batch, heads), jnp.int32)
+    high = jnp.full((batch, heads), 2 * max_len, jnp.int32)
+    threshold, _ = lax.fori_loop(0, (2 * max_len).bit_length(), bisect, (low, high))
+    kept = priority >= threshold[..., None]  # at most n_keep per row
+    slot = jnp.where(kept, jnp.cumsum(kept, axis=-1, dtype=jnp.int32) - 1, n_keep)
+    rows = (jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None])
+    out = jnp.full((batch, heads, n_keep), -1, jnp.int32)
+    return out.at[rows + (slot,)].set(candidates, mode="drop")
+
+
+def latest_positions(ids: jax.Array, n_ids: int, capacity: int) -> Tuple[jax.Array, jax.Array]:
+    """Ring buffers of each id's latest ``capacity`` positions, all at once (the prefill).
+
+    ``ids`` ``[..., length]`` int32 in ``[0, n_ids)``, or −1 for a position that joins no
+    buffer. Returns ``buffers [..., n_ids, capacity]`` int32 and ``counts [..., n_ids]`` int32
+    (positions per id): the position of rank j within its id (0 = earliest) is at slot
+    ``j % capacity`` if it is among the id's last ``capacity``; other slots hold −1. This is
+    what :func:`append_position` leaves after appending the positions one by one.
+    """
+    lead, length = ids.shape[:-1], ids.shape[-1]
+    rows = math.prod(lead)
+    key = jnp.where(ids >= 0, ids, n_ids).reshape(rows, length).astype(jnp.int32)
+    # A stable sort by id keeps each id's positions in increasing order, so an entry's rank
+    # within its id is its distance to the id's first sorted entry.
+    order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    sorted_ids = jnp.take_along_axis(key, order, axis=-1)
+    counts = jax.vmap(lambda k: jnp.bincount(k, length=n_ids + 1))(key).astype(jnp.int32)
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    rank = jnp.arange(length, dtype=jnp.int32) - jnp.take_along_axis(starts, sorted_ids, axis=-1)
+    keep = (sorted_ids < n_ids) & (rank >= jnp.take_along_axis(counts, sorted_ids, axis=-1) - capacity)
+    slot = jnp.where(keep, sorted_ids * capacity + rank % capacity, n_ids * capacity)
+    buffers = jnp.full((rows, n_ids * capacity), -1, jnp.int32)
+    buffers = jax.vmap(lambda b, i, o: b.at[i].set(o, mode="drop"))(buffers, slot, order)
+    return buffers.reshape(lead + (n_ids, capacity)), counts[:, :n_ids].reshape(lead + (n_ids,))
+
+
+def append_position(
+    buffers: jax.Array, counts: jax.Array, ids: jax.Array, position: jax.Array
+) -> Tuple[jax.Array, jax.Array]:
+    """Appends ``position`` to the ring buffer of id ``ids[...]`` (−1: to none) of every row.
+
+    ``buffers`` ``[..., n_ids, capacity]``, ``counts`` ``[..., n_ids]``, ``ids`` ``[...]``;
+    the position overwrites the id's oldest slot, ``count % capacity``. One scatter per row:
+    the step touches ``O(rows)`` entries, not the buffers.
+    """
+    n_ids, capacity = buffers.shape[-2:]
+    rows = math.prod(ids.shape)
+    flat_ids = ids.reshape(rows)
+    real = flat_ids >= 0
+    safe = jnp.where(real, flat_ids, 0)
+    flat_counts = counts.reshape(rows, n_ids)
+    count = jnp.take_along_axis(flat_counts, safe[:, None], axis=1)[:, 0]
+    row = jnp.arange(rows)
+    target = jnp.where(real, safe * capacity + count % capacity, n_ids * capacity)
+    flat = buffers.reshape(rows, n_ids * capacity).at[row, target].set(position.astype(jnp.int32), mode="drop")
+    flat_counts = flat_counts.at[row, jnp.where(real, safe, n_ids)].add(1, mode="drop")
+    return flat.reshape(buffers.shape), flat_counts.reshape(counts.shape)
+
+
+class _NarrowCache:
+    """A head-major ``[batch, heads, max_len, d]`` key or value cache stored as
+    ``cache_dtype`` (``terra.layers.kv_cache``): values in cache variable ``name``, int8's
+    per-row scales ``[batch, heads, max_len]`` in ``name + '_scale'``."""
+
+    def __init__(self, module: nn.Module, name: str, shape: Tuple[int, ...], dtype):
+        self.cache_dtype, self.dtype = module.cache_dtype, dtype
+        self.values = module.variable("cache", name, lambda: kv_cache.empty(shape, self.cache_dtype, dtype)[0])
+        self.scales = None
+        if self.cache_dtype == "int8":
+            self.scales = module.variable("cache", name + "_scale", lambda: kv_cache.empty(shape, "int8", dtype)[1])
+
+    def write(self, x: jax.Array, index) -> None:
+        """Stores ``x`` ``[batch, heads, n, d]`` at positions ``index .. index + n - 1``."""
+        values, scales = kv_cache.narrow(x, self.cache_dtype)
+        cache = self.values.value
+        values = values.astype(cache.dtype)
+        if cache.dtype == jnp.bfloat16:
+            # Written as its bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32
+            # over the whole cache (a pass over every position per step); uint16 is written in place.
+            as_bits = lambda t: lax.bitcast_convert_type(t, jnp.uint16)  # noqa: E731
+            bits = lax.dynamic_update_slice(as_bits(cache), as_bits(values), (0, 0, index, 0))
+            self.values.value = lax.bitcast_convert_type(bits, jnp.bfloat16)
+        else:
+            self.values.value = lax.dynamic_update_slice(cache, values, (0, 0, index, 0))
+        if self.scales is not None:
+            self.scales.value = lax.dynamic_update_slice(self.scales.value, scales, (0, 0, index))
+
+    def read(self, rows: Optional[jax.Array] = None) -> jax.Array:
+        """The whole cache, or the rows ``rows`` ``[batch, heads, n]`` (−1: any row, masked
+        by the caller), widened to the compute dtype: ``[batch, heads, n or max_len, d]``."""
+        values = self.values.value
+        scales = None if self.scales is None else self.scales.value
+        if rows is not None:
+            safe = jnp.maximum(rows, 0)
+            values = jnp.take_along_axis(values, safe[..., None], axis=2)
+            scales = None if scales is None else jnp.take_along_axis(scales, safe, axis=2)
+        return kv_cache.widen(values, scales, self.dtype)
+
+
 class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
     """LSH self-attention, ``[batch, length, d_model] -> [batch, length, d_model]``.
 
@@ -290,6 +476,12 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         shared-QK attention with the same masks (the reference's ``MixedLSHSelfAttention``;
         with a large value it is the dense reference path).
       hash_seed: seed of the fixed rotations used when no rng stream supplies them.
+      decode_candidates: how a decode step finds its keys: 'buckets' (the default: from
+        per-bucket position lists, O(n_keep) per step) or 'all' (ranking the whole cache,
+        O(max_decode_length); the same keys, kept as the reference for tests).
+      cache_dtype: how the decode key/value cache is stored (``terra.layers.kv_cache``:
+        'float32' as computed, 'bfloat16', or 'int8' with a float32 scale per row); a step
+        widens only the rows it keeps.
 
     ``__call__(x, mask=None, *, deterministic=True, decode=False, max_decode_length=None,
     buckets=None, prefix_mask=None)``: ``mask`` ``[batch, length]`` (1 = real token) marks keys
@@ -318,6 +510,8 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
     value_module_kernel_size: int = 1
     std_length: Optional[int] = None
     hash_seed: int = 0
+    decode_candidates: str = "buckets"
+    cache_dtype: str = "float32"
     dtype: jnp.dtype = jnp.float32
 
     @property
@@ -341,6 +535,11 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
                 f"LSHSelfAttention: chunk_len={self.chunk_len}, n_chunks_before={self.n_chunks_before}, "
                 f"n_chunks_after={self.n_chunks_after}, n_hashes={self.n_hashes} must be positive (chunks >= 0)."
             )
+        if self.decode_candidates not in DECODE_CANDIDATES:
+            raise ConfigError(
+                f"LSHSelfAttention.decode_candidates={self.decode_candidates!r}; use one of {DECODE_CANDIDATES}."
+            )
+        kv_cache.check_cache_dtype(self.cache_dtype)
         if decode and not self.causal:
             raise ConfigError(
                 "LSHSelfAttention: decode needs causal=True (the reference supports only causal fast inference)."
@@ -441,7 +640,8 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
     # ---------------------------------------------------------------------- decode
     def _decode_step(self, q, v, mask, *, deterministic: bool, max_decode_length: Optional[int], prefix_mask=None):
         """Returns the head-major output, or ``None`` on the cache-creating call (which, given
-        ``prefix_mask``, also writes the prefix's keys, values and buckets: a prefill)."""
+        ``prefix_mask``, also writes the prefix's keys, values, buckets and bucket lists: a
+        prefill)."""
         initialized = self.has_variable("cache", "cached_key")
         if not initialized and max_decode_length is None:
             raise ValueError("LSHSelfAttention: the cache-creating decode call needs max_decode_length.")
@@ -450,9 +650,14 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         if initialized:
             max_len = self.get_variable("cache", "cached_key").shape[2]
         factors = bucket_factors(self.n_buckets, max_len, self.chunk_len)
+        n_real = math.prod(factors)
+        n_keep = self.n_hashes * self.chunk_len * (1 + self.n_chunks_before) - 1
+        if self.std_length is not None and max_len <= self.std_length:
+            n_keep = max_len
+        use_lists = self.decode_candidates == "buckets" and n_keep < max_len
         shape = (batch, heads, max_len, d)
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, q.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+        cached_key = _NarrowCache(self, "cached_key", shape, q.dtype)
+        cached_value = _NarrowCache(self, "cached_value", shape, v.dtype)
         cached_buckets = self.variable(
             "cache", "cached_buckets", lambda: jnp.full((batch, heads, self.n_hashes, max_len), -1, jnp.int32)
         )
@@ -462,6 +667,14 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             lambda: draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors),
         )
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if use_lists:
+            # Ring buffers of the latest n_keep positions per (round, bucket) and of the latest
+            # n_keep real positions (select_from_bucket_lists says why n_keep slots suffice).
+            lists = (batch, heads, self.n_hashes, n_real)
+            bucket_positions = self.variable("cache", "bucket_positions", jnp.full, lists + (n_keep,), -1, jnp.int32)
+            bucket_counts = self.variable("cache", "bucket_counts", jnp.zeros, lists, jnp.int32)
+            recent_positions = self.variable("cache", "recent_positions", jnp.full, (batch, 1, n_keep), -1, jnp.int32)
+            recent_counts = self.variable("cache", "recent_counts", jnp.zeros, (batch, 1), jnp.int32)
         if not initialized and prefix_mask is not None:
             length = q.shape[2]
             if length >= max_len:
@@ -469,51 +682,62 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
                     f"LSHSelfAttention: a prefix of {length} positions leaves no room in a cache of {max_len}; "
                     "raise max_decode_length."
                 )
-            real = prefix_mask.astype(bool)[:, None, None, :]
-            prefix_buckets = jnp.where(real, hash_vectors(q, rotations.value, factors), -1)
-            cached_key.value = lax.dynamic_update_slice(cached_key.value, length_normalized(q), (0, 0, 0, 0))
-            cached_value.value = lax.dynamic_update_slice(cached_value.value, v, (0, 0, 0, 0))
+            real = prefix_mask.astype(bool)
+            prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, rotations.value, factors), -1)
+            cached_key.write(length_normalized(q), 0)
+            cached_value.write(v, 0)
             cached_buckets.value = lax.dynamic_update_slice(cached_buckets.value, prefix_buckets, (0, 0, 0, 0))
             cache_index.value = jnp.asarray(length, jnp.int32)
+            if use_lists:
+                bucket_positions.value, bucket_counts.value = latest_positions(prefix_buckets, n_real, n_keep)
+                real_ids = jnp.where(real, 0, -1).astype(jnp.int32)
+                recent_positions.value, recent_counts.value = latest_positions(real_ids, 1, n_keep)
         if not initialized:
             return None
         if q.shape[2] != 1:
             raise ValueError(f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions.")
         index = cache_index.value
         k = length_normalized(q)
-        q_buckets = hash_vectors(q, rotations.value, factors)  # [b, h, n_hashes, 1]
+        q_buckets = hash_vectors(q, rotations.value, factors)[..., 0]  # [b, h, n_hashes]
         if mask is not None:
-            q_buckets = jnp.where(mask.astype(bool).reshape(batch, 1, 1, 1), q_buckets, -1)
+            q_buckets = jnp.where(mask.astype(bool).reshape(batch, 1, 1), q_buckets, -1)
         past = cached_buckets.value
-        valid = past[:, :, 0, :] >= 0  # written and not padding
-        n_keep = self.n_hashes * self.chunk_len * (1 + self.n_chunks_before) - 1
-        if self.std_length is not None and max_len <= self.std_length:
-            n_keep = max_len
-        keys, values = cached_key.value, cached_value.value
-        if n_keep < max_len:
-            # The reference's priority: same bucket in any round first, then recency.
-            same = jnp.any(past == q_buckets, axis=2)
-            position = jnp.arange(max_len, dtype=jnp.int32)
-            priority = jnp.where(valid, position + max_len * same.astype(jnp.int32), -1)
-            _, kept = lax.top_k(priority, n_keep)  # [b, h, n_keep]
-            keys = jnp.take_along_axis(keys, kept[..., None], axis=2)
-            values = jnp.take_along_axis(values, kept[..., None], axis=2)
-            valid = jnp.take_along_axis(valid, kept, axis=2)
+        if use_lists:
+            own_bucket = jnp.maximum(q_buckets, 0)[..., None, None]  # [b, h, n_hashes, 1, 1]
+            own_lists = jnp.take_along_axis(bucket_positions.value, own_bucket, axis=3)[..., 0, :]  # [b, h, r, n_keep]
+            kept = select_from_bucket_lists(own_lists, recent_positions.value[:, 0], past, q_buckets, n_keep)
+        elif n_keep < max_len:
+            kept = select_from_whole_cache(past, q_buckets, n_keep)
+        else:
+            kept = None  # every past key is attended to
+        if kept is None:
+            keys, values = cached_key.read(), cached_value.read()
+            valid = past[:, :, 0, :] >= 0  # written and not padding
+        else:
+            # Only the kept rows are read (and, for a narrow cache, widened).
+            keys, values = cached_key.read(kept), cached_value.read(kept)
+            valid = kept >= 0
         scale = jnp.asarray(d**-0.5, q.dtype)
-        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q, keys * scale).astype(jnp.float32)
+        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q, keys.astype(q.dtype) * scale).astype(jnp.float32)
         past_logits = past_logits + jnp.where(valid, 0.0, MASK_VALUE)[:, :, None, :].astype(jnp.float32)
         self_logits = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
         probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
         probs = nn.Dropout(self._dropout)(probs, deterministic=deterministic).astype(v.dtype)
-        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values)
+        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values.astype(v.dtype))
         y = past_values + probs[..., -1:] * v
-        cached_key.value = lax.dynamic_update_slice(
-            cached_key.value, write_after_read(k, past_logits, index), (0, 0, index, 0)
-        )
-        cached_value.value = lax.dynamic_update_slice(
-            cached_value.value, write_after_read(v, past_values, index), (0, 0, index, 0)
-        )
-        cached_buckets.value = lax.dynamic_update_slice(past, q_buckets, (0, 0, 0, index))
+        cached_key.write(write_after_read(k, past_logits, index), index)
+        cached_value.write(write_after_read(v, past_values, index), index)
+        new_buckets = write_after_read(q_buckets, past_logits, index)[..., None]
+        cached_buckets.value = lax.dynamic_update_slice(past, new_buckets, (0, 0, 0, index))
+        if use_lists:
+            position = write_after_read(index, kept, index)  # the lists are read before written
+            bucket_positions.value, bucket_counts.value = append_position(
+                bucket_positions.value, bucket_counts.value, q_buckets, position
+            )
+            real_id = jnp.where(q_buckets[:, :1, 0] >= 0, 0, -1)  # [b, 1]; padded tokens join no list
+            recent_positions.value, recent_counts.value = append_position(
+                recent_positions.value, recent_counts.value, real_id, position
+            )
         cache_index.value = index + 1
         return y
 

@@ -152,8 +152,9 @@ class ConvolutionCacheMixin:
 
         ``attention``: ``None`` returns each convolution's output ``[b, 1, S, M]``; ``"self"``
         (Q, K, V) attends causally over this module's KV cache and ``("cross", keys, values,
-        bias)`` over the encoder's, each returning ``y [b, 1, d_model]``, where the S modules are
-        the heads (otherwise the convolutions' outputs are returned and the caller attends).
+        bias, key_scale, value_scale)`` over the encoder's, each returning ``y [b, 1, d_model]``,
+        where the S modules are the heads (otherwise the convolutions' outputs are returned and the
+        caller attends).
         Returns ``None`` where the fused call does not apply (training, prefill, no backend fusing
         these weights: float32 weights, a batch past the kernel's rows), and the caller computes
         the layers one by one."""
@@ -173,6 +174,11 @@ class ConvolutionCacheMixin:
             key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
             cache = (self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value"))
             cache += (self.get_variable("cache", "cache_index"), key_mask)
+            # The scales of an int8 cache (kv_cache), None for caches stored without them.
+            cache += tuple(
+                self.get_variable("cache", name) if self.has_variable("cache", name) else None
+                for name in ("cached_key_scale", "cached_value_scale")
+            )
         else:
             cache = None if mode is None else tuple(attention[1:])
         weights = backends.SparseAttentionWeights(
@@ -186,10 +192,13 @@ class ConvolutionCacheMixin:
                 return outs, window[:, 1:]
             heads = [self._heads_first(o.reshape(batch, 1, self.n_heads, -1)) for o in outs]
             if mode == "self":
-                y, keys, values = cached_attention(*heads, *cache)
-                extra = (keys, values)
+                keys, values, index, key_mask, key_scale, value_scale = cache
+                out = cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale)
+                y, extra = out[0], tuple(out[1:]) + ((None, None) if key_scale is None else ())
             else:
-                y, extra = self._attend(heads[0], *cache, deterministic=True), ()
+                keys, values, bias, key_scale, value_scale = cache
+                y = self._attend(heads[0], keys, values, bias, True, key_scale=key_scale, value_scale=value_scale)
+                extra = ()
             return (self._heads_first(y).reshape(batch, 1, -1), window[:, 1:]) + extra
 
         conv_rows = self.get_variable("cache", "conv_rows")
@@ -200,6 +209,9 @@ class ConvolutionCacheMixin:
         if mode == "self":
             self.put_variable("cache", "cached_key", result[2])
             self.put_variable("cache", "cached_value", result[3])
+            if result[4] is not None:
+                self.put_variable("cache", "cached_key_scale", result[4])
+                self.put_variable("cache", "cached_value_scale", result[5])
             index = self.get_variable("cache", "cache_index")
             self.put_variable("cache", "cache_index", index + 1)
         return result[0]
@@ -320,8 +332,8 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
             window, causal_pad = self.conv_window(mult(x), self.length_kernel_size, decode)
             q = q_conv(window, causal_pad=causal_pad)
         q = self._heads_first(q.reshape(batch, -1, self.n_heads, self.d_head))
-        keys, values, bias = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
-        y = self._attend(q, keys, values, bias, deterministic)
+        keys, values, bias, key_scale, value_scale = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
+        y = self._attend(q, keys, values, bias, deterministic, key_scale=key_scale, value_scale=value_scale)
         return self._heads_first(y).reshape(batch, -1, self.d_model)
 
 

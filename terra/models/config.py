@@ -46,6 +46,10 @@ class TransformerConfig:
         passes ``[-2]`` everywhere; ``docs/design/reference_code.md`` §4.1, §4.3). The dense
         feed-forward's inner ``ff_dropout`` is shared over length either way, as the reference
         hard-codes it, and attention-probability dropout is never shared.
+      cache_dtype: how the decoder-side attentions store their decode caches (the self-attention
+        KV cache and the cross-attention's encoder keys/values): 'float32' (the computation dtype,
+        as before), 'bfloat16' or 'int8' (one float32 scale per batch, head and position;
+        ``terra/layers/kv_cache.py``). Training and the encoder are unaffected.
     """
 
     vocab_size: int = 32000
@@ -64,6 +68,7 @@ class TransformerConfig:
     position_start_from_zero_prob: float = 1.0
     position_max_offset: int = 0
     share_dropout_over_length: Optional[bool] = None
+    cache_dtype: str = "float32"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_heads", "max_len"):
@@ -100,6 +105,9 @@ class TransformerConfig:
                 "(one dropout mask per example, shared over positions), False (one per position) or None "
                 "(the model family's reference choice)."
             )
+        from terra.layers.kv_cache import check_cache_dtype
+
+        check_cache_dtype(self.cache_dtype)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"TransformerConfig.dtype={self.dtype!r}; use one of {sorted(_DTYPES)}.")
         if not (0 <= self.pad_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
@@ -146,6 +154,15 @@ class TransformerConfig:
         return dict(
             d_model=self.d_model, n_heads=self.n_heads, dropout_rate=self.attention_dropout, dtype=self.jnp_dtype
         )
+
+    def decoder_attention_kwargs(self) -> dict:
+        """What a decoder-side attention (self, cross, Terraformer's decoder attention) is
+        constructed with: :meth:`attention_kwargs`, plus ``cache_dtype`` where the caches are
+        stored narrow (float32 passes nothing, so any attention factory keeps working)."""
+        kwargs = self.attention_kwargs()
+        if self.cache_dtype != "float32":
+            kwargs["cache_dtype"] = self.cache_dtype
+        return kwargs
 
     def feed_forward_kwargs(self) -> dict:
         """What every injected feed-forward layer is constructed with (``d_model``, ``d_ff``,

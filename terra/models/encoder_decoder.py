@@ -9,9 +9,9 @@ factories, called with the sizes from ``TransformerConfig``:
       (x, *, deterministic, decode) -> [batch, length, d_model]
   encoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
       (x, mask, *, deterministic) -> [batch, length, d_model]
-  decoder_self_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+  decoder_self_attention(d_model=, n_heads=, dropout_rate=, dtype=[, cache_dtype=])
       (x, *, deterministic, decode, max_decode_length) -> [batch, length, d_model]
-  encoder_decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+  encoder_decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=[, cache_dtype=])
       (x, encoded, encoder_mask, *, deterministic, decode) -> [batch, length, d_model]
   logits_layer(vocab_size=, dtype=)
       (x) -> [batch, length, vocab] float32
@@ -20,6 +20,8 @@ Blocks follow the reference's ``ConfigurableTransformer``: ``x + Dropout(Attn(LN
 ``x + FF(LN(x))`` (the FF block ends with its own dropout), a final LayerNorm per stack,
 a token embedding shared by encoder and decoder with separate positional tables, and an
 untied logits layer. The decoder input is the targets shifted right with 0 as the start.
+The decoder attentions get ``cache_dtype=`` only where ``TransformerConfig.cache_dtype`` stores
+their decode caches narrow (``TransformerConfig.decoder_attention_kwargs``).
 
 The embedding, residual and feed-forward output dropouts draw one mask per position by
 default, as ``ConfigurableTransformer``'s default ``dropout_shared_axes=None`` (the
@@ -82,12 +84,12 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         dropout = nn.Dropout(cfg.dropout, broadcast_dims=cfg.dropout_broadcast_dims)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_self_attention_norm")(x)
-        y = self.self_attention(**cfg.attention_kwargs(), name="self_attention")(
+        y = self.self_attention(**cfg.decoder_attention_kwargs(), name="self_attention")(
             y, deterministic=deterministic, decode=decode, max_decode_length=max_decode_length
         )
         x = x + dropout(y, deterministic=deterministic)
         y = LayerNorm(dtype=cfg.jnp_dtype, name="pre_cross_attention_norm")(x)
-        y = self.cross_attention(**cfg.attention_kwargs(), name="cross_attention")(
+        y = self.cross_attention(**cfg.decoder_attention_kwargs(), name="cross_attention")(
             y, encoded, encoder_mask, deterministic=deterministic, decode=decode
         )
         x = x + dropout(y, deterministic=deterministic)

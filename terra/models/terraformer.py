@@ -27,7 +27,7 @@ none. ``attention_output_dropout=True`` adds it (Trax's ``SelfAttention`` and
 
 The injected layers follow ``EncoderDecoderTransformer``'s contract, plus:
 
-  decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=)
+  decoder_attention(d_model=, n_heads=, dropout_rate=, dtype=[, cache_dtype=])
       (x, *, deterministic, decode, max_decode_length, prefix_mask) -> [batch, length, d_model]
       (``CausalSelfAttention``, ``SparseQKVAttention``, ``LSHSelfAttention``)
 
@@ -152,7 +152,7 @@ class Terraformer(nn.Module):
 
         def build():
             return HalfResidual(
-                factory(**cfg.attention_kwargs()),
+                factory(**(cfg.attention_kwargs() if encoder else cfg.decoder_attention_kwargs())),
                 pre_norm=True,
                 center_layernorm=self.center_layernorm,
                 dropout_rate=cfg.dropout if self.attention_output_dropout else 0.0,

@@ -1,0 +1,151 @@
+"""LSH decode reads only what it attends to: the bucket-list candidates of a decode step
+(``select_from_bucket_lists``) choose the same keys as the reference's rule over the whole
+cache (``select_from_whole_cache``; ``docs/design/reference_code.md`` §4.5), and narrow K/V
+caches stay close to float32."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra.decoding.decode_step import IncrementalDecoder
+from terra.layers import kv_cache
+from terra.layers.lsh_attention import (
+    LSHSelfAttention,
+    append_position,
+    latest_positions,
+    select_from_bucket_lists,
+    select_from_whole_cache,
+)
+from terra.models import Terraformer, TerraformerModel
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+D, H = 16, 2
+PREFIX, MAX_LEN, STEPS = 40, 64, 6
+# chunk_len 4, one chunk before, 2 rounds: n_keep = 2·4·2 - 1 = 15 of up to 45 past keys.
+N_KEEP = 15
+
+
+def _layer(**kw):
+    return LSHSelfAttention(**{"d_model": D, "n_heads": H, "chunk_len": 4, "n_hashes": 2, "n_buckets": 4, **kw})
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+    return jax.jit(_layer().init)(jax.random.key(0), jnp.zeros((1, 4, D)))["params"]
+
+
+def _decode(layer, x, prefix_mask, step_mask):
+    """Prefill ``x[:, :PREFIX]`` then decode ``x[:, PREFIX:]`` token by token -> the steps'
+    outputs ``[batch, STEPS, D]`` and the final cache."""
+    return _compiled_decode(layer, _params(), x, prefix_mask, step_mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_decode(layer, params, x, prefix_mask, step_mask):
+    variables = {"params": params}
+    _, cache = layer.apply(
+        variables, x[:, :PREFIX], decode=True, max_decode_length=MAX_LEN, prefix_mask=prefix_mask, mutable=["cache"]
+    )
+    outputs = []
+    for t in range(PREFIX, x.shape[1]):
+        y, cache = layer.apply(
+            {**variables, **cache}, x[:, t : t + 1], step_mask[:, t - PREFIX][:, None], decode=True, mutable=["cache"]
+        )
+        outputs.append(y)
+    return jnp.concatenate(outputs, axis=1), cache["cache"]
+
+
+def _inputs(seed, padded):
+    x = jax.random.normal(jax.random.key(seed), (2, PREFIX + STEPS, D))
+    prefix_mask = np.ones((2, PREFIX), np.float32)
+    step_mask = np.ones((2, STEPS), np.float32)
+    if padded:
+        prefix_mask[0, 31:] = 0  # 9 padded positions, fewer than n_keep
+        prefix_mask[1, 12:] = 0  # 28 padded positions: the latest n_keep positions are padding
+        step_mask[1, 2] = 0  # a padded decode token joins no list
+    return x, jnp.asarray(prefix_mask), jnp.asarray(step_mask)
+
+
+@pytest.mark.parametrize("n_buckets,seed,padded", [(4, 0, False), (4, 1, True), (2, 2, False), (2, 3, True)])
+def test_bucket_restricted_decode_equals_full_cache_decode(n_buckets, seed, padded):
+    """n_buckets 2 puts more than n_keep same-bucket keys in a bucket, so the bucket lists
+    wrap; the padded prefixes leave fewer than n_keep real keys among the latest positions."""
+    x, prefix_mask, step_mask = _inputs(seed, padded)
+    fast, cache = _decode(_layer(n_buckets=n_buckets), x, prefix_mask, step_mask)
+    slow, _ = _decode(_layer(n_buckets=n_buckets, decode_candidates="all"), x, prefix_mask, step_mask)
+    np.testing.assert_allclose(fast, slow, atol=1e-6, rtol=1e-6)
+    if n_buckets == 2:
+        assert int(cache["bucket_counts"].max()) > N_KEEP
+
+
+def test_bucket_lists_choose_the_whole_cache_choice():
+    """Random buckets (few, with padding and empty slots): the prefill's lists, extended one
+    position at a time, give exactly the whole-cache choice for every query bucket."""
+    rng = np.random.default_rng(0)
+    batch, heads, rounds, n_real, n_keep, length, written = 2, 3, 2, 3, 5, 30, 24
+    buckets = rng.integers(0, n_real, (batch, heads, rounds, length)).astype(np.int32)
+    buckets[0, :, :, 10:16] = -1  # padding
+    buckets[..., written:] = -1  # not written yet
+    cached = jnp.asarray(buckets)
+    latest = jax.jit(latest_positions, static_argnums=(1, 2))
+    append = jax.jit(append_position)
+    fast_select = jax.jit(select_from_bucket_lists, static_argnums=4)
+    slow_select = jax.jit(select_from_whole_cache, static_argnums=2)
+    lists, counts = latest(cached[..., :18], n_real, n_keep)
+    recent, recent_counts = latest(jnp.where(cached[:, 0, 0, :18] >= 0, 0, -1), 1, n_keep)
+    for position in range(18, written):
+        lists, counts = append(lists, counts, cached[..., position], jnp.asarray(position))
+        real = jnp.where(cached[:, 0, :1, position] >= 0, 0, -1)
+        recent, recent_counts = append(recent, recent_counts, real, jnp.asarray(position))
+    once, once_counts = latest(cached, n_real, n_keep)
+    np.testing.assert_array_equal(lists, once)  # appending equals the prefill's all-at-once fill
+    np.testing.assert_array_equal(counts, once_counts)
+    for q in np.ndindex(*(n_real,) * rounds):
+        q_buckets = jnp.broadcast_to(jnp.asarray(q, jnp.int32), (batch, heads, rounds))
+        own = jnp.take_along_axis(lists, q_buckets[..., None, None], axis=3)[..., 0, :]
+        fast = fast_select(own, recent[:, 0], cached, q_buckets, n_keep)
+        slow = slow_select(cached, q_buckets, n_keep)
+        np.testing.assert_array_equal(np.sort(fast, -1), np.sort(slow, -1))
+
+
+@pytest.mark.parametrize("cache_dtype,atol", [("bfloat16", 1e-2), ("int8", 1e-2)])
+def test_narrow_caches_stay_close_to_float32(cache_dtype, atol):
+    x, prefix_mask, step_mask = _inputs(4, True)
+    wide, _ = _decode(_layer(), x, prefix_mask, step_mask)
+    narrow, cache = _decode(_layer(cache_dtype=cache_dtype), x, prefix_mask, step_mask)
+    assert cache["cached_key"].dtype == jnp.dtype(kv_cache.storage_dtype(cache_dtype))
+    assert ("cached_value_scale" in cache) == (cache_dtype == "int8")
+    np.testing.assert_allclose(narrow, wide, atol=atol)
+
+
+def test_terraformer_decode_with_bucket_lists_equals_whole_cache_selection():
+    """Through a Terraformer's decoder, whose LSH cache is prefilled with ``[encoder, padding,
+    decoder]`` (padding inside the prefix): chunk_len 2 keeps 7 of up to 17 past keys."""
+
+    def decode(candidates):
+        attention = functools.partial(
+            LSHSelfAttention, chunk_len=2, n_buckets=4, n_hashes=2, decode_candidates=candidates
+        )
+        model = TerraformerModel(
+            Terraformer(tiny_config(vocab_size=32, n_encoder_layers=1, n_decoder_layers=1), decoder_attention=attention)
+        )
+        params = model.init_params(jax.random.key(1))
+        encoder = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
+        decoder = IncrementalDecoder(model.module, 8)
+        cache = decoder.prefill(params, encoder)
+        steps = []
+        for token in [1, 7, 9, 11, 2, 4, 6, 8]:
+            logits, cache = decoder.step(params, cache, jnp.full((2,), token, jnp.int32))
+            steps.append(logits)
+        names = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0]}
+        return jnp.stack(steps, axis=1), any("bucket_positions" in name for name in names)
+
+    (fast, lists), (slow, no_lists) = decode("buckets"), decode("all")
+    assert lists and not no_lists
+    np.testing.assert_allclose(fast, slow, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,189 @@
+"""Attention caches stored narrow (``cache_dtype``): the int8/bfloat16 store and its error bound,
+the backend's products over narrow caches, decoding with narrow caches against float32 caches,
+float32 leaving everything as before, and the routing of sparse QKV's fused step."""
+
+import functools
+import re
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from terra import gin_utils
+from terra.backends import cache_logits, cache_weighted_values, cached_attention, native_kernels, xla
+from terra.errors import ConfigError
+from terra.layers import CausalSelfAttention, SparseQKVAttention, kv_cache
+from terra.layers.sparse_qkv import SparseQueryCrossAttention
+from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, Terraformer, TerraformerModel
+from terra.models.config import TransformerConfig
+from terra.quantization import quantize_params
+
+from conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+# Max |logit difference| against float32 caches, relative to max |logit|, over six decode steps of
+# the tiny models (observed at most 3.9e-3 for int8 and 1.5e-3 for bfloat16; about 3x margin).
+TOLERANCE = {"int8": 1.5e-2, "bfloat16": 5e-3}
+
+
+def test_int8_round_trip_is_within_half_a_step_of_each_row_and_zero_rows_are_exact():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 16)) * jnp.arange(1, 6)[:, None]
+    x = x.at[0, 1, 2].set(0.0)
+    values, scales = kv_cache.narrow(x, "int8")
+    assert values.dtype == jnp.int8 and scales.dtype == jnp.float32 and scales.shape == (2, 3, 5)
+    error = jnp.abs(kv_cache.widen(values, scales, jnp.float32) - x)
+    bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 254  # scale / 2, scale = max|row| / 127
+    assert bool(jnp.all(error <= bound * (1 + 1e-6)))
+    assert float(scales[0, 1, 2]) == 1.0 and not np.any(np.asarray(values[0, 1, 2]))
+    assert not np.any(np.asarray(kv_cache.widen(values, scales)[0, 1, 2]))
+
+
+def test_bfloat16_round_trip_and_float32_unchanged():
+    x = jax.random.normal(jax.random.key(1), (2, 4, 8))
+    values, scales = kv_cache.narrow(x, "bfloat16")
+    # Kept as the bfloat16's bits (XLA:CPU reads a bfloat16 array through a float32 copy).
+    assert values.dtype == jnp.uint16 and scales is None
+    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(values, jnp.bfloat16), x.astype(jnp.bfloat16))
+    assert bool(jnp.all(jnp.abs(kv_cache.widen(values, None) - x) <= jnp.abs(x) * 2.0**-8))
+    same, none = kv_cache.narrow(x, "float32")
+    assert same is x and none is None
+    zeros, ones = kv_cache.empty((2, 4, 8), "int8")
+    assert zeros.dtype == jnp.int8 and ones.shape == (2, 4) and float(ones.min()) == 1.0
+    assert kv_cache.empty((2, 4, 8), "float32", jnp.bfloat16)[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16"])
+def test_products_over_a_narrow_cache_equal_the_widened_cache(cache_dtype, monkeypatch):
+    """The scale folded into the logits and probabilities, in blocks of positions with a shorter
+    last block, gives the float32 products of the widened cache."""
+    monkeypatch.setattr(xla, "CACHE_BLOCK_ELEMENTS", 2 * 4 * 8 * 3)  # blocks of 3 positions, 11 = 3 * 3 + 2
+    shapes = [(2, 4, 11, 8), (2, 4, 11, 8), (2, 4, 1, 8)]
+    keys_f, values_f, q = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(shapes))
+    (keys, key_scale), (values, value_scale) = (kv_cache.narrow(t, cache_dtype) for t in (keys_f, values_f))
+    wide_k, wide_v = kv_cache.widen(keys, key_scale), kv_cache.widen(values, value_scale)
+    logits = cache_logits(q, keys, key_scale)
+    np.testing.assert_allclose(logits, jnp.einsum("bhqd,bhkd->bhqk", q, wide_k), atol=1e-5, rtol=1e-5)
+    probs = jax.nn.softmax(logits, axis=-1)
+    y = cache_weighted_values(probs, values, value_scale)
+    np.testing.assert_allclose(y, jnp.einsum("bhqk,bhkd->bhqd", probs, wide_v), atol=1e-5, rtol=1e-5)
+
+    k, v = (jax.random.normal(jax.random.key(5 + i), (2, 4, 1, 8)) for i in range(2))
+    out = cached_attention(q, k, v, keys, values, jnp.asarray(7), None, None, key_scale, value_scale)
+    want = cached_attention(q, k, v, wide_k, wide_v, jnp.asarray(7))
+    np.testing.assert_allclose(out[0], want[0], atol=1e-5, rtol=1e-5)
+    assert out[1].dtype == keys.dtype and len(out) == (5 if cache_dtype == "int8" else 3)
+    written_k = kv_cache.widen(out[1], out[3] if cache_dtype == "int8" else None)[:, :, 7:8]
+    np.testing.assert_allclose(written_k, kv_cache.widen(*kv_cache.narrow(k, cache_dtype)), atol=1e-6)
+
+
+def _encoder_decoder(cache_dtype=None):
+    overrides = {} if cache_dtype is None else {"cache_dtype": cache_dtype}
+    return EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(**overrides)))
+
+
+def _terraformer(cache_dtype=None):
+    overrides = {} if cache_dtype is None else {"cache_dtype": cache_dtype}
+    sparse = functools.partial(SparseQKVAttention, attention_sparsity=4)
+    return TerraformerModel(Terraformer(tiny_config(**overrides), decoder_attention=sparse))
+
+
+def _sparse_encoder_decoder(cache_dtype=None):
+    overrides = {} if cache_dtype is None else {"cache_dtype": cache_dtype}
+    return EncoderDecoderModel(
+        EncoderDecoderTransformer(
+            tiny_config(**overrides),
+            decoder_self_attention=functools.partial(SparseQKVAttention, attention_sparsity=4),
+            encoder_decoder_attention=functools.partial(SparseQueryCrossAttention, attention_sparsity=4),
+        )
+    )
+
+
+MODELS = {"encoder_decoder": _encoder_decoder, "terraformer": _terraformer}
+
+
+def _decode(model, params, steps: int = 6):
+    rng = np.random.default_rng(0)
+    inputs = jnp.asarray(rng.integers(2, 61, (2, 9)), jnp.int32).at[1, 6:].set(0)
+    tokens = jnp.asarray(rng.integers(2, 61, (2, steps)), jnp.int32)
+    decoder = model.decoder(8)
+    cache = decoder.prefill(params, inputs)
+    logits = []
+    for t in range(steps):
+        step_logits, cache = decoder.step(params, cache, tokens[:, t])
+        logits.append(np.asarray(step_logits))
+    return np.stack(logits), cache
+
+
+def _leaves(cache) -> dict:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(cache)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def float32_decode(request):
+    make = MODELS[request.param]
+    params = make().init_params(jax.random.key(0))
+    return make, params, _decode(make(), params)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16"])
+def test_narrow_caches_decode_close_to_float32_caches(float32_decode, cache_dtype):
+    make, params, (reference, _) = float32_decode
+    logits, cache = _decode(make(cache_dtype), params)
+    assert np.max(np.abs(logits - reference)) <= TOLERANCE[cache_dtype] * np.max(np.abs(reference))
+    leaves = _leaves(cache)
+    caches = {k: v for k, v in leaves.items() if re.search(r"'cached_(key|value)'\]$", k)}
+    assert caches and {v.dtype for v in caches.values()} == {jnp.dtype(kv_cache.storage_dtype(cache_dtype))}
+    scales = {k: v for k, v in leaves.items() if k.endswith("_scale']")}
+    if cache_dtype == "int8":
+        assert len(scales) == len(caches)
+        for name, cached in caches.items():
+            scale = leaves[name[:-2] + "_scale']"]
+            assert scale.dtype == jnp.float32 and scale.shape == cached.shape[:3]
+    else:
+        assert not scales
+
+
+def test_float32_caches_are_exactly_as_without_the_setting(float32_decode):
+    make, params, (reference, reference_cache) = float32_decode
+    logits, cache = _decode(make("float32"), params)
+    np.testing.assert_array_equal(logits, reference)
+    leaves, reference_leaves = _leaves(cache), _leaves(reference_cache)
+    assert leaves.keys() == reference_leaves.keys() and not any("_scale" in k for k in leaves)
+    for name, leaf in leaves.items():
+        assert leaf.dtype == reference_leaves[name].dtype
+        np.testing.assert_array_equal(leaf, reference_leaves[name])
+
+
+def test_a_bad_cache_dtype_is_one_config_error_naming_the_allowed_values():
+    with pytest.raises(ConfigError, match="float32, bfloat16, int8"):
+        TransformerConfig(cache_dtype="fp8")
+    layer = CausalSelfAttention(d_model=8, n_heads=2, cache_dtype="int4")
+    with pytest.raises(ConfigError, match="'int4' is not one of float32, bfloat16, int8"):
+        layer.init(jax.random.key(0), jnp.zeros((1, 1, 8)), decode=True, max_decode_length=4)
+
+
+def test_the_setting_is_a_gin_binding():
+    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.cache_dtype = 'int8'"])
+    try:
+        assert gin_utils.build_model().module.config.cache_dtype == "int8"
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.skipif(not native_kernels.fused_available(), reason="native kernels not built")
+def test_narrow_caches_keep_the_native_projections_of_sparse_qkv():
+    """The fused native step reads float32 caches only: over narrow caches the backend runs the
+    native projections and XLA's attention (one custom call per layer either way)."""
+    targets = {}
+    for cache_dtype in ("float32", "int8"):
+        model = _sparse_encoder_decoder(cache_dtype)
+        params = quantize_params(model.init_params(jax.random.key(0)), "int8")
+        decoder = model.decoder(4)
+        cache = decoder.prefill(params, jnp.ones((1, 5), jnp.int32))
+        text = decoder.step.lower(params, cache, jnp.zeros((1,), jnp.int32)).as_text()
+        targets[cache_dtype] = set(re.findall(r"terra_sparse_attention_[a-z0-9]+_int8", text))
+    assert targets["float32"] == {"terra_sparse_attention_self_int8", "terra_sparse_attention_cross_int8"}
+    assert targets["int8"] == {"terra_sparse_attention_projections3_int8", "terra_sparse_attention_projections1_int8"}
