@@ -7,6 +7,9 @@
     run.score(["A long document ..."], ["its summary"])   # log-likelihood per example
     fresh = terra.build(["models/tiny.gin", "tasks/embedded_lm.gin"])
     fast = terra.load("runs/quickstart/finetune", weights_dtype="int8")  # narrow weights for decoding
+    timed = terra.build(["models/terraformer_lsh_800m.gin", "tasks/arxiv_summarization_paper.gin"],
+                        random_weights=True, weights_dtype="int8")   # random weights, for timing
+    timed.generate([paper], max_new_tokens=256, timing=print)     # prefill and loop seconds per batch
 
 ``load`` reads the run's own ``config.gin`` (the model, task, vocabulary and lengths it trained
 with) and its latest checkpoint; ``build`` parses gin files and initialises parameters from a
@@ -23,8 +26,9 @@ import dataclasses
 import functools
 import sys
 import threading
+import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from terra.tensorflow_setup import quiet_tensorflow_logging
 
@@ -81,6 +85,8 @@ class InteractiveModel:
     model_dir: Optional[str] = None
     weights_dtype: str = "float32"
     _warned_truncation: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
+    # (max_new_tokens, input shape) -> the compiled prefill and generation loop of timed generation
+    _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def config(self):
@@ -181,6 +187,8 @@ class InteractiveModel:
         batch_size: Optional[int] = None,
         truncate: Optional[bool] = None,
         progress: bool = False,
+        timing: Optional[Callable[[dict], Any]] = None,
+        stop_at_eos: bool = True,
     ) -> Union[List[str], np.ndarray]:
         """Decode every input, ``batch_size`` rows at a time (default: all at once).
 
@@ -195,11 +203,25 @@ class InteractiveModel:
             cuts them silently, False refuses them.
           progress: a bar on standard error over the inputs, with their rate and the time left
             (for long lists decoded ``batch_size`` at a time).
+          timing: called as each phase of a batch ends (``num_beams == 1`` only) with a dict:
+            ``phase`` ('compiled', only for the first batch of a shape; 'prefilled'; 'generated',
+            the last, with every field), ``batch`` (from 0), ``rows``, ``input_tokens`` (non-pad
+            tokens of its inputs), ``input_length`` (each row's padded length, what the encoder
+            reads), ``compile_s`` (compiling the prefill and the generation loop ahead of the timed
+            calls; 0 after the first batch of a shape; in neither time below), ``prefill_s``,
+            ``steps`` (tokens generated per row, EOS included) and ``loop_s`` (the jitted
+            generation loop: ``steps`` decode steps and their token choices). Each time ends at
+            ``block_until_ready``.
+          stop_at_eos: False runs every row for ``max_new_tokens`` steps, EOS or not (timing a
+            random-weights model, whose greedy EOS would end the loop at an arbitrary step;
+            ``num_beams == 1`` only).
         """
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ConfigError(f"max_new_tokens must be a whole number of at least 1, not {max_new_tokens!r}.")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ConfigError(f"batch_size must be a whole number of at least 1, not {batch_size!r}.")
+        if (timing is not None or not stop_at_eos) and num_beams != 1:
+            raise ConfigError("timing and stop_at_eos=False time the sampling loop: use them with num_beams=1.")
         tokens, were_texts = self.tokens(inputs, truncate=truncate)
         max_new_tokens = max_new_tokens or self._length("targets")
         batch_size = batch_size or len(tokens)
@@ -217,17 +239,24 @@ class InteractiveModel:
                     chunk = np.concatenate(
                         [chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)]
                     )
-                result = self.model.generate(
-                    self.params,
-                    chunk,
-                    max_decode_length=max_new_tokens,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    num_beams=num_beams,
-                    length_penalty=length_penalty,
-                    seed=seed + start,
-                )
+                options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + start)
+                if timing is not None or not stop_at_eos:
+                    about = dict(
+                        batch=start // batch_size,
+                        rows=rows,
+                        input_tokens=int(np.sum(chunk[:rows] != self.config.pad_id)),
+                        input_length=int(chunk.shape[1]),
+                    )
+                    result = self._timed_generation(chunk, max_new_tokens, stop_at_eos, timing, about, **options)
+                else:
+                    result = self.model.generate(
+                        self.params,
+                        chunk,
+                        max_decode_length=max_new_tokens,
+                        num_beams=num_beams,
+                        length_penalty=length_penalty,
+                        **options,
+                    )
                 out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
                 out[:, : result.tokens.shape[1]] = result.tokens[:rows]
                 outputs.append(out)
@@ -235,6 +264,61 @@ class InteractiveModel:
                 bar.update(rows)
         tokens_out, lengths_out = np.concatenate(outputs), np.concatenate(lengths)
         return self._texts(tokens_out, lengths_out) if were_texts else tokens_out
+
+    def _timed_generation(
+        self, chunk, max_new_tokens: int, stop_at_eos: bool, timing, about: dict, *, temperature, top_k, top_p, seed
+    ):
+        """One batch as ``terra.decoding.generate`` decodes it (the same prefill and jitted
+        generation loop, so the same tokens for a seed), with the prefill and the loop compiled
+        ahead of time (once per shape) and each timed to ``block_until_ready``; ``timing`` (unless
+        None) is called with ``about`` and the times so far as each phase ends (see ``generate``)."""
+        from terra.decoding.generate import Generation
+
+        if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+            raise ConfigError(f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1].")
+
+        def report(phase: str, **times) -> None:
+            if timing is not None:
+                timing(dict(about, phase=phase, **times))
+
+        decoder = self.model.decoder(max_new_tokens)
+        inputs = jnp.asarray(chunk, jnp.int32)
+        pad, eos = self.config.pad_id, (self.config.eos_id if stop_at_eos else -1)  # -1: no token stops it
+        start = jnp.full((inputs.shape[0],), pad, jnp.int32)
+        rng = jax.random.key(seed)
+        scalars = (
+            jnp.int32(max_new_tokens),
+            jnp.float32(temperature),
+            jnp.int32(eos),
+            jnp.int32(pad),
+            jnp.int32(0 if top_k is None else top_k),  # 0 and 1.0 are the traced loop's "off"
+            jnp.float32(1.0 if top_p is None else top_p),
+        )
+        key = (max_new_tokens, inputs.shape)
+        times = {"compile_s": 0.0}
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            prefill = decoder.prefill.lower(self.params, inputs).compile()
+            cache = jax.eval_shape(decoder.prefill, self.params, inputs)
+            loop_fn = jax.jit(decoder.generate_tokens, donate_argnums=(1,))
+            loop = loop_fn.lower(self.params, cache, start, rng, *scalars).compile()
+            self._compiled[key] = (prefill, loop)
+            times["compile_s"] = time.perf_counter() - t0
+            report("compiled", **times)
+        prefill, loop = self._compiled[key]
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(prefill(self.params, inputs))
+        times["prefill_s"] = time.perf_counter() - t0
+        report("prefilled", **times)
+        t0 = time.perf_counter()
+        tokens, steps, _ = jax.block_until_ready(loop(self.params, cache, start, rng, *scalars))
+        times["loop_s"] = time.perf_counter() - t0
+        times["steps"] = steps = int(steps)
+        report("generated", **times)
+        tokens = np.asarray(tokens)[:, :steps]
+        is_eos = tokens == self.config.eos_id
+        lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, tokens.shape[1]).astype(np.int32)
+        return Generation(tokens=tokens, lengths=lengths)
 
     def summarize(self, texts: Union[str, Sequence[str]], *, force: bool = False, **options) -> List[str]:
         """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
@@ -283,7 +367,9 @@ def _summarization_required(task) -> None:
     )
 
 
-def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_summarization: bool = False):
+def _from_parsed_config(
+    params_from, model_dir: Optional[str] = None, require_summarization: bool = False, weights_dtype: str = "float32"
+):
     model = gin_utils.build_model()
     task_name = gin_utils.bound_value("%TASK")
     task = tasks.get_task(task_name) if task_name else None
@@ -304,6 +390,7 @@ def _from_parsed_config(params_from, model_dir: Optional[str] = None, require_su
         feature_lengths=lengths,
         step=step,
         model_dir=files.absolute(model_dir) if model_dir else None,
+        weights_dtype=weights_dtype,
     )
 
 
@@ -315,6 +402,15 @@ def _step_number(step: Union[int, str, None]) -> Optional[int]:
     raise ConfigError(f"step must be a checkpoint's step number, e.g. 100, not {step!r}.")
 
 
+def _cache_dtype_bindings(cache_dtype: Optional[str]) -> List[str]:
+    """The gin binding that stores the decode caches as ``cache_dtype`` (None: as configured)."""
+    if cache_dtype is None:
+        return []
+    from terra.layers.kv_cache import check_cache_dtype
+
+    return [f"TransformerConfig.cache_dtype = {check_cache_dtype(cache_dtype)!r}"]
+
+
 def load(
     model_dir: str,
     step: Union[int, str, None] = None,
@@ -322,16 +418,20 @@ def load(
     *,
     require_summarization: bool = False,
     weights_dtype: str = "float32",
+    cache_dtype: Optional[str] = None,
 ) -> InteractiveModel:
     """A training run's model, parameters (checkpoint ``step``, default the latest), task and
     vocabulary, configured by the run's own ``config.gin`` plus ``bindings`` (gin binding
     strings, e.g. data locations: ``"terra.data.arxiv_source.tfds_data_dir = '/data/tfds'"``).
     ``require_summarization``: refuse, before reading the checkpoint, a run whose task is not
     a summarization task. ``weights_dtype``: 'int8' or 'bfloat16' stores the weights narrow
-    for decoding (``InteractiveModel.quantized``)."""
+    for decoding (``InteractiveModel.quantized``). ``cache_dtype``: 'float32', 'bfloat16' or
+    'int8' stores the attention caches a decode step reads that way (the binding
+    ``TransformerConfig.cache_dtype``, after ``bindings``; None keeps the run's)."""
     check_weights_dtype(weights_dtype)
     step = _step_number(step)
     bindings = [bindings] if isinstance(bindings, str) else list(bindings)
+    bindings += _cache_dtype_bindings(cache_dtype)
     with _CONFIG_LOCK:
         gin_utils.parse_gin(
             [run_config_path(model_dir)], [*run_directory.load_bindings(model_dir), *bindings], finalize=False
@@ -348,14 +448,38 @@ def build(
     seed: int = 0,
     *,
     weights_dtype: str = "float32",
+    cache_dtype: Optional[str] = None,
+    random_weights: bool = False,
+    require_summarization: bool = False,
+    search_paths: Sequence[str] = (),
 ) -> InteractiveModel:
     """A freshly initialised model from gin files (one file or a list: a model config, optionally
-    a task config for the vocabulary and lengths) and ``bindings``; parameters drawn from ``seed``
-    (and stored as ``weights_dtype``)."""
+    a task config for the vocabulary and lengths; names as ``--gin_file`` takes them, also looked
+    up under ``search_paths``) and ``bindings``; parameters drawn from ``seed`` (and stored as
+    ``weights_dtype``; ``cache_dtype`` as in :func:`load`).
+
+    ``random_weights``: instead of the model's initialisers (one jitted program, slow to compile
+    at the 800M widths), draw each weight from numpy, uniform with the variance of N(0, 1/fan_in),
+    and store it as ``weights_dtype`` as soon as it is drawn (the decode benchmark's
+    ``terra.benchmarks.decode_speed.random_params``): for timing a paper-size model without a
+    checkpoint; its outputs are noise. ``require_summarization`` as in :func:`load`."""
     check_weights_dtype(weights_dtype)
     gin_files = [gin_files] if isinstance(gin_files, str) else list(gin_files)
     bindings = [bindings] if isinstance(bindings, str) else list(bindings)
+    bindings += _cache_dtype_bindings(cache_dtype)
+
+    def params_from(model):
+        if random_weights:
+            from terra.benchmarks.decode_speed import random_params
+
+            return random_params(model, seed, weights_dtype), None
+        return model.init_params(jax.random.key(seed)), None
+
     with _CONFIG_LOCK:
-        gin_utils.parse_gin(gin_files, bindings, finalize=False)
-        run = _from_parsed_config(lambda model: (model.init_params(jax.random.key(seed)), None))
+        gin_utils.parse_gin(gin_files, bindings, finalize=False, search_paths=search_paths)
+        run = _from_parsed_config(
+            params_from,
+            require_summarization=require_summarization,
+            weights_dtype=weights_dtype if random_weights else "float32",
+        )
     return run.quantized(weights_dtype)

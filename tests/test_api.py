@@ -221,6 +221,56 @@ def test_quantized_weights_generate_score_and_beam_search_as_their_dequantized_f
         terra.build(["models/tiny.gin"], weights_dtype="int4")
 
 
+@pytest.mark.slow
+def test_timed_generation_decodes_what_generate_does_and_reports_each_batch(copy_model):
+    tokens, _ = copy_model.tokens(["abc", "hello world", "xyz"])
+    reports = []
+    timed = copy_model.generate(tokens, max_new_tokens=6, batch_size=2, timing=reports.append)
+    np.testing.assert_array_equal(timed, copy_model.generate(tokens, max_new_tokens=6, batch_size=2))
+    phases = [(t["batch"], t["phase"]) for t in reports]
+    assert phases == [(0, "compiled"), (0, "prefilled"), (0, "generated"), (1, "prefilled"), (1, "generated")]
+    times = [t for t in reports if t["phase"] == "generated"]
+    assert [t["batch"] for t in times] == [0, 1] and [t["rows"] for t in times] == [2, 1]
+    assert times[0]["input_tokens"] == int(np.sum(tokens[:2] != 0)) and times[0]["input_length"] == tokens.shape[1]
+    assert times[0]["compile_s"] > 0 and times[1]["compile_s"] == 0  # one shape: compiled once, untimed
+    assert all(t["prefill_s"] > 0 and t["loop_s"] > 0 and 1 <= t["steps"] <= 6 for t in times)
+    sampled = dict(max_new_tokens=6, temperature=0.7, seed=5)
+    np.testing.assert_array_equal(
+        copy_model.generate(tokens, timing=times.append, **sampled), copy_model.generate(tokens, **sampled)
+    )
+    everything = []
+    copy_model.generate(tokens[:1], max_new_tokens=5, stop_at_eos=False, timing=everything.append)
+    assert everything[-1]["steps"] == 5  # EOS or not
+    with pytest.raises(ConfigError, match="num_beams=1"):
+        copy_model.generate(tokens, num_beams=2, timing=times.append)
+
+
+@pytest.mark.slow
+def test_random_weights_are_drawn_leaf_by_leaf_and_stored_narrow():
+    run = terra.build(["models/tiny.gin", "tasks/synthetic_copy.gin"], TINY_COPY, random_weights=True)
+    assert run.weights_dtype == "float32" and run.task is not None
+    kernels = [x for x in jax.tree.leaves(run.params) if x.ndim == 2]
+    assert all(float(jnp.max(jnp.abs(k))) <= np.sqrt(3.0 / k.shape[-1]) + 1e-6 for k in kernels)
+    narrow = terra.build(
+        ["models/tiny.gin", "tasks/synthetic_copy.gin"], TINY_COPY, weights_dtype="int8", random_weights=True
+    )
+    assert narrow.weights_dtype == "int8" and any(x.dtype == jnp.int8 for x in jax.tree.leaves(narrow.params))
+    assert narrow.generate(["abc"], max_new_tokens=3, stop_at_eos=False) is not None
+    with pytest.raises(ConfigError, match="not summarization"):
+        terra.build(
+            ["models/tiny.gin", "tasks/synthetic_copy.gin"], TINY_COPY, random_weights=True, require_summarization=True
+        )
+
+
+def test_cache_dtype_binds_the_models_cache_store():
+    with pytest.raises(ConfigError, match="cache_dtype 'int4' is not one of float32, bfloat16, int8"):
+        terra.build(["models/tiny.gin"], cache_dtype="int4")
+    if "cache_dtype" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        pytest.skip("TransformerConfig has no cache_dtype field yet")
+    assert terra.build(["models/tiny.gin"], cache_dtype="int8").config.cache_dtype == "int8"
+    assert terra.build(["models/tiny.gin"]).config.cache_dtype == "float32"
+
+
 def _registered_terra_configurables():
     import gin
 

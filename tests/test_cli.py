@@ -8,9 +8,11 @@ modules; library modules have no command line of their own."""
 import ast
 import configparser
 import contextlib
+import dataclasses
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -159,9 +161,28 @@ def test_missing_arguments_and_required_flags_are_usage_errors(capsys):
     assert summarize.main(["--checkpoint", "runs/x"]) == 2
     assert "missing FILE..." in capsys.readouterr().err
     assert summarize.main(["doc.txt"]) == 2
-    assert "--checkpoint must have a value" in capsys.readouterr().err
+    assert "give exactly one of --checkpoint=MODEL_DIR" in capsys.readouterr().err
     assert params.main(["unexpected"]) == 2
     assert "unexpected argument(s) unexpected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "give exactly one of --checkpoint=MODEL_DIR (a trained run) and --random_weights"),
+        (["--checkpoint=runs/x", "--random_weights", "--gin_file=models/tiny.gin"], "give exactly one of"),
+        (["--random_weights"], "--random_weights needs the model and task: --gin_file="),
+        (["--checkpoint=runs/x", "--gin_file=models/tiny.gin"], "--gin_file is for --random_weights"),
+        (["--random_weights", "--gin_file=models/tiny.gin", "--step=3"], "--step names a checkpoint's step"),
+        (["--checkpoint=runs/x", "--cache_dtype=int4"], "--cache_dtype=int4: value should be one of"),
+    ],
+)
+def test_summarize_takes_exactly_one_of_a_checkpoint_and_random_weights(argv, message, no_tensorflow, capsys):
+    assert summarize.main([*argv, "doc.txt"]) == app.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert err.count("error:") == 1 and "flags checkpoint=" not in err, err  # no absl list of values
+    assert "Exit status: 0 done; 2 a bad command line" in summarize.__doc__
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -192,6 +213,53 @@ def test_the_weights_dtype_flag_offers_exactly_the_stores_quantization_has():
     from terra.quantization import WEIGHTS_DTYPES
 
     assert flag_groups.WEIGHTS_DTYPES == WEIGHTS_DTYPES
+
+
+def test_the_cache_dtype_flag_offers_exactly_the_stores_the_caches_have():
+    from terra.cli import flag_groups
+    from terra.layers.kv_cache import CACHE_DTYPES
+
+    assert flag_groups.CACHE_DTYPES == CACHE_DTYPES
+
+
+@pytest.mark.slow
+def test_summarize_with_random_weights_prints_noise_and_the_timings(tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("we study sparse layers in a model .\nthe sparse layers make decoding fast .\n")
+    argv = [
+        "--random_weights",
+        "--gin_file=models/tiny.gin",
+        "--gin_file=tasks/embedded_summarization.gin",
+        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
+        "--gin.TransformerConfig.vocab_size=4224",
+        "--weights_dtype=int8",
+        "--max_decode_length=3",
+        "--batch_size=1",
+    ]
+    from terra.models import TransformerConfig
+
+    if "cache_dtype" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        argv.append("--cache_dtype=int8")  # TransformerConfig.cache_dtype = 'int8'
+    assert summarize.main([*argv, str(doc), str(doc)]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("(random weights)") == 2
+    assert "note: --random_weights: the weights are random, so the summaries are noise" in err
+    phases = [line for line in err.splitlines() if line.startswith("timing: ") and "ms/token" not in line]
+    assert len(phases) == 3 and "batch 1/2: compiled the prefill and the generation loop in " in phases[0]
+    assert "batch 1/2: prefill of " in phases[1] and "batch 2/2: prefill of " in phases[2]
+    lines = [line for line in err.splitlines() if line.startswith("timing: ") and "ms/token" in line]
+    assert len(lines) == 2 and lines[0].startswith("timing: batch 1/2: 1 document, ") and "batch 2/2" in lines[1]
+    for line in lines:
+        assert re.search(r"\d+ input tokens \(padded to \d+ per document\); prefill [\d.]+ s; ", line), line
+        assert re.search(r"; 3 tokens generated per document in [\d.]+ s = [\d.]+ ms/token \(in the loop\)", line)
+        assert re.search(r"; peak resident memory [\d.]+ GiB$", line), line
+    assert "compile" in lines[0] and "compile" not in lines[1]  # compiled once, ahead of the first batch's times
+    assert "generate:" not in err  # the timing lines replace the progress bar
+    missing = tmp_path / "vocab" / "cc_all.32000.model"  # the paper's vocabulary, not shipped
+    assert summarize.main([*argv, f"--vocabulary={missing}", str(doc)]) == app.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: SentencePiece model not found: '{missing}'") and "terra-vocab" in err, err
+    assert err.count("\n") == 1, err
 
 
 def test_a_console_command_answers_help_within_seconds():
@@ -488,7 +556,7 @@ def test_the_stored_gin_registry_is_the_live_one():
         (
             "TransformerConfig.d_modle = 64",
             "--gin.TransformerConfig.d_modle=64: TransformerConfig has no parameter 'd_modle'. Did you mean 'd_model'? "
-            "It takes: attention_dropout, d_ff, d_model,",
+            "It takes: attention_dropout, cache_dtype, d_ff, d_model,",
         ),
         (
             "terra.training.CheckpointSettings.evrey = 3",

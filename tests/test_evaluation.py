@@ -198,13 +198,12 @@ def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(fin
     text = tmp_path / "doc.txt"
     text.write_text("we study sparse layers in a model .\n")
     capsys.readouterr()
-    assert (
-        summarize.call(
-            ["--checkpoint", model_dir, "--max_decode_length", "4", "--weights_dtype", "bfloat16", str(text)]
-        )
-        == 0
-    )
-    assert capsys.readouterr().out.count("== ") == 1
+    argv = ["--checkpoint", model_dir, "--max_decode_length", "4", "--weights_dtype", "bfloat16", "--timing"]
+    assert summarize.call([*argv, str(text)]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("== ") == 1 and "(step " in out
+    assert err.count("timing: batch 1/1: 1 document, ") == 1 and "ms/token (in the loop)" in err
+    assert "random weights" not in out + err
     with pytest.raises(UsageError, match="--weights_dtype=int4: value should be one of <float32|bfloat16|int8>"):
         evaluate_cli.call(common + ["--weights_dtype", "int4"])
 

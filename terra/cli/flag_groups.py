@@ -148,3 +148,27 @@ def define_weights_dtype_flag(flag_values: flags.FlagValues, default: Optional[s
         "bytes; activations and caches stay float32 (docs/decode_speed.md, 'Quantized decoding')",
         flag_values=flag_values,
     )
+
+
+# terra.layers.kv_cache.CACHE_DTYPES, spelled out for the same reason (tests/test_cli.py checks).
+CACHE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def define_cache_dtype_flag(flag_values: flags.FlagValues, default: Optional[str] = "float32") -> None:
+    """``--cache_dtype``: how the decode step stores the attention caches it reads (the binding
+    ``TransformerConfig.cache_dtype``, see :func:`cache_dtype`)."""
+    flags.DEFINE_enum(
+        "cache_dtype",
+        default,
+        list(CACHE_DTYPES),
+        "attention caches as stored for decoding (the decoder's keys/values and the encoder's): bfloat16 or int8 "
+        "(per-row scales) read a half or a quarter of float32's bytes, which at long inputs are most of a step's "
+        "reads; binds TransformerConfig.cache_dtype",
+        flag_values=flag_values,
+    )
+
+
+def cache_dtype(flag_values: flags.FlagValues) -> Optional[str]:
+    """``--cache_dtype`` where it was given, else None: the config's own (float32 unless it binds
+    ``TransformerConfig.cache_dtype``)."""
+    return flag_values.cache_dtype if flag_values["cache_dtype"].present else None

@@ -1,4 +1,4 @@
-"""Summarize your own documents with a trained checkpoint.
+"""Summarize your own documents with a trained checkpoint, or time the decode with random weights.
 
 Each FILE is a plain-text document, Cohan-format JSON lines (one paper per line with
 article_text, as the arXiv release) or - for standard input. The run's own config.gin gives the
@@ -9,20 +9,77 @@ greedy unless --temperature is set (the paper sampled its abstracts at 0.5).
 
   terra-summarize --checkpoint runs/quickstart/finetune my_notes.txt
   cat paper.txt | terra-summarize --checkpoint /runs/terraformer_arxiv --temperature 0.5 -
+
+--random_weights builds the model of --gin_file model and task configs with random weights instead
+(the decode benchmark's: no checkpoint needed), to time a whole paper's decode at the paper's
+sizes. The summaries are noise; every document decodes --max_decode_length tokens (EOS does not
+stop it); the timings are printed. The task's vocabulary tokenizes the text: the arXiv tasks' is
+the built-in one trained on the embedded corpus (offline) unless --vocabulary names a file.
+
+  terra-summarize --random_weights --gin_file=models/terraformer_lsh_800m.gin \\
+      --gin_file=tasks/arxiv_summarization_paper.gin --weights_dtype=int8 --max_decode_length=256 paper.txt
+
+--timing (always on with --random_weights) prints on standard error, per batch: its input tokens
+(and the padded length the encoder reads), the prefill's seconds (the encoder and the caches'
+fill), the tokens generated per document and the milliseconds per generated token inside the
+jitted generation loop (the decode steps and the token choices), the seconds spent compiling
+both ahead of them (first batch only; not in the other times), and the process's peak resident
+memory so far (VmHWM). The compile and the prefill also get a line as each ends (a paper-size
+model takes minutes on each).
+
+Exit status: 0 done; 2 a bad command line (e.g. not exactly one of --checkpoint and
+--random_weights), configuration, vocabulary, checkpoint or document, with one 'error:' line
+saying what to change; 1 a run that cannot continue; 130 interrupted.
 """
 
+import math
 import sys
 
 from absl import flags
 
+from terra import errors
 from terra.cli import app, flag_groups
+
+
+def _check_model_source(values) -> bool:
+    """Exactly one of --checkpoint and --random_weights, and the flags that go with each: a
+    ``UsageError`` from the flag parser (before anything heavy is imported), in one line without
+    absl's list of the flags' values."""
+    checkpoint, random_weights = values["checkpoint"], values["random_weights"]
+    if (checkpoint is None) == (not random_weights):
+        raise errors.UsageError(
+            "give exactly one of --checkpoint=MODEL_DIR (a trained run) and --random_weights with --gin_file "
+            "model and task configs (random weights, to time the decode)."
+        )
+    if random_weights and not values["gin_file"]:
+        raise errors.UsageError(
+            "--random_weights needs the model and task: --gin_file=models/terraformer_lsh_800m.gin "
+            "--gin_file=tasks/arxiv_summarization_paper.gin, for example."
+        )
+    if checkpoint is not None and values["gin_file"]:
+        raise errors.UsageError(
+            "--gin_file is for --random_weights: with --checkpoint the run's own config.gin gives the model "
+            "(override it with --gin.NAME=VALUE)."
+        )
+    if random_weights and values["step"] is not None:
+        raise errors.UsageError("--step names a checkpoint's step: leave it out with --random_weights.")
+    return True
 
 
 def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_string(
-        "checkpoint", None, "a terra MODEL_DIR (its config.gin and checkpoints); required", flag_values=flag_values
+        "checkpoint",
+        None,
+        "a terra MODEL_DIR (its config.gin and checkpoints); this or --random_weights",
+        flag_values=flag_values,
     )
-    flags.mark_flag_as_required("checkpoint", flag_values=flag_values)
+    flags.DEFINE_bool(
+        "random_weights",
+        False,
+        "random weights for the model of --gin_file (a model and a task config) instead of a checkpoint: "
+        "times the decode, the summaries are noise",
+        flag_values=flag_values,
+    )
     flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=flag_values)
     flags.DEFINE_integer(
         "max_decode_length", None, "most tokens per summary (default: the run's target length)", flag_values=flag_values
@@ -30,19 +87,73 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flags.DEFINE_float(
         "temperature", 0.0, "0 is greedy; the paper sampled at 0.5", lower_bound=0.0, flag_values=flag_values
     )
-    flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=flag_values)
+    flags.DEFINE_integer(
+        "seed", 0, "sampling seed (and the random weights' with --random_weights)", flag_values=flag_values
+    )
     flags.DEFINE_integer("batch_size", 8, "documents decoded together", lower_bound=1, flag_values=flag_values)
     flags.DEFINE_bool(
         "force", False, "summarize with a run whose task is not a summarization task anyway", flag_values=flag_values
     )
-    flag_groups.define_weights_dtype_flag(flag_values)
-    flags.DEFINE_multi_string(
-        "gin_bindings",
-        [],
-        "an extra gin binding 'NAME = VALUE'; --gin.NAME=VALUE is the short form",
+    flags.DEFINE_bool(
+        "timing",
+        False,
+        "print per batch on standard error: input tokens, prefill seconds, tokens generated, ms per generated "
+        "token in the generation loop, compile seconds and peak resident memory (on with --random_weights)",
         flag_values=flag_values,
     )
+    flag_groups.define_weights_dtype_flag(flag_values)
+    flag_groups.define_cache_dtype_flag(flag_values)
+    flag_groups.define_gin_flags(
+        flag_values,
+        files_help="with --random_weights: the model and task gin files (later files override earlier ones); a "
+        "relative name is looked up in the working directory, then --gin_search_paths, then terra's shipped "
+        "configs (e.g. models/terraformer_lsh_800m.gin)",
+    )
     flag_groups.define_data_flags(flag_values)
+    flags.register_multi_flags_validator(
+        ["checkpoint", "random_weights", "gin_file", "step"], _check_model_source, flag_values=flag_values
+    )
+
+
+def peak_resident_bytes():
+    """This process's peak resident memory in bytes (VmHWM of /proc/self/status; elsewhere
+    ``getrusage``'s maximum), or None where neither is available."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
+
+
+def timing_line(times: dict, batches: int) -> str:
+    """What one phase of a batch prints on standard error (``InteractiveModel.generate``'s
+    ``timing``): the compile and the prefill as they end, then the batch's whole line."""
+    rows, peak = times["rows"], peak_resident_bytes()
+    memory = f"; peak resident memory {peak / 2**30:.2f} GiB" if peak is not None else ""
+    head = f"timing: batch {times['batch'] + 1}/{batches}: "
+    if times["phase"] == "compiled":
+        return f"{head}compiled the prefill and the generation loop in {times['compile_s']:.1f} s{memory}"
+    inputs = f"{times['input_tokens']:,} input tokens (padded to {times['input_length']:,} per document)"
+    if times["phase"] == "prefilled":
+        return f"{head}prefill of {inputs} took {times['prefill_s']:.2f} s{memory}"
+    steps = times["steps"]
+    parts = [
+        f"{head}{rows} document{'s' if rows != 1 else ''}, {inputs}",
+        f"prefill {times['prefill_s']:.2f} s",
+        f"{steps} tokens generated per document in {times['loop_s']:.2f} s = "
+        f"{1000 * times['loop_s'] / max(steps, 1):.1f} ms/token (in the loop)",
+    ]
+    if times["compile_s"]:
+        parts.append(f"compile {times['compile_s']:.1f} s (not included)")
+    return "; ".join(parts) + memory
 
 
 def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=None) -> int:
@@ -54,13 +165,28 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
     from terra import api
     from terra.text_encoding import encode_text
 
-    run = api.load(
-        flag_values.checkpoint,
-        flag_values.step,
-        [*flag_groups.data_bindings(flag_values), *flag_values.gin_bindings],
+    bindings = [*flag_groups.data_bindings(flag_values), *flag_values.gin_bindings]
+    options = dict(
         require_summarization=not flag_values.force,
         weights_dtype=flag_values.weights_dtype,
+        cache_dtype=flag_groups.cache_dtype(flag_values),
     )
+    if flag_values.random_weights:
+        run = api.build(
+            flag_values.gin_file,
+            bindings,
+            flag_values.seed,
+            random_weights=True,
+            search_paths=flag_values.gin_search_paths,
+            **options,
+        )
+        print(
+            "note: --random_weights: the weights are random, so the summaries are noise; every document "
+            "decodes --max_decode_length tokens (EOS does not stop it), for the timings.",
+            file=err,
+        )
+    else:
+        run = api.load(flag_values.checkpoint, flag_values.step, bindings, **options)
     lengths = run.feature_lengths
     encoded = []
     for label, text in docs:
@@ -68,16 +194,23 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         if note:
             print(f"note: {label}: {note}.", file=err)
         encoded.append(ids)
+    batch_size = min(flag_values.batch_size, len(encoded))
+    timed = flag_values.timing or flag_values.random_weights
+    batches = math.ceil(len(encoded) / batch_size)
     tokens = run.generate(
         encoded,
         max_new_tokens=flag_values.max_decode_length or lengths["targets"],
         temperature=flag_values.temperature,
         seed=flag_values.seed,
-        batch_size=min(flag_values.batch_size, len(encoded)),
-        progress=len(encoded) > flag_values.batch_size,  # a bar on standard error once there are several batches
+        batch_size=batch_size,
+        # a bar on standard error once there are several batches (the timing lines instead, when printed)
+        progress=len(encoded) > flag_values.batch_size and not timed,
+        timing=(lambda times: print(timing_line(times, batches), file=err, flush=True)) if timed else None,
+        stop_at_eos=not flag_values.random_weights,
     )
+    where = "random weights" if flag_values.random_weights else f"step {run.step}"
     for (label, _), summary in zip(docs, tokens):
-        print(f"== {label} (step {run.step})", file=out)
+        print(f"== {label} ({where})", file=out)
         print(
             run.vocabulary.decode([int(t) for t in summary if t not in (run.config.eos_id, run.config.pad_id)]),
             file=out,
@@ -87,7 +220,10 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
 
 
 def gin_files(flag_values: flags.FlagValues):
-    """The run's own config.gin, which ``terra.load`` parses before the bindings."""
+    """The gin files parsed before the bindings: --gin_file with --random_weights, else the run's
+    own config.gin, which ``terra.load`` parses."""
+    if flag_values.random_weights:
+        return list(flag_values.gin_file) or None
     return flag_groups.run_config_files(flag_values.checkpoint) or None
 
 
