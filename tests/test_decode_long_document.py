@@ -30,6 +30,7 @@ LONG_KEYS = {
     "peak_resident_bytes",
     "peak_resident_source",
     "estimated_memory_bytes",
+    "params_and_caches_bytes",
     "cache_dtype",
 }
 

@@ -692,6 +692,9 @@ def run_row(
     }
     if estimate is not None:
         result["estimated_memory_bytes"] = int(estimate["total"])
+        # What the decode must hold (the stored weights and the filled caches): the prefill's
+        # peak is measured against it.
+        result["params_and_caches_bytes"] = int(estimate["params"] + estimate["caches"])
     return result, loop
 
 
