@@ -49,16 +49,23 @@ struct Phases {
   // A waiting thread spins for about kSpins pauses, then yields its core at each check: XLA's
   // executor runs independent operations on the same pool (the Terraformer's two residual
   // streams), and a thread spinning on a core that an operation it waits for needs held that
-  // operation off for a scheduler time slice. `spins` counts on every platform:
-  // LingeringHelpers::Wait reads it to know when to look at the clock.
+  // operation off for a scheduler time slice. Past kYields yields it sleeps between checks: on
+  // oversubscribed cores (another process, or XLA's own parallel operations over long caches)
+  // a yield hands the core to another yielding thread rather than to the one being waited for,
+  // and threads that only yield starved each other for minutes (docs/decode_speed.md, "Long
+  // documents"). `spins` counts on every platform: LingeringHelpers::Wait reads it to know when
+  // to look at the clock.
   static TERRA_INLINE void Pause(int64_t& spins) {
     ++spins;
 #if TERRA_X86
     if (spins < kSpins) return _mm_pause();
 #endif
-    std::this_thread::yield();
+    if (spins < kSpins + kYields) return std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
   }
   static constexpr int64_t kSpins = 64;
+  static constexpr int64_t kYields = 256;
+  static constexpr int64_t kSleepUs = 20;
 };
 
 // Helpers stay for the next call. A pool thread woken for a call starts its chunks well into the
