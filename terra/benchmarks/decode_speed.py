@@ -642,18 +642,7 @@ def run_row(
         extra = {}
     peak, peak_source = peak_resident(reset)
     result = {
-        "name": row.name,
-        "baseline": row.baseline,
-        "paper_seconds": row.paper,
-        "paper_note": row.paper_note,
-        "gin_files": list(row.gin_files),
-        "bindings": bindings,
-        "weights_dtype": weights_dtype,
-        "cache_dtype": cache_dtype,
-        "input_length": input_length,
-        "series": row.series,
-        "sparsity": row.sparsity,
-        "block_mode": config.block_mode,
+        **row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length),
         "params": int(n_params),
         # None: step calls not timed (time_calls=False).
         "seconds_per_token_median": timing.median_token_s,
@@ -710,6 +699,11 @@ def row_memory_limit(config) -> Tuple[int, str]:
 def skipped_row(row, config, input_length: int, reason: str) -> dict:
     """The result of a row that did not run: its identity and ``skipped`` (why)."""
     bindings, weights_dtype, cache_dtype = row_bindings(row, config)
+    return {**row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length), "skipped": reason}
+
+
+def row_identity(row, config, bindings, weights_dtype: str, cache_dtype: str, input_length: int) -> dict:
+    """What a row's result says it is (timed or skipped): its name, configs and stores."""
     return {
         "name": row.name,
         "baseline": row.baseline,
@@ -723,7 +717,6 @@ def skipped_row(row, config, input_length: int, reason: str) -> dict:
         "series": row.series,
         "sparsity": row.sparsity,
         "block_mode": config.block_mode,
-        "skipped": reason,
     }
 
 
