@@ -24,6 +24,7 @@ PRIMITIVES_WITH_NATIVE_FORMS = (
     "gathered_rows_sum",
     "sparse_feed_forward_step",
     "sparse_attention_step",
+    "lsh_bucket_attention",
 )
 
 

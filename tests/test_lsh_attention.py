@@ -329,7 +329,7 @@ def test_decode_beyond_one_chunk_prefers_same_bucket_keys():
     p = jax.tree.map(np.asarray, nn.unbox(variables["params"]))
     qv = np.einsum("hsed,d->hse", p["qv"]["kernel"], np.asarray(x[0, 12])) + p["qv"]["bias"]  # [h, 2, 8]
     q, v = qv[:, 0], qv[:, 1]
-    rotated = np.einsum("hd,hdrk->hrk", q, c["rotations"])
+    rotated = np.einsum("hd,hrkd->hrk", q, c["rotations"])  # stored [heads, rounds, n_buckets / 2, d]
     q_buckets = np.argmax(np.concatenate([rotated, -rotated], -1), -1)  # [h, rounds]
     q_norm = q / np.sqrt(np.mean(q**2, -1, keepdims=True) + 1e-6)
     heads, distant = [], False

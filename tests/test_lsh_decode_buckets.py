@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from terra.backends import native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.layers import kv_cache
 from terra.layers.lsh_attention import (
@@ -122,6 +123,56 @@ def test_narrow_caches_stay_close_to_float32(cache_dtype, atol):
     assert cache["cached_key"].dtype == jnp.dtype(kv_cache.storage_dtype(cache_dtype))
     assert ("cached_value_scale" in cache) == (cache_dtype == "int8")
     np.testing.assert_allclose(narrow, wide, atol=atol)
+
+
+def _fresh_decode():
+    """``_compiled_decode`` under a new function, so that jit traces it again (the backend's
+    choice is made when tracing)."""
+    return jax.jit(lambda *args: _compiled_decode.__wrapped__(*args), static_argnums=0)
+
+
+native = pytest.mark.skipif(not native_kernels.available(), reason="terra's native kernels are not built")
+
+
+@native
+@pytest.mark.parametrize(
+    "cache_dtype,n_buckets,seed,padded",
+    [("float32", 4, 5, True), ("float32", 2, 6, False), ("int8", 2, 7, True), ("bfloat16", 4, 8, True)],
+)
+def test_native_bucket_attention_equals_its_xla_form(cache_dtype, n_buckets, seed, padded):
+    """The one-call native step (the keys chosen by merging the bucket lists, their rows read in
+    place) against the XLA step (ranking the candidates, gathering the rows), on the same stored
+    caches: wrapping lists, padded prefixes and a padded decode token."""
+    x, prefix_mask, step_mask = _inputs(seed, padded)
+    layer = _layer(n_buckets=n_buckets, cache_dtype=cache_dtype)
+    step = _fresh_decode()
+    lowered = step.lower(layer, _params(), x, prefix_mask, step_mask).as_text()
+    assert (
+        native_kernels.TARGETS["lsh_decode_attention", jnp.dtype(kv_cache.storage_dtype(cache_dtype)).name] in lowered
+    )
+    fast, fast_cache = step(layer, _params(), x, prefix_mask, step_mask)
+    with native_kernels.unfused():  # chosen at trace time: a new jit traces the XLA form
+        xla_step = _fresh_decode()
+        assert "terra_lsh_decode_attention" not in xla_step.lower(layer, _params(), x, prefix_mask, step_mask).as_text()
+        slow, slow_cache = xla_step(layer, _params(), x, prefix_mask, step_mask)
+    np.testing.assert_allclose(fast, slow, atol=2e-6, rtol=2e-6)
+    for name in fast_cache:  # the same keys, values, buckets and lists written
+        np.testing.assert_array_equal(fast_cache[name], slow_cache[name], err_msg=name)
+
+
+@native
+def test_native_bucket_attention_refuses_operands_that_disagree():
+    """Shapes are checked before anything is read: one error naming the header that lists them."""
+    b, h, length, d, rounds, n_buckets, capacity = 1, 2, 8, 4, 2, 3, 5
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    keys = jnp.zeros((b, h, length, d))
+    args = [i32(b, h, rounds, length), i32(b, h, rounds, n_buckets, capacity), i32(b, h, rounds, n_buckets)]
+    args += [i32(b, capacity), i32(b), i32(b, h, rounds)]
+    out, top, total = native_kernels.lsh_decode_attention(jnp.ones((b, h, d)), keys, None, keys, None, *args)
+    np.testing.assert_array_equal(total, 0.0)  # nothing appended: no key kept
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        bad = args[:3] + [i32(b, capacity + 1)] + args[4:]  # a recent list longer than the bucket lists
+        jax.block_until_ready(native_kernels.lsh_decode_attention(jnp.ones((b, h, d)), keys, None, keys, None, *bad))
 
 
 def test_terraformer_decode_with_bucket_lists_equals_whole_cache_selection():

@@ -5,6 +5,7 @@ what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA
 ``primitives.BACKENDS``. See ``docs/architecture.md``, "Decode backends"."""
 
 from terra.backends.primitives import (
+    LSHDecodeCache,
     SparseAttentionWeights,
     SparseFeedForwardWeights,
     cache_logits,
@@ -14,6 +15,7 @@ from terra.backends.primitives import (
     gathered_rows_sum,
     input_major_product,
     look_up_rows,
+    lsh_bucket_attention,
     output_major_product,
     slice_rows,
     sparse_attention_step,
@@ -25,6 +27,7 @@ from terra.backends.xla import MASK_VALUE
 from terra.quantization.quantized import as_float
 
 __all__ = [
+    "LSHDecodeCache",
     "MASK_VALUE",
     "SparseAttentionWeights",
     "SparseFeedForwardWeights",
@@ -36,6 +39,7 @@ __all__ = [
     "gathered_rows_sum",
     "input_major_product",
     "look_up_rows",
+    "lsh_bucket_attention",
     "output_major_product",
     "slice_rows",
     "sparse_attention_step",

@@ -195,3 +195,39 @@ def _xla_attention(mode: str, heads, cache, new_rows):
     probs = jax.nn.softmax(xla.cache_logits(q, keys, key_scale) + bias, axis=-1)
     y = xla.cache_weighted_values(probs, values, value_scale)
     return y.reshape(batch, 1, -1), new_rows
+
+
+def lsh_bucket_attention(q: jax.Array, cache):
+    """``(q, self_logit, v, q_buckets, cache) -> y``: an LSH layer's decode-step attention as one
+    native call (``native_kernels.lsh_decode_attention``: the kept keys chosen from the bucket lists
+    and their rows read in place), joined here with the token's own key; for float32 queries, at
+    most ``MAX_LSH_ROUNDS`` hash rounds and a float32, int8 or bfloat16 cache."""
+    kinds = native_kernels.LSH_CACHE_KINDS
+    if q.dtype != jnp.float32 or str(cache.keys.dtype) not in kinds or not native_kernels.fused_available():
+        return None
+    if cache.buckets.shape[2] > native_kernels.MAX_LSH_ROUNDS:
+        return None
+
+    def native(q, self_logit, v, q_buckets, cache):
+        out, top, total = native_kernels.lsh_decode_attention(
+            q[:, :, 0],
+            cache.keys,
+            cache.key_scale,
+            cache.values,
+            cache.value_scale,
+            cache.buckets,
+            cache.bucket_positions,
+            cache.bucket_counts,
+            cache.recent_positions,
+            cache.recent_counts,
+            q_buckets,
+        )
+        own = self_logit[:, :, 0, 0]
+        joint = jnp.maximum(top, own)
+        past_weight, own_weight = jnp.exp(top - joint), jnp.exp(own - joint)
+        y = (out * past_weight[..., None] + own_weight[..., None] * v[:, :, 0]) / (total * past_weight + own_weight)[
+            ..., None
+        ]
+        return y[:, :, None].astype(v.dtype)
+
+    return native

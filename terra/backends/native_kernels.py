@@ -8,11 +8,12 @@ is false, so the primitives (``terra/backends/primitives.py``) keep their XLA fo
 ``TERRA_NATIVE_KERNELS=0`` turns the kernels off without a warning (to compare both paths, or to
 rule the kernels out).
 
-Four products and two fused layer steps: the output-major matrix-vector product of the dense
+Four products and three fused layer steps: the output-major matrix-vector product of the dense
 layers (:func:`output_major`), the input-major one of the small sparse-layer kernels
 (:func:`input_major`), the dot and the weighted sum of the rows a sparse feed-forward layer selects
-(:func:`gathered_dot`, :func:`gathered_sum`), and a sparse feed-forward layer's and a sparse QKV
-layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse_attention`).
+(:func:`gathered_dot`, :func:`gathered_sum`), a sparse feed-forward layer's and a sparse QKV
+layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse_attention`), and
+an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_decode_attention`).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
@@ -71,6 +72,14 @@ TARGETS.update(
         for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
     }
 )
+
+# The LSH decode attention: one target per cache store (float32, int8 with row scales, bfloat16 bits).
+LSH_CACHE_KINDS = {"float32": "f32", "int8": "int8", "uint16": "bf16"}
+TARGETS.update(
+    {("lsh_decode_attention", kind): f"terra_lsh_decode_attention_{suffix}" for kind, suffix in LSH_CACHE_KINDS.items()}
+)
+# Hash rounds the LSH kernel takes (lsh_attention.h, kMaxLshRounds).
+MAX_LSH_ROUNDS = 8
 
 
 def library_path():
@@ -284,6 +293,38 @@ def sparse_attention(
     out = call(*operands)
     n = len(convolutions)
     return list(out[:n]), out[n], (tuple(out[n + 1 :]) or None)
+
+
+def lsh_decode_attention(
+    q, keys, key_scale, values, value_scale, buckets, lists, counts, recent, recent_count, q_buckets
+):
+    """An LSH layer's decode-step attention over the past keys it keeps (``terra/layers/lsh_attention.py``,
+    ``select_from_bucket_lists``), in one call that reads each kept row of the cache where it lies.
+
+    ``q f32 [B, H, Dh]`` scaled by ``Dh ** -0.5``; ``keys``, ``values`` ``[B, H, L, Dh]`` float32,
+    int8 (with ``key_scale``, ``value_scale`` ``f32 [B, H, L]``) or uint16 bfloat16 bits (scales
+    ``None``); ``buckets s32 [B, H, R, L]`` (−1: none); ``lists s32 [B, H, R, NB, C]`` and ``counts
+    s32 [B, H, R, NB]``, the per-bucket ring buffers; ``recent s32 [B, C]``, ``recent_count s32 [B]``;
+    ``q_buckets s32 [B, H, R]`` (−1: a padded query). ``R`` <= :data:`MAX_LSH_ROUNDS`. Returns
+    ``(out f32 [B, H, Dh], top f32 [B, H], total f32 [B, H])``: over the kept keys j with logits
+    ``l_j``, ``top = max l_j`` (−1e30 if none), ``total = sum exp(l_j - top)`` and ``out = sum
+    exp(l_j - top) v_j``, for the caller to join with the query's own key."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    kind = str(keys.dtype)
+    batch, heads, dh = q.shape
+    f32 = jnp.float32
+    results = [
+        jax.ShapeDtypeStruct((batch, heads, dh), f32),
+        jax.ShapeDtypeStruct((batch, heads), f32),
+        jax.ShapeDtypeStruct((batch, heads), f32),
+    ]
+    i32 = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
+    scaled = (keys, key_scale, values, value_scale) if kind == "int8" else (keys, values)
+    call = jax.ffi.ffi_call(TARGETS["lsh_decode_attention", kind], results, vmap_method="sequential")
+    lists_and_buckets = (buckets, lists, counts, recent, recent_count, q_buckets)
+    out, top, total = call(q.astype(f32), *scaled, *map(i32, lists_and_buckets))
+    return out, top, total
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

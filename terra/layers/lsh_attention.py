@@ -88,7 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import write_after_read
+from terra.backends import LSHDecodeCache, lsh_bucket_attention, write_after_read
 from terra.errors import ConfigError
 from terra.layers import axes, kv_cache
 from terra.layers.attention import MASK_VALUE, output_projection
@@ -163,6 +163,20 @@ def hash_vectors(vecs: jax.Array, rotations: jax.Array, factors: Tuple[int, ...]
     n_hashes, length]`` in ``[0, prod(factors))``; ``bucket = argmax([xR, -xR])`` per factor,
     combined mixed-radix for a factorised hash."""
     rotated = jnp.einsum("bhld,hdrk->bhrlk", vecs.astype(jnp.float32), rotations)
+    return _buckets(rotated, factors)
+
+
+def hash_query(q: jax.Array, rotations_by_row: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
+    """:func:`hash_vectors` of a decode step's one position: ``q [batch, heads, d]`` with the
+    rotations stored ``[heads, n_hashes, sum(factors) / 2, d]`` (d last, so the product reads
+    them in place: in the layout ``hash_vectors`` takes, XLA:CPU copied them transposed at every
+    step of every layer) -> buckets ``[batch, heads, n_hashes]``."""
+    rotated = jnp.einsum("bhd,hrkd->bhrk", q.astype(jnp.float32), rotations_by_row)
+    return _buckets(rotated[:, :, :, None, :], factors)[..., 0]
+
+
+def _buckets(rotated: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
+    """``rotated [b, h, r, l, sum(factors) / 2]`` -> buckets ``[b, h, r, l]``."""
     buckets, start, radix = None, 0, 1
     for factor in factors:
         part = rotated[..., start : start + factor // 2]
@@ -435,16 +449,35 @@ class _NarrowCache:
         if self.scales is not None:
             self.scales.value = lax.dynamic_update_slice(self.scales.value, scales, (0, 0, index))
 
-    def read(self, rows: Optional[jax.Array] = None) -> jax.Array:
-        """The whole cache, or the rows ``rows`` ``[batch, heads, n]`` (−1: any row, masked
-        by the caller), widened to the compute dtype: ``[batch, heads, n or max_len, d]``."""
-        values = self.values.value
-        scales = None if self.scales is None else self.scales.value
-        if rows is not None:
-            safe = jnp.maximum(rows, 0)
-            values = jnp.take_along_axis(values, safe[..., None], axis=2)
-            scales = None if scales is None else jnp.take_along_axis(scales, safe, axis=2)
-        return kv_cache.widen(values, scales, self.dtype)
+    @property
+    def scale_values(self) -> Optional[jax.Array]:
+        return None if self.scales is None else self.scales.value
+
+    def read(self) -> jax.Array:
+        """The whole cache widened to the compute dtype ``[batch, heads, max_len, d]``."""
+        return kv_cache.widen(self.values.value, self.scale_values, self.dtype)
+
+
+def read_rows(values: jax.Array, scales: Optional[jax.Array], rows: jax.Array, dtype) -> jax.Array:
+    """Rows ``rows [batch, heads, n]`` (−1: any row, masked by the caller) of a cache stored as
+    ``values [batch, heads, max_len, d]`` (with int8's ``scales [batch, heads, max_len]``), widened
+    to ``dtype``: ``[batch, heads, n, d]``. Only these rows are widened."""
+    safe = jnp.maximum(rows, 0)
+    values = jnp.take_along_axis(values, safe[..., None], axis=2, mode="clip")
+    scales = None if scales is None else jnp.take_along_axis(scales, safe, axis=2, mode="clip")
+    return kv_cache.widen(values, scales, dtype)
+
+
+def attend_with_self(q, self_logit, v, keys, values, valid, dropout) -> jax.Array:
+    """One decode query's softmax over past ``keys``/``values`` ``[b, h, n, d]`` (``valid [b, h,
+    n]``) and its own key (``self_logit [b, h, 1, 1]``, value ``v [b, h, 1, d]``); ``q [b, h, 1, d]``
+    scaled by ``d ** -0.5``; ``dropout`` applied to the probabilities. Returns ``[b, h, 1, d]``."""
+    past_logits = jnp.einsum("bhqd,bhkd->bhqk", q, keys.astype(q.dtype)).astype(jnp.float32)
+    past_logits = past_logits + jnp.where(valid, 0.0, MASK_VALUE)[:, :, None, :].astype(jnp.float32)
+    probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logit], axis=-1), axis=-1)
+    probs = dropout(probs).astype(v.dtype)
+    past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values.astype(v.dtype))
+    return past_values + probs[..., -1:] * v
 
 
 class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
@@ -661,10 +694,13 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         cached_buckets = self.variable(
             "cache", "cached_buckets", lambda: jnp.full((batch, heads, self.n_hashes, max_len), -1, jnp.int32)
         )
+        # Stored [heads, n_hashes, n_buckets / 2, d] for the step's product (hash_query).
         rotations = self.variable(
             "cache",
             "rotations",
-            lambda: draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors),
+            lambda: jnp.moveaxis(
+                draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors), 1, -1
+            ),
         )
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if use_lists:
@@ -683,7 +719,8 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
                     "raise max_decode_length."
                 )
             real = prefix_mask.astype(bool)
-            prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, rotations.value, factors), -1)
+            by_column = jnp.moveaxis(rotations.value, -1, 1)  # [heads, d, n_hashes, n_buckets / 2]
+            prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, by_column, factors), -1)
             cached_key.write(length_normalized(q), 0)
             cached_value.write(v, 0)
             cached_buckets.value = lax.dynamic_update_slice(cached_buckets.value, prefix_buckets, (0, 0, 0, 0))
@@ -698,39 +735,59 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             raise ValueError(f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions.")
         index = cache_index.value
         k = length_normalized(q)
-        q_buckets = hash_vectors(q, rotations.value, factors)[..., 0]  # [b, h, n_hashes]
+        q_buckets = hash_query(q[:, :, 0], rotations.value, factors)  # [b, h, n_hashes]
         if mask is not None:
             q_buckets = jnp.where(mask.astype(bool).reshape(batch, 1, 1), q_buckets, -1)
         past = cached_buckets.value
-        if use_lists:
-            own_bucket = jnp.maximum(q_buckets, 0)[..., None, None]  # [b, h, n_hashes, 1, 1]
-            own_lists = jnp.take_along_axis(bucket_positions.value, own_bucket, axis=3)[..., 0, :]  # [b, h, r, n_keep]
-            kept = select_from_bucket_lists(own_lists, recent_positions.value[:, 0], past, q_buckets, n_keep)
-        elif n_keep < max_len:
-            kept = select_from_whole_cache(past, q_buckets, n_keep)
-        else:
-            kept = None  # every past key is attended to
-        if kept is None:
-            keys, values = cached_key.read(), cached_value.read()
-            valid = past[:, :, 0, :] >= 0  # written and not padding
-        else:
-            # Only the kept rows are read (and, for a narrow cache, widened).
-            keys, values = cached_key.read(kept), cached_value.read(kept)
-            valid = kept >= 0
         scale = jnp.asarray(d**-0.5, q.dtype)
-        past_logits = jnp.einsum("bhqd,bhkd->bhqk", q, keys.astype(q.dtype) * scale).astype(jnp.float32)
-        past_logits = past_logits + jnp.where(valid, 0.0, MASK_VALUE)[:, :, None, :].astype(jnp.float32)
-        self_logits = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
-        probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
-        probs = nn.Dropout(self._dropout)(probs, deterministic=deterministic).astype(v.dtype)
-        past_values = jnp.einsum("bhqk,bhkd->bhqd", probs[..., :-1], values.astype(v.dtype))
-        y = past_values + probs[..., -1:] * v
-        cached_key.write(write_after_read(k, past_logits, index), index)
-        cached_value.write(write_after_read(v, past_values, index), index)
-        new_buckets = write_after_read(q_buckets, past_logits, index)[..., None]
+        q_scaled = q * scale
+        self_logit = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
+        dropout = nn.Dropout(self._dropout)
+        drop = lambda p: dropout(p, deterministic=deterministic)  # noqa: E731
+        if use_lists:
+
+            def from_lists(q_scaled, self_logit, v, q_buckets, cache):
+                own_bucket = jnp.maximum(q_buckets, 0)[..., None, None]  # [b, h, n_hashes, 1, 1]
+                own_lists = jnp.take_along_axis(cache.bucket_positions, own_bucket, axis=3)[..., 0, :]
+                kept = select_from_bucket_lists(own_lists, cache.recent_positions, cache.buckets, q_buckets, n_keep)
+                # Only the kept rows are read (and, for a narrow cache, widened).
+                keys = read_rows(cache.keys, cache.key_scale, kept, q.dtype)
+                values = read_rows(cache.values, cache.value_scale, kept, v.dtype)
+                return attend_with_self(q_scaled, self_logit, v, keys, values, kept >= 0, drop)
+
+            cache = LSHDecodeCache(
+                cached_key.values.value,
+                cached_value.values.value,
+                cached_key.scale_values,
+                cached_value.scale_values,
+                past,
+                bucket_positions.value,
+                bucket_counts.value,
+                recent_positions.value[:, 0],
+                recent_counts.value[:, 0],
+            )
+            if deterministic or self._dropout == 0.0:
+                # A backend may choose the keys and read their rows in one call (terra.backends).
+                y = lsh_bucket_attention(q_scaled, self_logit, v, q_buckets, cache, from_lists)
+            else:
+                y = from_lists(q_scaled, self_logit, v, q_buckets, cache)
+        else:
+            if n_keep < max_len:
+                kept = select_from_whole_cache(past, q_buckets, n_keep)
+                keys = read_rows(cached_key.values.value, cached_key.scale_values, kept, q.dtype)
+                values = read_rows(cached_value.values.value, cached_value.scale_values, kept, v.dtype)
+                valid = kept >= 0
+            else:  # every past key is attended to
+                keys, values = cached_key.read(), cached_value.read()
+                valid = past[:, :, 0, :] >= 0  # written and not padding
+            y = attend_with_self(q_scaled, self_logit, v, keys, values, valid, drop)
+        # The cache is written after the step's reads (y depends on every one of them).
+        cached_key.write(write_after_read(k, y, index), index)
+        cached_value.write(write_after_read(v, y, index), index)
+        new_buckets = write_after_read(q_buckets, y, index)[..., None]
         cached_buckets.value = lax.dynamic_update_slice(past, new_buckets, (0, 0, 0, index))
         if use_lists:
-            position = write_after_read(index, kept, index)  # the lists are read before written
+            position = write_after_read(index, y, index)  # the lists are read before written
             bucket_positions.value, bucket_counts.value = append_position(
                 bucket_positions.value, bucket_counts.value, q_buckets, position
             )

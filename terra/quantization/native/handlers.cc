@@ -12,6 +12,8 @@
 //   terra_gathered_sum_{int8,bf16}  x f32[B, k], values [n, d], scale f32[n] (int8), rows s32[B, k]
 //                                   -> y f32[B, d], y[b] = sum_j x[b, j] values[rows[b, j]]
 //   terra_sparse_feed_forward_{int8,bf16}  a sparse feed-forward layer's decode step (sparse_feedforward.h)
+//   terra_lsh_decode_attention_{f32,int8,bf16}   an LSH layer's decode-step attention over its
+//                                          cache stored as float32, int8 or bfloat16 (lsh_attention.h)
 //   terra_sparse_attention_{projections1,projections2,projections3,self,cross}_{int8,bf16}
 //                                          a sparse QKV layer's decode step (with one to three
 //                                          convolutions) or with its self- or cross-attention too
@@ -23,6 +25,7 @@
 
 #include "attention.h"
 #include "isa.h"
+#include "lsh_attention.h"
 #include "products.h"
 #include "sparse_feedforward.h"
 #include "xla/ffi/api/ffi.h"
@@ -237,6 +240,61 @@ using Out = ffi::ResultBuffer<ffi::F32>;
 TERRA_ATTENTION_HANDLERS(int8, int8_t)
 TERRA_ATTENTION_HANDLERS(bf16, uint16_t)
 
+// The LSH decode attention: shapes checked here (lsh_attention.h names them), then by name.
+using S32 = ffi::Buffer<ffi::S32>;
+template <typename T, ffi::DataType D>
+ffi::Error LshDecode(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<D>& keys,
+                     const ffi::Buffer<ffi::F32>* key_scale, const ffi::Buffer<D>& values,
+                     const ffi::Buffer<ffi::F32>* value_scale, const S32& buckets, const S32& lists,
+                     const S32& counts, const S32& recent, const S32& recent_count, const S32& q_buckets,
+                     Out& out, Out& top, Out& total) {
+  const auto qs = q.dimensions(), ks = keys.dimensions(), bs = buckets.dimensions(), ls = lists.dimensions();
+  if (qs.size() != 3 || ks.size() != 4 || bs.size() != 4 || ls.size() != 5)
+    return ffi::Error::InvalidArgument("LSH decode attention: q [B, H, Dh], keys [B, H, L, Dh], buckets "
+                                       "[B, H, R, L] and lists [B, H, R, NB, C] expected");
+  LshDecodeOperands<T> o;
+  o.batch = qs[0], o.heads = qs[1], o.dh = qs[2], o.length = ks[2], o.rounds = bs[2];
+  o.n_buckets = ls[3], o.capacity = ls[4];
+  const int64_t B = o.batch, H = o.heads, L = o.length, R = o.rounds, NB = o.n_buckets, C = o.capacity;
+  auto is = [](ffi::Span<const int64_t> shape, std::initializer_list<int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  const bool scales_ok = !key_scale || (is(key_scale->dimensions(), {B, H, L}) && value_scale &&
+                                        is(value_scale->dimensions(), {B, H, L}));
+  if (!is(ks, {B, H, L, o.dh}) || !is(values.dimensions(), {B, H, L, o.dh}) || !is(bs, {B, H, R, L}) ||
+      !is(ls, {B, H, R, NB, C}) || !is(counts.dimensions(), {B, H, R, NB}) || !is(recent.dimensions(), {B, C}) ||
+      !is(recent_count.dimensions(), {B}) || !is(q_buckets.dimensions(), {B, H, R}) ||
+      !is(out->dimensions(), {B, H, o.dh}) || !is(top->dimensions(), {B, H}) || !is(total->dimensions(), {B, H}) ||
+      !scales_ok)
+    return ffi::Error::InvalidArgument("LSH decode attention: operand shapes disagree (lsh_attention.h)");
+  if (R < 1 || R > kMaxLshRounds || C < 1)
+    return ffi::Error::InvalidArgument("LSH decode attention: 1 to 8 hash rounds and a list capacity >= 1");
+  o.q = q.typed_data(), o.keys = keys.typed_data(), o.values = values.typed_data();
+  o.key_scale = key_scale ? key_scale->typed_data() : nullptr;
+  o.value_scale = value_scale ? value_scale->typed_data() : nullptr;
+  o.buckets = buckets.typed_data(), o.lists = lists.typed_data(), o.counts = counts.typed_data();
+  o.recent = recent.typed_data(), o.recent_count = recent_count.typed_data(), o.q_buckets = q_buckets.typed_data();
+  o.out = out->typed_data(), o.top = top->typed_data(), o.total = total->typed_data();
+  return LshDecodeAttention<T>(pool, o);
+}
+
+#define TERRA_LSH_LISTS S32 buckets, S32 lists, S32 counts, S32 recent, S32 recent_count, S32 q_buckets
+#define TERRA_LSH_RESULTS Out out, Out top, Out total
+#define TERRA_LSH_PASS buckets, lists, counts, recent, recent_count, q_buckets, out, top, total
+ffi::Error LshDecodeF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                        ffi::Buffer<ffi::F32> values, TERRA_LSH_LISTS, TERRA_LSH_RESULTS) {
+  return LshDecode<float>(pool, q, keys, nullptr, values, nullptr, TERRA_LSH_PASS);
+}
+ffi::Error LshDecodeInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> keys,
+                         ffi::Buffer<ffi::F32> key_scale, ffi::Buffer<ffi::S8> values,
+                         ffi::Buffer<ffi::F32> value_scale, TERRA_LSH_LISTS, TERRA_LSH_RESULTS) {
+  return LshDecode<int8_t>(pool, q, keys, &key_scale, values, &value_scale, TERRA_LSH_PASS);
+}
+ffi::Error LshDecodeBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> keys,
+                         ffi::Buffer<ffi::U16> values, TERRA_LSH_LISTS, TERRA_LSH_RESULTS) {
+  return LshDecode<uint16_t>(pool, q, keys, nullptr, values, nullptr, TERRA_LSH_PASS);
+}
+
 }  // namespace
 
 // The library is built with hidden visibility (no header internals exported); these are its API.
@@ -306,6 +364,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_sparse_feed_forward_bf16, SparseFeedForwardB
                                     TERRA_OUT TERRA_OUT TERRA_OUT);
 TERRA_ATTENTION_SYMBOLS(int8)
 TERRA_ATTENTION_SYMBOLS(bf16)
+
+#define TERRA_S32 .Arg<ffi::Buffer<ffi::S32>>()
+#define TERRA_LSH_BIND TERRA_S32 TERRA_S32 TERRA_S32 TERRA_S32 TERRA_S32 TERRA_S32 TERRA_OUT TERRA_OUT TERRA_OUT
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_f32, LshDecodeF32,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_LSH_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_int8, LshDecodeInt8,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_int8
+                                  TERRA_WEIGHT_BIND_int8 TERRA_LSH_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_bf16, LshDecodeBf16,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_bf16
+                                  TERRA_WEIGHT_BIND_bf16 TERRA_LSH_BIND);
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one
