@@ -132,6 +132,11 @@ LingeringHelpers& Lingering() {
   return *helpers;
 }
 
+// Helpers scheduled on a pool and not started yet, and the phases this thread is scheduling a
+// helper for (set only during pool.Schedule).
+std::atomic<int64_t> g_queued{0};
+thread_local const Phases* t_scheduling = nullptr;
+
 }  // namespace
 
 int64_t Workers(ffi::ThreadPool& pool) {
@@ -156,9 +161,19 @@ void RunPhases(ffi::ThreadPool& pool, bool parallel, std::initializer_list<int64
   phases->run = std::move(run);
   for (int64_t h = 0; h < helpers; ++h) {
     if (Lingering().Post(phases)) continue;
+    // A helper still queued from an earlier call (its pool threads busy) will linger for the
+    // next calls once it starts: queueing more would only pile up helpers in the pool's queue.
+    if (g_queued.load(std::memory_order_acquire) >= helpers) break;
+    g_queued.fetch_add(1, std::memory_order_acq_rel);
+    t_scheduling = phases.get();
+    // Eigen's pool runs a task inside Schedule when its queue is full: that helper would wait
+    // for phases this thread has not opened yet, so it returns at once instead.
     pool.Schedule([phases] {
+      g_queued.fetch_sub(1, std::memory_order_acq_rel);
+      if (t_scheduling == phases.get()) return;
       for (std::shared_ptr<Phases> next = phases; next; next = Lingering().Wait()) next->Help();
     });
+    t_scheduling = nullptr;
   }
   for (int p = 0; p < phases->n_phases; ++p) {
     phases->open.store(p, std::memory_order_release);
