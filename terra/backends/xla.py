@@ -9,6 +9,7 @@ bytes alone; that still runs at about half the bandwidth, which is why the CPU b
 (``terra/backends/cpu.py``) replaces these forms in decoding.
 """
 
+import math
 from typing import Optional
 
 import jax
@@ -24,6 +25,10 @@ BLOCK_ELEMENTS = 1 << 20
 # a 16 x 8192 x 64 int8 cache step measured 1.9 ms at this size, 2.7 ms at 2^19, 4.0 ms at 2^17
 # (each block is a loop iteration) and 7.4 ms widened whole (a float32 copy in memory).
 CACHE_BLOCK_ELEMENTS = 1 << 21
+# Rows of x from which a narrow kernel is widened whole, in one product (a prefill, training): the
+# product's arithmetic is then many times the widening's, and the blocks' loop only added a zeroed
+# float32 output per product, which XLA allocates before the loop (in a prefill every layer's at once).
+WIDEN_WHOLE_ROWS = 64
 # Additive mask value for disallowed positions (the reference uses -1e9).
 MASK_VALUE = -1e9
 
@@ -54,7 +59,7 @@ def widened_output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind
     def place(y, start, part):  # each block is its own slice of the output
         return lax.dynamic_update_slice_in_dim(y, part, start, axis=-1)
 
-    return _over_blocks(n_out, x.shape[-1], product, place, x.shape[:-1] + (n_out,))
+    return _over_blocks(n_out, x.shape[-1], product, place, x.shape[:-1] + (n_out,), _block_elements(x, values))
 
 
 def widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
@@ -76,7 +81,14 @@ def widened_input_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind:
     def accumulate(y, start, part):  # each block of input rows adds its partial product
         return y + part
 
-    return _over_blocks(values.shape[0], values.shape[1], product, accumulate, x.shape[:-1] + (values.shape[1],))
+    out_shape = x.shape[:-1] + (values.shape[1],)
+    return _over_blocks(values.shape[0], values.shape[1], product, accumulate, out_shape, _block_elements(x, values))
+
+
+def _block_elements(x: jax.Array, values: jax.Array) -> Optional[int]:
+    """Widened elements per block of a product of ``x``: the whole kernel for
+    ``WIDEN_WHOLE_ROWS`` rows of ``x`` or more, else ``BLOCK_ELEMENTS`` (``None``)."""
+    return values.size if math.prod(x.shape[:-1]) >= WIDEN_WHOLE_ROWS else None
 
 
 def _over_blocks(n_rows: int, row_elements: int, product, add, out_shape, block_elements=None):
