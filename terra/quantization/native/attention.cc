@@ -66,16 +66,6 @@ struct DecodeAttention {
   float* y = nullptr;        // [B, H * Dh]
 };
 
-TERRA_INLINE float Dot(const float* a, const float* b, int64_t n) {
-  Lanes acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += LoadLanes(a + i) * LoadLanes(b + i);
-  float total = 0.0f;
-  for (; i < n; ++i) total += a[i] * b[i];
-  for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
-  return total;
-}
-
 // Head row r (batch b = r / H, head h = r % H) of query q, new key k and value v (self only), each [Dh].
 TERRA_INLINE void AttendRow(const DecodeAttention& a, int64_t r, int64_t heads, int64_t dh, const float* q,
                             const float* k, const float* v) {
@@ -97,12 +87,12 @@ TERRA_INLINE void AttendRow(const DecodeAttention& a, int64_t r, int64_t heads, 
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t l = 0; l < past; ++l) {
     if (a.key_mask && !a.key_mask[b * length + l]) continue;
-    float logit = Dot(scaled, keys + l * dh, dh);
+    float logit = RowDot(scaled, keys + l * dh, dh);
     if (a.bias) logit += a.bias[b * length + l];
     seen[n] = l, logits[n] = logit, top = std::max(top, logit), ++n;
   }
   const bool self = a.mode == DecodeAttention::kSelf;
-  if (self) logits[n] = Dot(scaled, k, dh), top = std::max(top, logits[n]);
+  if (self) logits[n] = RowDot(scaled, k, dh), top = std::max(top, logits[n]);
   float total = 0.0f;
   for (int64_t j = 0; j < n + self; ++j) total += (logits[j] = std::exp(logits[j] - top));
   float* y = a.y + r * dh;

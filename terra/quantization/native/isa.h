@@ -95,6 +95,33 @@ TERRA_INLINE Lanes GenericWidenLanes(const uint16_t* v) {
   return reinterpret_cast<Lanes>(__builtin_convertvector(narrow, Uint32Lanes) << 16);
 }
 
+// A row of float32, int8 or bfloat16 bits as float32 lanes, and its dot with and scaled sum into a
+// float32 vector: the generic forms the attention kernels read their cache rows with.
+inline float Widen(float v) { return v; }
+TERRA_INLINE Lanes RowLanes(const float* row) { return LoadLanes(row); }
+TERRA_INLINE Lanes RowLanes(const int8_t* row) { return GenericWidenLanes(row); }
+TERRA_INLINE Lanes RowLanes(const uint16_t* row) { return GenericWidenLanes(row); }
+
+// x . row over n elements (an int8 row's scale is the caller's).
+template <typename T>
+TERRA_INLINE float RowDot(const float* x, const T* row, int64_t n) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += LoadLanes(x + i) * RowLanes(row + i);
+  float total = 0.0f;
+  for (; i < n; ++i) total += x[i] * Widen(row[i]);
+  for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+// y += w * row over n elements.
+template <typename T>
+TERRA_INLINE void AddScaledRow(float* y, float w, const T* row, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) StoreLanes(y + i, LoadLanes(y + i) + w * RowLanes(row + i));
+  for (; i < n; ++i) y[i] += w * Widen(row[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The instruction-set tags. Each has:
 //   Vec, kWidth          its float32 vector and lanes per vector

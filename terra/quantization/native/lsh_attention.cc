@@ -28,44 +28,6 @@ namespace {
 constexpr int64_t kPrefetchAhead = 8;
 constexpr float kNoKey = -1e30f;
 
-TERRA_INLINE Lanes RowLanes(const float* row) { return LoadLanes(row); }
-TERRA_INLINE Lanes RowLanes(const int8_t* row) { return GenericWidenLanes(row); }
-TERRA_INLINE Lanes RowLanes(const uint16_t* row) { return GenericWidenLanes(row); }
-
-// q . row (unscaled: an int8 row's scale is applied by the caller).
-template <typename T>
-TERRA_INLINE float RowDot(const float* q, const T* row, int64_t dh) {
-  Lanes acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= dh; i += kLanes) acc += LoadLanes(q + i) * RowLanes(row + i);
-  float total = 0.0f;
-  for (; i < dh; ++i) total += q[i] * Widen(row[i]);
-  for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
-  return total;
-}
-TERRA_INLINE float RowDot(const float* q, const float* row, int64_t dh) {
-  Lanes acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= dh; i += kLanes) acc += LoadLanes(q + i) * LoadLanes(row + i);
-  float total = 0.0f;
-  for (; i < dh; ++i) total += q[i] * row[i];
-  for (int64_t l = 0; l < kLanes; ++l) total += acc[l];
-  return total;
-}
-
-// y += w * row.
-template <typename T>
-TERRA_INLINE void AddRow(float* y, float w, const T* row, int64_t dh) {
-  int64_t i = 0;
-  for (; i + kLanes <= dh; i += kLanes) StoreLanes(y + i, LoadLanes(y + i) + w * RowLanes(row + i));
-  for (; i < dh; ++i) y[i] += w * Widen(row[i]);
-}
-TERRA_INLINE void AddRow(float* y, float w, const float* row, int64_t dh) {
-  int64_t i = 0;
-  for (; i + kLanes <= dh; i += kLanes) StoreLanes(y + i, LoadLanes(y + i) + w * LoadLanes(row + i));
-  for (; i < dh; ++i) y[i] += w * row[i];
-}
-
 TERRA_INLINE void PrefetchRow(const void* row, int64_t bytes) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(row);
   for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) PrefetchLine(line);
@@ -158,7 +120,7 @@ void AttendHead(const LshDecodeOperands<T>& a, int64_t row) {
     }
     const float w = std::exp(logit - top);
     total += w;
-    AddRow(y, value_scale ? w * value_scale[p] : w, values + p * dh, dh);
+    AddScaledRow(y, value_scale ? w * value_scale[p] : w, values + p * dh, dh);
   }
   a.top[row] = top;
   a.total[row] = total;
