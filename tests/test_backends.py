@@ -25,6 +25,7 @@ PRIMITIVES_WITH_NATIVE_FORMS = (
     "sparse_feed_forward_step",
     "sparse_attention_step",
     "lsh_bucket_attention",
+    "blocked_attention",
 )
 
 

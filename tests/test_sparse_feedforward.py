@@ -242,9 +242,29 @@ def test_ff_chunk_size_bounds_the_training_memory():
     assert chunked_large * 4 < temp_bytes(512, 0)
 
 
-def test_bad_ff_chunk_size_is_a_config_error():
-    with pytest.raises(ConfigError, match="ff_chunk_size=-1"):
-        _layer(ff_chunk_size=-1).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
+def test_inference_chunks_leave_eval_output_unchanged_and_bound_its_memory(layer_and_vars):
+    """A deterministic call over more tokens than inference_chunk_size (a long prefill) runs in
+    chunks: the same outputs and choices, and one chunk's [tokens, d_ff] buffers at a time."""
+    layer, variables, x = layer_and_vars
+    chunked = _layer(inference_chunk_size=4)
+    np.testing.assert_allclose(chunked.apply(variables, x), layer.apply(variables, x), atol=1e-6)
+    np.testing.assert_array_equal(_indices(chunked, variables, x), _indices(layer, variables, x))
+
+    def temp_bytes(inference_chunk_size):
+        x = jax.ShapeDtypeStruct((1, 2048, 16), jnp.float32)
+        layer = SparseFeedForward(d_model=16, d_ff=512, ff_sparsity=8, inference_chunk_size=inference_chunk_size)
+        params = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+        compiled = jax.jit(lambda p, x: layer.apply({"params": p}, x)).lower(params, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    # One [2048, 512] float32 activation is 4 MB; chunks of 64 tokens hold a thirty-second of it.
+    assert temp_bytes(64) * 4 < temp_bytes(0)
+
+
+@pytest.mark.parametrize("name", ["ff_chunk_size", "inference_chunk_size"])
+def test_bad_chunk_size_is_a_config_error(name):
+    with pytest.raises(ConfigError, match=f"{name}=-1"):
+        _layer(**{name: -1}).init(jax.random.key(0), jnp.ones((1, 1, D_MODEL)))
 
 
 def test_moe_baseline_decode_equals_eval_and_reads_one_block():

@@ -1,5 +1,5 @@
 """Decode backends: the primitives a layer's decode step is written in (products of float or narrow
-weights, row gathers, attention over a KV cache, the sparse layers' fused steps) and, per platform,
+weights, row gathers, attention over a KV cache or a whole input, the sparse layers' fused steps) and, per platform,
 what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA everywhere else
 (``xla``). Layers import this package only; a new backend is a module here and an entry in
 ``primitives.BACKENDS``. See ``docs/architecture.md``, "Decode backends"."""
@@ -8,6 +8,8 @@ from terra.backends.primitives import (
     LSHDecodeCache,
     SparseAttentionWeights,
     SparseFeedForwardWeights,
+    attention_in_query_chunks,
+    blocked_attention,
     cache_logits,
     cache_weighted_values,
     cached_attention,
@@ -32,6 +34,8 @@ __all__ = [
     "SparseAttentionWeights",
     "SparseFeedForwardWeights",
     "as_float",
+    "attention_in_query_chunks",
+    "blocked_attention",
     "cache_logits",
     "cache_weighted_values",
     "cached_attention",

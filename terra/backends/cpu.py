@@ -231,3 +231,18 @@ def lsh_bucket_attention(q: jax.Array, cache):
         return y[:, :, None].astype(v.dtype)
 
     return native
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+    """``(q, k, v, bias, causal) -> y``: softmax attention over a whole input in one native call
+    (``native_kernels.blocked_attention``), for float32 operands whose head size is a multiple of 16."""
+    if not all(t.dtype == jnp.float32 for t in (q, k, v)) or q.shape[-1] % 16 or not native_kernels.available():
+        return None
+
+    def native(q, k, v, bias, causal):
+        scaled = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+        rows = jnp.broadcast_to(bias, (bias.shape[0], 1, 1, k.shape[2])).reshape(bias.shape[0], k.shape[2])
+        rows = jnp.broadcast_to(rows, (q.shape[0], k.shape[2])).astype(jnp.float32)
+        return native_kernels.blocked_attention(scaled, k, v, rows, causal)
+
+    return native

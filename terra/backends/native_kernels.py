@@ -13,7 +13,8 @@ layers (:func:`output_major`), the input-major one of the small sparse-layer ker
 (:func:`input_major`), the dot and the weighted sum of the rows a sparse feed-forward layer selects
 (:func:`gathered_dot`, :func:`gathered_sum`), a sparse feed-forward layer's and a sparse QKV
 layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse_attention`), and
-an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_decode_attention`).
+an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_decode_attention`),
+and softmax attention over a whole input, a prefill's (:func:`blocked_attention`).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
@@ -80,6 +81,15 @@ TARGETS.update(
 )
 # Hash rounds the LSH kernel takes (lsh_attention.h, kMaxLshRounds).
 MAX_LSH_ROUNDS = 8
+# Softmax attention over a whole input (prefill): blocks of queries against tiles of keys.
+TARGETS.update(
+    {
+        ("blocked_attention", False): "terra_blocked_attention",
+        ("blocked_attention", True): "terra_blocked_attention_causal",
+    }
+)
+# Keys per tile of the blocked attention's transposed keys (a multiple of 64: prefill_attention.h).
+ATTENTION_KEY_TILE = 256
 
 
 def library_path():
@@ -325,6 +335,27 @@ def lsh_decode_attention(
     lists_and_buckets = (buckets, lists, counts, recent, recent_count, q_buckets)
     out, top, total = call(q.astype(f32), *scaled, *map(i32, lists_and_buckets))
     return out, top, total
+
+
+def blocked_attention(q, k, v, bias, causal: bool):
+    """Softmax attention over a whole input in one call: each of the pool's threads takes blocks of
+    64 queries of one head against tiles of :data:`ATTENTION_KEY_TILE` keys with an online softmax,
+    its scores never leaving the core's cache (``prefill_attention.h``).
+
+    ``q f32 [B, H, Lq, Dh]`` scaled by ``Dh ** -0.5``, ``k``, ``v`` ``f32 [B, H, Lk, Dh]``, ``bias f32
+    [B, Lk]`` added to every query's logits; ``causal`` (``Lq == Lk``): query ``i`` sees keys ``j <= i``.
+    ``Dh`` a multiple of 16. Returns ``f32 [B, H, Lq, Dh]``."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    batch, heads, length, dh = k.shape
+    tile = ATTENTION_KEY_TILE
+    tiles = -(-length // tile)
+    # Keys transposed per tile, [B, H, T, Dh, K]: a tile's keys are contiguous along the vector lanes.
+    padded = jnp.pad(k, ((0, 0), (0, 0), (0, tiles * tile - length), (0, 0)))
+    kt = jnp.swapaxes(padded.reshape(batch, heads, tiles, tile, dh), 3, 4)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call(TARGETS["blocked_attention", bool(causal)], out, vmap_method="sequential")
+    return call(q, kt, v, bias)
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

@@ -10,9 +10,11 @@ a function is traced.
 A backend is a module with one function per primitive below that has native forms
 (``output_major_product``, ``input_major_product``, ``transposed_chunk_rows``,
 ``gathered_rows_product``, ``gathered_rows_sum``, ``sparse_feed_forward_step``,
-``sparse_attention_step``, ``lsh_bucket_attention``), each returning the form or ``None`` (``terra/backends/cpu.py``).
+``sparse_attention_step``, ``lsh_bucket_attention``, ``blocked_attention``), each returning the form or
+``None`` (``terra/backends/cpu.py``).
 """
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -33,6 +35,7 @@ cache_logits = xla.cache_logits
 cache_weighted_values = xla.cache_weighted_values
 write_after_read = xla.write_after_read
 take_rows = xla.take_rows
+attention_in_query_chunks = xla.attention_in_query_chunks
 
 
 def _native_forms(primitive: str, *facts) -> dict:
@@ -273,3 +276,41 @@ def lsh_bucket_attention(
     q_buckets, cache)`` computes the same in XLA and runs where no backend has a form."""
     forms = _native_forms("lsh_bucket_attention", q, cache)
     return _run(forms, unfused, q, self_logit, v, q_buckets, cache)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, causal: bool, chunk: int):
+    """Softmax attention over a whole input without dropout (a prefill, an evaluation): ``q [b, h,
+    lq, d]``, ``k``/``v [b, h, lk, d]``, ``bias [b|1, 1, 1, lk]`` the same for every query, ``causal``
+    (``lq == lk``) -> ``[b, h, lq, d]``, never holding the ``[b, h, lq, lk]`` scores. A backend's
+    form runs blocks of queries against tiles of keys with an online softmax; the XLA form
+    (``attention_in_query_chunks``) attends ``chunk`` queries at a time. Differentiating it
+    differentiates the XLA form (recomputed), whichever form ran forward."""
+    forms = _native_forms("blocked_attention", q, k, v)
+    return (_blocked_attention if forms else _chunked_attention)(q, k, v, bias, causal, chunk)
+
+
+def _chunked_attention(q, k, v, bias, causal, chunk):
+    return xla.attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blocked_attention(q, k, v, bias, causal, chunk):
+    forms = _native_forms("blocked_attention", q, k, v)
+
+    def unfused(q, k, v, bias):
+        return _chunked_attention(q, k, v, bias, causal, chunk)
+
+    return _run(
+        {platform: functools.partial(form, causal=causal) for platform, form in forms.items()}, unfused, q, k, v, bias
+    )
+
+
+def _blocked_attention_forward(q, k, v, bias, causal, chunk):
+    return _blocked_attention(q, k, v, bias, causal, chunk), (q, k, v, bias)
+
+
+def _blocked_attention_backward(causal, chunk, operands, grad):
+    return jax.vjp(lambda *a: _chunked_attention(*a, causal, chunk), *operands)[1](grad)
+
+
+_blocked_attention.defvjp(_blocked_attention_forward, _blocked_attention_backward)

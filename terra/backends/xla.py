@@ -261,3 +261,29 @@ def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> ja
     false at run time but unknown at compile time, so it is exactly 0 (NaN-safe)."""
     dependency = jnp.where(index < 0, jnp.sum(read), 0.0)
     return update + dependency.astype(update.dtype)
+
+
+def attention_in_query_chunks(q, k, v, bias, *, causal: bool, chunk: int) -> jax.Array:
+    """Softmax attention computed ``chunk`` queries at a time, equal to the whole computation:
+    q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, ``bias`` ``[b|1, 1, 1, lk]`` (the same for every
+    query), ``causal`` for a self-attention (lq == lk) -> ``[b, h, lq, d]``. Peak memory holds
+    one chunk's scores, ``[b, h, chunk, lk]``, as long-context inference engines prefill."""
+    batch, heads, length, d = q.shape
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    q = q * jnp.asarray(d**-0.5, q.dtype)
+    chunks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(batch, heads, n_chunks, chunk, d)
+    key_positions = jnp.arange(k.shape[2])
+    bias = jnp.broadcast_to(bias, (bias.shape[0], 1, 1, k.shape[2])).astype(jnp.float32)
+
+    def one_chunk(args):
+        index, q_chunk = args
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q_chunk, k).astype(jnp.float32) + bias
+        if causal:
+            query_positions = index * chunk + jnp.arange(chunk)
+            logits = logits + jnp.where(key_positions[None, :] <= query_positions[:, None], 0.0, MASK_VALUE)
+        probs = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+
+    y = lax.map(one_chunk, (jnp.arange(n_chunks), jnp.moveaxis(chunks, 2, 0)))  # [n, b, h, chunk, d]
+    return jnp.moveaxis(y, 0, 2).reshape(batch, heads, n_chunks * chunk, d)[:, :, :length]

@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import MASK_VALUE, cache_logits, cache_weighted_values, cached_attention
+from terra.backends import (  # noqa: F401  (attention_in_query_chunks: the XLA form, re-exported)
+    MASK_VALUE,
+    attention_in_query_chunks,
+    blocked_attention,
+    cache_logits,
+    cache_weighted_values,
+    cached_attention,
+)
 from terra.layers import axes, kv_cache
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
@@ -49,32 +56,6 @@ def output_projection(y: jax.Array, *, d_model: int, use_bias: bool, dtype) -> j
         dtype=dtype,
         name="out",
     )(y)
-
-
-def attention_in_query_chunks(q, k, v, bias, *, causal: bool, chunk: int) -> jax.Array:
-    """Softmax attention computed ``chunk`` queries at a time, equal to the whole computation:
-    q ``[b, h, lq, d]``, k/v ``[b, h, lk, d]``, ``bias`` ``[b|1, 1, 1, lk]`` (the same for every
-    query), ``causal`` for a self-attention (lq == lk) -> ``[b, h, lq, d]``. Peak memory holds
-    one chunk's scores, ``[b, h, chunk, lk]``, as long-context inference engines prefill."""
-    batch, heads, length, d = q.shape
-    n_chunks = -(-length // chunk)
-    pad = n_chunks * chunk - length
-    q = q * jnp.asarray(d**-0.5, q.dtype)
-    chunks = jnp.pad(q, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(batch, heads, n_chunks, chunk, d)
-    key_positions = jnp.arange(k.shape[2])
-    bias = jnp.broadcast_to(bias, (bias.shape[0], 1, 1, k.shape[2])).astype(jnp.float32)
-
-    def one_chunk(args):
-        index, q_chunk = args
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q_chunk, k).astype(jnp.float32) + bias
-        if causal:
-            query_positions = index * chunk + jnp.arange(chunk)
-            logits = logits + jnp.where(key_positions[None, :] <= query_positions[:, None], 0.0, MASK_VALUE)
-        probs = jax.nn.softmax(logits, axis=-1)
-        return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
-
-    y = lax.map(one_chunk, (jnp.arange(n_chunks), jnp.moveaxis(chunks, 2, 0)))  # [n, b, h, chunk, d]
-    return jnp.moveaxis(y, 0, 2).reshape(batch, heads, n_chunks * chunk, d)[:, :, :length]
 
 
 class AttentionBase(nn.Module):
@@ -135,9 +116,11 @@ class AttentionBase(nn.Module):
         ``[b, h, lq, lk]`` -> ``[b, h, lq, d]``; ``causal`` (lq == lk) also hides later keys.
 
         Without dropout and with a bias that does not vary over queries (``[b|1, 1, 1, lk]``),
-        queries longer than ``query_chunk_size`` are attended one chunk at a time
-        (``attention_in_query_chunks``): a 15,360-token prefill never holds the
-        ``[heads, lq, lk]`` scores whole (14 GB at 16 heads in float32).
+        more than ``query_chunk_size`` queries never hold the ``[heads, lq, lk]`` scores whole
+        (14 GB at 16 heads and 15,360 positions in float32): deterministic (a prefill, an
+        evaluation), by ``backends.blocked_attention`` (on the CPU one native call, blocks of
+        queries against tiles of keys); otherwise (training without dropout) one chunk of queries
+        at a time (``attention_in_query_chunks``), which the blocked form differentiates too.
 
         k and v may be a decode cache stored narrow (int8 with ``key_scale``/``value_scale
         [b, h, lk]``, or bfloat16): the backend reads them narrow (one query in decoding)."""
@@ -149,6 +132,8 @@ class AttentionBase(nn.Module):
             and stored_as_q
             and q.shape[2] > self.query_chunk_size
         ):
+            if deterministic:
+                return blocked_attention(q, k, v, bias, causal=causal, chunk=self.query_chunk_size)
             return attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=self.query_chunk_size)
         if causal:
             bias = bias + causal_bias(q.shape[2])

@@ -99,6 +99,10 @@ class SparseFeedForward(nn.Module):
         coin, Gumbel noise and dropout mask, its activations rematerialised in the backward
         pass (the reference's ``ff_chunk_size``; the Terraformer configs use 512). Evaluation
         and decoding give the same outputs for any value.
+      inference_chunk_size: a deterministic call (evaluation, a prefill) over more flattened
+        tokens than this, with ``ff_chunk_size`` 0, runs in chunks of at most this many (the same
+        outputs: nothing is drawn), so that a 15,360-token prefill holds one chunk's ``[tokens,
+        d_ff]`` activations and masks, not the whole input's (hundreds of MB each); 0 never chunks.
       share_dropout_over_length: the output dropout draws one mask for all the tokens of a
         chunk (of the call when ``ff_chunk_size`` is 0) if True, as the reference's
         ``Dropout(shared_axes=[-2])`` over the flattened ``[tokens, d_model]`` chunk, or one
@@ -121,14 +125,17 @@ class SparseFeedForward(nn.Module):
     paper_formula: bool = False
     ff_chunk_size: int = 0
     share_dropout_over_length: bool = False
+    inference_chunk_size: int = 512
 
     def setup(self):
         n_blocks, d_lowrank = sparse_ff_sizes(self.d_ff, self.ff_sparsity, self.d_lowrank)
-        if not isinstance(self.ff_chunk_size, int) or self.ff_chunk_size < 0:
-            raise ConfigError(
-                f"SparseFeedForward: ff_chunk_size={self.ff_chunk_size!r} must be a non-negative integer "
-                "(0 = the whole call at once; the reference's Terraformer uses 512)."
-            )
+        for name in ("ff_chunk_size", "inference_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(
+                    f"SparseFeedForward: {name}={value!r} must be a non-negative integer "
+                    "(0 = the whole call at once; the reference's Terraformer uses ff_chunk_size = 512)."
+                )
         shape = (n_blocks, self.ff_sparsity, self.d_model)
         names = (axes.MLP, axes.SPARSE_ELEMENTS, axes.EMBED)
         self.controller_down = Dense(
@@ -181,8 +188,11 @@ class SparseFeedForward(nn.Module):
             # The reference flattens the tokens (BatchLeadingAxes) before chunking and dropout.
             tokens = x.reshape(-1, x.shape[-1])
             given = None if indices is None else indices.reshape(tokens.shape[0], -1)
-            if self.ff_chunk_size:
-                y, indices = self._chunked(tokens, given, train)
+            chunk = self.ff_chunk_size
+            if not chunk and not train and 0 < self.inference_chunk_size < tokens.shape[0]:
+                chunk = self.inference_chunk_size
+            if chunk:
+                y, indices = self._chunked(tokens, given, train, chunk)
             else:
                 y, indices = self.forward_tokens(tokens, given, train)
             y = y.reshape(x.shape[:-1] + y.shape[-1:])
@@ -214,14 +224,14 @@ class SparseFeedForward(nn.Module):
             y = self._masked(x, logits, indices, train)
         return self.dropout(y.astype(self.dtype), deterministic=not train), indices
 
-    def _chunked(self, x, indices, train: bool):
-        """``forward_tokens`` over chunks of at most ``ff_chunk_size`` tokens (see :func:`to_chunks`),
+    def _chunked(self, x, indices, train: bool, chunk_size: int):
+        """``forward_tokens`` over chunks of at most ``chunk_size`` tokens (see :func:`to_chunks`),
         in a scan whose body is rematerialised: one chunk's ``[chunk, d_ff]`` activations live
         at a time, forward and backward (the reference's ``tl.Chunk``: a ``Scan`` with
         ``remat=True``). The parameters are shared by the chunks; the ``dropout`` rng is split
         per chunk, so each draws its own noise, coin and mask."""
         n_tokens = x.shape[0]
-        n_chunks, chunk_len = chunk_layout(n_tokens, self.ff_chunk_size)
+        n_chunks, chunk_len = chunk_layout(n_tokens, chunk_size)
         xs = nn.with_logical_constraint(to_chunks(x, n_chunks, chunk_len), (None, axes.BATCH, axes.EMBED))
         given = None if indices is None else to_chunks(indices, n_chunks, chunk_len)
 

@@ -14,6 +14,8 @@
 //   terra_sparse_feed_forward_{int8,bf16}  a sparse feed-forward layer's decode step (sparse_feedforward.h)
 //   terra_lsh_decode_attention_{f32,int8,bf16}   an LSH layer's decode-step attention over its
 //                                          cache stored as float32, int8 or bfloat16 (lsh_attention.h)
+//   terra_blocked_attention{,_causal}      softmax attention over a whole input, blocks of queries
+//                                          against tiles of keys (prefill_attention.h)
 //   terra_sparse_attention_{projections1,projections2,projections3,self,cross}_{int8,bf16}
 //                                          a sparse QKV layer's decode step (with one to three
 //                                          convolutions) or with its self- or cross-attention too
@@ -26,6 +28,7 @@
 #include "attention.h"
 #include "isa.h"
 #include "lsh_attention.h"
+#include "prefill_attention.h"
 #include "products.h"
 #include "sparse_feedforward.h"
 #include "xla/ffi/api/ffi.h"
@@ -295,6 +298,34 @@ ffi::Error LshDecodeBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return LshDecode<uint16_t>(pool, q, keys, nullptr, values, nullptr, TERRA_LSH_PASS);
 }
 
+// The blocked attention: q [B, H, Lq, Dh], kt [B, H, T, Dh, K], v [B, H, Lk, Dh], bias [B, Lk]
+// -> out [B, H, Lq, Dh] (prefill_attention.h); checked here before anything is read.
+template <bool kCausal>
+ffi::Error BlockedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
+                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> bias, Out out) {
+  const auto qs = q.dimensions(), ks = kt.dimensions(), vs = v.dimensions();
+  if (qs.size() != 4 || ks.size() != 5 || vs.size() != 4 || bias.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("blocked attention: q [B, H, Lq, Dh], kt [B, H, T, Dh, K], v [B, H, Lk, Dh] "
+                                       "and bias [B, Lk] expected (prefill_attention.h)");
+  BlockedAttentionOperands o;
+  o.batch = qs[0], o.heads = qs[1], o.q_length = qs[2], o.dh = qs[3], o.k_length = vs[2];
+  o.tiles = ks[2], o.tile = ks[4], o.causal = kCausal;
+  const int64_t B = o.batch, H = o.heads, Lk = o.k_length, dh = o.dh;
+  auto is = [](ffi::Span<const int64_t> shape, std::initializer_list<int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  if (!is(ks, {B, H, o.tiles, dh, o.tile}) || !is(vs, {B, H, Lk, dh}) || !is(bias.dimensions(), {B, Lk}) ||
+      !is(out->dimensions(), {B, H, o.q_length, dh}))
+    return ffi::Error::InvalidArgument("blocked attention: operand shapes disagree (prefill_attention.h)");
+  if (o.tile < 64 || o.tile % 64 != 0 || o.tiles != (Lk + o.tile - 1) / o.tile || dh < 16 || dh % 16 != 0 ||
+      (kCausal && o.q_length != Lk))
+    return ffi::Error::InvalidArgument("blocked attention: key tiles of a multiple of 64 covering the keys, Dh a "
+                                       "multiple of 16, and as many queries as keys when causal");
+  o.q = q.typed_data(), o.kt = kt.typed_data(), o.v = v.typed_data(), o.bias = bias.typed_data();
+  o.out = out->typed_data();
+  return BlockedAttention(pool, o);
+}
+
 }  // namespace
 
 // The library is built with hidden visibility (no header internals exported); these are its API.
@@ -375,6 +406,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_int8, LshDecodeInt8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_bf16, LshDecodeBf16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_bf16
                                   TERRA_WEIGHT_BIND_bf16 TERRA_LSH_BIND);
+
+#define TERRA_BLOCKED_BIND ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_F32 TERRA_OUT
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_blocked_attention, BlockedAttentionImpl<false>, TERRA_BLOCKED_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_blocked_attention_causal, BlockedAttentionImpl<true>, TERRA_BLOCKED_BIND);
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one

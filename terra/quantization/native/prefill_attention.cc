@@ -1,0 +1,220 @@
+// Blocked softmax attention (prefill_attention.h): each thread takes blocks of kQueryBlock queries of
+// one (batch row, head) and walks the key tiles, holding the block's scores against one tile, its
+// running maxima and sums, and its float32 output rows (the online softmax of long-context
+// prefill). Why native: XLA:CPU runs the query-chunked form as a product that writes a chunk's
+// [heads, chunk, keys] scores to memory, a separate exponential pass and a second product, about
+// 50 GFLOP/s on a 2-core VM where its small products reach 229 (docs/decode_speed.md, "Long
+// documents"); here the scores never leave L2, and a causal block stops at its last query's key.
+
+#include "prefill_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "isa.h"
+#include "threads.h"
+
+namespace terra::native {
+
+namespace {
+
+// Below this exponent exp(x) is taken as 0 (it is under float32's smallest normal), so that masked
+// logits (a bias of -1e9) and the -inf of a first tile's running maximum weigh exactly nothing.
+constexpr float kMinExponent = -87.0f;
+
+// exp(x) over 16 lanes, for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite), exp(r) by its
+// Taylor polynomial of degree 7 (relative error under 1e-8 on that interval), times 2^n built in
+// the exponent bits.
+TERRA_INLINE Lanes ExpLanes(const Lanes& logits) {
+  const Lanes low = Lanes{} + kMinExponent;
+  const auto under = logits <= low;
+  const Lanes x = under ? low : logits;
+  const Lanes shifter = Lanes{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Lanes n = (x * 1.44269504088896341f + shifter) - shifter;
+  const Lanes r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  Lanes p = r * (1.0f / 5040) + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const Int32Lanes exponent = (__builtin_convertvector(n, Int32Lanes) + 127) << 23;
+  Lanes scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  const Lanes y = p * scale;
+  return under ? Lanes{} : y;
+}
+
+// The largest of s[0, n).
+TERRA_INLINE float RowMax(const float* s, int64_t n) {
+  Lanes top = Lanes{} - std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes x = LoadLanes(s + j);
+    top = x > top ? x : top;
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < kLanes; ++l) best = std::max(best, top[l]);
+  for (; j < n; ++j) best = std::max(best, s[j]);
+  return best;
+}
+
+// s[j] = exp(s[j] - top) for j < n; returns their sum.
+TERRA_INLINE float ExpAndSum(float* s, int64_t n, float top) {
+  Lanes total = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Lanes p = ExpLanes(LoadLanes(s + j) - top);
+    StoreLanes(s + j, p);
+    total += p;
+  }
+  if (j < n) {  // the tail through a buffer padded with -inf (exp 0)
+    float padded[kLanes];
+    std::fill(padded, padded + kLanes, -std::numeric_limits<float>::infinity());
+    std::memcpy(padded, s + j, (n - j) * sizeof(float));
+    const Lanes p = ExpLanes(LoadLanes(padded) - top);
+    StoreLanes(padded, p);
+    std::memcpy(s + j, padded, (n - j) * sizeof(float));
+    total += p;
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += total[l];
+  return sum;
+}
+
+// Register tiles: R query rows by C vectors (of keys in the scores, of Dh in the weighted values).
+template <typename I>
+constexpr int kTileVectors = I::kIsa == kAvx512 ? 4 : 2;
+constexpr int kTileRows = 4;
+
+// s[r, j0 + c W + l] = q[r] . kt[:, j0 + c W + l] for r < R, c < C, l < W (the tile's keys are the
+// columns of kt [Dh, K]).
+template <typename I, int R, int C>
+TERRA_INLINE void ScoreTile(const float* q, int64_t dh, const float* kt, int64_t tile, int64_t j0, float* s) {
+  constexpr int64_t W = I::kWidth;
+  typename I::Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = I::Zero();
+  for (int64_t d = 0; d < dh; ++d) {
+    typename I::Vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = I::Load(kt + d * tile + j0 + c * W);
+    for (int r = 0; r < R; ++r) {
+      const typename I::Vec qr = I::Broadcast(q[r * dh + d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = I::Fma(qr, k[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) I::Store(s + r * tile + j0 + c * W, acc[r][c]);
+}
+
+// o[r, d0 .. d0 + C W) += sum_{j < n} p[r, j] v[j, d0 .. d0 + C W) for r < R (p rows of stride
+// `tile`, o rows of stride dh).
+template <typename I, int R, int C>
+TERRA_INLINE void AddWeightedValues(const float* p, int64_t tile, int64_t n, const float* v, int64_t dh, int64_t d0,
+                                    float* o) {
+  constexpr int64_t W = I::kWidth;
+  typename I::Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = I::Load(o + r * dh + d0 + c * W);
+  for (int64_t j = 0; j < n; ++j) {
+    typename I::Vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = I::Load(v + j * dh + d0 + c * W);
+    for (int r = 0; r < R; ++r) {
+      const typename I::Vec pr = I::Broadcast(p[r * tile + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = I::Fma(pr, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) I::Store(o + r * dh + d0 + c * W, acc[r][c]);
+}
+
+template <typename I, int R>
+TERRA_INLINE void AddWeightedValueRows(const float* p, int64_t tile, int64_t n, const float* v, int64_t dh,
+                                       float* o) {
+  constexpr int C = kTileVectors<I>;
+  constexpr int64_t span = C * I::kWidth;
+  int64_t d0 = 0;
+  for (; d0 + span <= dh; d0 += span) AddWeightedValues<I, R, C>(p, tile, n, v, dh, d0, o);
+  for (; d0 < dh; d0 += I::kWidth) AddWeightedValues<I, R, 1>(p, tile, n, v, dh, d0, o);
+}
+
+// One block of queries of one (batch row, head): `item` = (b * H + h) * blocks + block.
+template <typename I>
+TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, std::vector<float>& buffer) {
+  constexpr int C = kTileVectors<I>;
+  constexpr int64_t span = C * I::kWidth;
+  const int64_t dh = a.dh, K = a.tile, Lq = a.q_length, Lk = a.k_length;
+  const int64_t blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+  const int64_t bh = item / blocks, q0 = (item % blocks) * kQueryBlock;
+  const int64_t nq = std::min(kQueryBlock, Lq - q0);
+  const float* q = a.q + (bh * Lq + q0) * dh;
+  const float* kt = a.kt + bh * a.tiles * dh * K;
+  const float* v = a.v + bh * Lk * dh;
+  const float* bias = a.bias + (bh / a.heads) * Lk;
+  buffer.resize(static_cast<size_t>(kQueryBlock * (K + dh + 2)));
+  float* s = buffer.data();              // [nq, K] scores, then weights
+  float* o = s + kQueryBlock * K;        // [nq, dh] unnormalised outputs
+  float* top = o + kQueryBlock * dh;     // [nq] running maxima
+  float* total = top + kQueryBlock;      // [nq] running sums
+  std::fill(o, o + nq * dh, 0.0f);
+  std::fill(top, top + nq, -std::numeric_limits<float>::infinity());
+  std::fill(total, total + nq, 0.0f);
+  // A causal block sees no key past its last query.
+  const int64_t key_end = a.causal ? std::min(Lk, q0 + nq) : Lk;
+  for (int64_t k0 = 0, t = 0; k0 < key_end; k0 += K, ++t) {
+    const int64_t nk = std::min(K, key_end - k0);
+    const int64_t width = (nk + span - 1) / span * span;  // <= K: K is a multiple of span
+    const float* tile = kt + t * dh * K;
+    int64_t r = 0;
+    for (; r + kTileRows <= nq; r += kTileRows)
+      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, kTileRows, C>(q + r * dh, dh, tile, K, j0, s + r * K);
+    for (; r < nq; ++r)
+      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, tile, K, j0, s + r * K);
+    for (r = 0; r < nq; ++r) {
+      float* row = s + r * K;
+      const int64_t visible = a.causal ? std::clamp<int64_t>(q0 + r - k0 + 1, 0, nk) : nk;
+      for (int64_t j = 0; j < visible; ++j) row[j] += bias[k0 + j];
+      std::fill(row + visible, row + nk, 0.0f);
+      if (visible == 0) continue;
+      const float new_top = std::max(top[r], RowMax(row, visible));
+      const float shrink = std::exp(top[r] - new_top);  // 0 on the first tile (top = -inf)
+      total[r] = total[r] * shrink + ExpAndSum(row, visible, new_top);
+      if (shrink != 1.0f)
+        for (int64_t d = 0; d < dh; ++d) o[r * dh + d] *= shrink;
+      top[r] = new_top;
+    }
+    const float* tile_v = v + k0 * dh;
+    for (r = 0; r + kTileRows <= nq; r += kTileRows)
+      AddWeightedValueRows<I, kTileRows>(s + r * K, K, nk, tile_v, dh, o + r * dh);
+    for (; r < nq; ++r) AddWeightedValueRows<I, 1>(s + r * K, K, nk, tile_v, dh, o + r * dh);
+  }
+  float* out = a.out + (bh * Lq + q0) * dh;
+  for (int64_t r = 0; r < nq; ++r) {
+    const float inverse = 1.0f / total[r];
+    for (int64_t d = 0; d < dh; ++d) out[r * dh + d] = o[r * dh + d] * inverse;
+  }
+}
+
+}  // namespace
+
+ffi::Error BlockedAttention(ffi::ThreadPool& pool, const BlockedAttentionOperands& a) {
+  const int isa = ActiveIsa();
+  const int64_t blocks = (a.q_length + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = a.batch * a.heads * blocks;
+  // Each item reads every key and value row of its head: always worth sharing beyond one item.
+  const int64_t work_bytes = items > 1 ? kParallelBytes : 0;
+  Chunked(pool, items, 1, work_bytes, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    WithIsa(isa, [&](auto tag) TERRA_INLINE_LAMBDA {
+      for (int64_t item = begin; item < end; ++item) AttendBlock<decltype(tag)>(a, item, buffer);
+    });
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace terra::native
