@@ -29,6 +29,7 @@ LONG_KEYS = {
     "cache_floor_seconds",
     "peak_resident_bytes",
     "peak_resident_source",
+    "resident_before_bytes",
     "estimated_memory_bytes",
     "params_and_caches_bytes",
     "cache_dtype",
@@ -64,7 +65,7 @@ def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
     for r in rows:
         assert LONG_KEYS <= set(r), LONG_KEYS - set(r)
         assert not r.get("skipped") and r["long_document"] and r["timed_tokens"] == 0  # no step calls
-        assert r["prefill_seconds"] > 0 and r["peak_resident_bytes"] > 0
+        assert r["prefill_seconds"] > 0 and r["peak_resident_bytes"] >= r["resident_before_bytes"] > 0
         assert r["floor_seconds"] == pytest.approx(r["weight_floor_seconds"] + r["cache_floor_seconds"])
         assert r["seconds_per_token_loop"] is None or r["seconds_per_token_loop"] > 0
     short_dense, long_dense, short_lsh, long_lsh, _, long_narrow = rows
@@ -82,6 +83,8 @@ def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
     table = (tmp_path / "decode_speed.md").read_text()
     assert "| row | input length | prefill | in loop | weights MB / token | caches MB / token |" in table
     assert "| Terraformer LSH · int8 | 80 |" in table and ("VmHWM" in table or "ru_maxrss" in table)
+    # What each row added to the process, and as a multiple of its weights plus caches.
+    assert "| peak GB | added GB (x weights + caches) |" in table and table.count("x) |") == len(rows)
     assert is_png(str(tmp_path / "decode_speed.png"))
     assert json.loads((tmp_path / "decode_speed.json").read_text())[3]["input_length"] == 80
     assert not (tmp_path / decode_speed.PARTIAL).exists()  # kept only while the run goes on

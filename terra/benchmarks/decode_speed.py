@@ -442,6 +442,18 @@ def reset_peak_resident() -> bool:
         return False
 
 
+def resident_now() -> Optional[int]:
+    """The process's resident bytes now (``VmRSS``), or None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_resident(was_reset: bool) -> Tuple[Optional[int], str]:
     """The process's peak resident bytes and what they measure: ``VmHWM`` since
     ``reset_peak_resident``, else the process's peak since it started (``ru_maxrss``)."""
@@ -589,6 +601,7 @@ def run_row(
     input_length = int(config.input_length if input_length is None else input_length)
     where = f"row '{row.name}': "
     reset = reset_peak_resident()
+    resident_before = resident_now()
     estimate = None
     if config.block_mode == "difference":
         one, two = (bindings + [f"TransformerConfig.n_decoder_layers = {n}"] for n in (1, 2))
@@ -677,6 +690,9 @@ def run_row(
         # The process's peak resident memory over the row (build, weights, prefill, decode).
         "peak_resident_bytes": peak,
         "peak_resident_source": peak_source,
+        # The process's resident memory as the row started (the libraries, earlier rows' compiled
+        # programs and freed memory the allocator kept): the peak less this is what the row added.
+        "resident_before_bytes": resident_before,
         **extra,
     }
     if estimate is not None:

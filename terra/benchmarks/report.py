@@ -123,17 +123,24 @@ def long_document_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: flo
         "loop over the first few). MB per token: the weights the step reads, and the caches it reads "
         "(an LSH layer only its kept rows and bucket bookkeeping; narrow caches at their itemsize); "
         "floor: those bytes at the measured bandwidth, weights + caches. Peak: the process's peak "
-        "resident memory over the row.",
+        "resident memory over the row; added: the peak less the process's resident memory as the row "
+        "started (its libraries, earlier rows' programs), and that as a multiple of the row's stored "
+        "weights plus filled caches.",
         "",
         "| row | input length | prefill | in loop | weights MB / token | caches MB / token | floor "
-        "(weights + caches) | peak GB |",
-        "|---|---|---|---|---|---|---|---|",
+        "(weights + caches) | peak GB | added GB (x weights + caches) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['name']} | {r['input_length']:,} | skipped: {r['skipped']} | — | — | — | — | — |")
+            lines.append(f"| {r['name']} | {r['input_length']:,} | skipped: {r['skipped']} | — | — | — | — | — | — |")
             continue
         peak = r.get("peak_resident_bytes")
+        added = "—"
+        if peak is not None and r.get("resident_before_bytes") is not None:
+            grown = peak - r["resident_before_bytes"]
+            held = r.get("params_and_caches_bytes")
+            added = f"{grown / 1e9:.2f}" + (f" ({grown / held:.2f}x)" if held else "")
         floor = (
             f"{r['floor_seconds'] * 1e3:.2f} ms ({r.get('weight_floor_seconds', 0) * 1e3:.2f} + "
             f"{r.get('cache_floor_seconds', 0) * 1e3:.2f})"
@@ -142,7 +149,7 @@ def long_document_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: flo
             f"| {r['name']} | {r['input_length']:,} | {r['prefill_seconds']:.3f} s | "
             f"{milliseconds(r.get('seconds_per_token_loop'), 2)} | {_megabytes(r.get('weight_bytes_per_token'))} | "
             f"{_megabytes(r.get('cache_bytes_per_token'))} | {floor} | "
-            f"{'—' if peak is None else f'{peak / 1e9:.2f}'} |"
+            f"{'—' if peak is None else f'{peak / 1e9:.2f}'} | {added} |"
         )
     sources = sorted({r["peak_resident_source"] for r in rows if r.get("peak_resident_source")})
     if sources:
