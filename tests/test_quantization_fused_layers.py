@@ -113,10 +113,33 @@ def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
     with xla_optimizations(False):
         float_params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x)["params"])
     assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), float_params, x)
-    eval_pass = jax.jit(lambda p, x: layer.apply({"params": p}, x))
-    assert "terra_sparse_feed_forward" not in _targets(eval_pass, narrow, x)
+    masked = SparseFeedForward(d_model=40, d_ff=120, ff_sparsity=8, gathered_inference=False)
+    assert "terra_sparse_feed_forward" not in _targets(jax.jit(lambda p, x: masked.apply({"params": p}, x)), narrow, x)
     nine_rows = jnp.ones((9, 1, 40))  # more rows than the kernels take
     assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), narrow, nine_rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_deterministic_call_runs_the_fused_step_over_chunks_with_the_masked_outputs(kind):
+    """Evaluation or a prefill with narrow weights computes each token's chosen units only, by the
+    fused decode step over chunks of 8 tokens (42 tokens: 6 chunks, the last padded): the same
+    choices and outputs as every unit computed and masked."""
+    layer, narrow = _feed_forward(40, 120, 8, kind)
+    masked = SparseFeedForward(d_model=40, d_ff=120, ff_sparsity=8, gathered_inference=False)
+    x = jax.random.normal(jax.random.key(3), (2, 21, 40))
+
+    def run(module):
+        def apply(p, x):
+            y, state = module.apply({"params": p}, x, mutable=["intermediates"])
+            return y, state["intermediates"]["indices"][0]
+
+        return apply
+
+    assert native_kernels.TARGETS["sparse_feed_forward", kind] in _targets(run(layer), narrow, x)
+    y, chosen = jax.jit(run(layer))(narrow, x)
+    want_y, want_chosen = jax.jit(run(masked))(narrow, x)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    _assert_close(y, want_y)
 
 
 def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():

@@ -9,7 +9,9 @@ import pytest
 
 from terra.errors import ConfigError
 from terra.layers import MultiplicativeDense, SparseLossLogits, SparseQKVAttention, SparseQueryCrossAttention
+from terra.layers.multiplicative import COMBINED_KERNEL_ROWS
 from terra.layers.sparse_qkv import sparse_qkv_param_count
+from terra.quantization import quantize_params
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -30,6 +32,21 @@ def test_multiplicative_dense_computes_the_gated_product():
     expected = jnp.einsum("bli,si,im->blsm", x, p["gate"], p["kernel"]).reshape(2, 5, 12) + p["bias"]
     np.testing.assert_allclose(layer.apply(variables, x), expected, atol=1e-5, rtol=1e-5)
     assert abs(float(jnp.std(p["gate"])) - 0.5) < 0.2  # D ~ N(0, 0.5^2) as the reference
+
+
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_multiplicative_dense_folds_the_gate_into_the_kernel_for_many_rows(kind):
+    """From COMBINED_KERNEL_ROWS rows (a prefill, training) the product runs on E scaled by each
+    module's gate, one [d_in, S·M] kernel: the same outputs as the gated product of few rows, for
+    float and narrow stored weights."""
+    layer = MultiplicativeDense(12, n_modules=3)
+    x = jax.random.normal(jax.random.key(2), (2, COMBINED_KERNEL_ROWS, 7))
+    params = nn.unbox(layer.init(jax.random.key(3), x))["params"]
+    if kind:
+        params = quantize_params(params, kind)
+    many = layer.apply({"params": params}, x)
+    few = jnp.concatenate([layer.apply({"params": params}, x[:, i : i + 8]) for i in range(0, x.shape[1], 8)], 1)
+    np.testing.assert_allclose(many, few, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -24,6 +24,8 @@ from terra.backends import native_kernels, xla
 from terra.quantization.quantized import QuantizedTensor
 
 PLATFORM = "cpu"
+# Rows of x a fused sparse layer step takes in one call (the narrow kernels' MAX_ROWS).
+FUSED_STEP_ROWS = native_kernels.MAX_ROWS
 
 
 def native_applies(x: jax.Array, rows: int, max_rows: int) -> bool:

@@ -246,6 +246,20 @@ def sparse_attention_step(
     )
 
 
+def fused_feed_forward_rows(x: jax.Array, weights: SparseFeedForwardWeights) -> int:
+    """The most rows of ``x`` (float dtype and width as ``x``'s) that some backend's fused sparse
+    feed-forward step takes in one call with these weights, or 0 where none fuses them. A long
+    deterministic call (a prefill) runs that step over chunks of this many tokens, computing only
+    the chosen units instead of every unit masked."""
+    best = 0
+    for backend in BACKENDS.values():
+        rows = backend.FUSED_STEP_ROWS
+        probe = jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype)
+        if backend.sparse_feed_forward_step(probe, weights) is not None:
+            best = max(best, rows)
+    return best
+
+
 class LSHDecodeCache(NamedTuple):
     """An LSH layer's decode cache as its step reads it (``terra/layers/lsh_attention.py``): keys
     and values ``[b, h, L, d]`` as stored (float32, int8 with scales ``[b, h, L]``, or bfloat16

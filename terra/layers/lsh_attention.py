@@ -288,8 +288,13 @@ def lsh_attention(
 
     o = jnp.take_along_axis(so, undo[..., None], axis=2).reshape(batch, heads, n_hashes, length, d)
     round_lse = jnp.take_along_axis(slse, undo, axis=2).reshape(batch, heads, n_hashes, length)
-    weights = jax.nn.softmax(round_lse, axis=2)
-    return jnp.sum(o * weights[..., None].astype(o.dtype), axis=2)
+    weights = jax.nn.softmax(round_lse, axis=2)[..., None].astype(o.dtype)
+    # The rounds summed one by one: as a reduction XLA:CPU made it a product over the n_hashes
+    # axis, 0.22 s per layer at 15,360 positions for 2 rounds.
+    combined = o[:, :, 0] * weights[:, :, 0]
+    for r in range(1, n_hashes):
+        combined = combined + o[:, :, r] * weights[:, :, r]
+    return combined
 
 
 def select_from_whole_cache(cached_buckets: jax.Array, q_buckets: jax.Array, n_keep: int) -> jax.Array:

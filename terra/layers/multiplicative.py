@@ -7,6 +7,7 @@ permutation of its input (the paper's Theorem 1), so the sparse QKV layer uses i
 head see any part of the embedding, and the sparse loss uses it for the logits.
 """
 
+import math
 from typing import Tuple
 
 import flax.linen as nn
@@ -17,6 +18,11 @@ from terra.backends import as_float, input_major_product
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT
+
+# Rows of x from which the product runs with D folded into E (one kernel of d_in x d_out) instead of
+# on S gated copies of each row: decode steps (a row or a few) keep the gated form, which reads
+# only the S·d_in + d_in·M stored weights.
+COMBINED_KERNEL_ROWS = 64
 
 
 class MultiplicativeDense(nn.Module):
@@ -64,8 +70,16 @@ class MultiplicativeDense(nn.Module):
             (d_in, size),
         )
         x = x.astype(self.dtype)
-        gated = x[..., None, :] * as_float(gate, self.dtype)  # [..., S, d_in]
-        y = input_major_product(gated, kernel)  # [..., S, M]
+        if math.prod(x.shape[:-1]) >= COMBINED_KERNEL_ROWS:
+            # Many rows (a prefill, training): D folded into E once, K[i, s, m] = D[s, i] E[i, m],
+            # and one [d_in, S·M] product, where the gated form multiplies S scaled copies of
+            # every row (the same sums; XLA:CPU ran that product at about a third of this one's
+            # rate at 15,360 rows; docs/architecture.md).
+            combined = as_float(gate, self.dtype).T[:, :, None] * as_float(kernel, self.dtype)[:, None, :]
+            y = (x @ combined.reshape(d_in, -1)).reshape(x.shape[:-1] + (self.n_modules, size))
+        else:
+            gated = x[..., None, :] * as_float(gate, self.dtype)  # [..., S, d_in]
+            y = input_major_product(gated, kernel)  # [..., S, M]
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (self.kernel_axes[1],)), (self.features,))
             y = y + jnp.asarray(bias, self.dtype).reshape(self.n_modules, size)

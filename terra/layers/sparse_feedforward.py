@@ -99,6 +99,11 @@ class SparseFeedForward(nn.Module):
         coin, Gumbel noise and dropout mask, its activations rematerialised in the backward
         pass (the reference's ``ff_chunk_size``; the Terraformer configs use 512). Evaluation
         and decoding give the same outputs for any value.
+      gathered_inference: a deterministic call (evaluation, a prefill) whose narrow weights a
+        backend's fused decode step takes (int8 or bfloat16 on the CPU) runs that step over chunks
+        of as many tokens as it takes, computing each token's chosen unit per block only (a
+        1/N of the masked form's products; the same choices and outputs within float32
+        rounding); False keeps the masked form.
       inference_chunk_size: a deterministic call (evaluation, a prefill) over more flattened
         tokens than this, with ``ff_chunk_size`` 0, runs in chunks of at most this many (the same
         outputs: nothing is drawn), so that a 15,360-token prefill holds one chunk's ``[tokens,
@@ -126,6 +131,7 @@ class SparseFeedForward(nn.Module):
     ff_chunk_size: int = 0
     share_dropout_over_length: bool = False
     inference_chunk_size: int = 512
+    gathered_inference: bool = True
 
     def setup(self):
         n_blocks, d_lowrank = sparse_ff_sizes(self.d_ff, self.ff_sparsity, self.d_lowrank)
@@ -188,11 +194,17 @@ class SparseFeedForward(nn.Module):
             # The reference flattens the tokens (BatchLeadingAxes) before chunking and dropout.
             tokens = x.reshape(-1, x.shape[-1])
             given = None if indices is None else indices.reshape(tokens.shape[0], -1)
-            chunk = self.ff_chunk_size
+            chunk, gathered = self.ff_chunk_size, False
+            if not train and given is None and self.gathered_inference:
+                rows = self._fused_rows(tokens)
+                if rows:
+                    chunk, gathered = (rows if tokens.shape[0] > rows else 0), True
             if not chunk and not train and 0 < self.inference_chunk_size < tokens.shape[0]:
                 chunk = self.inference_chunk_size
             if chunk:
-                y, indices = self._chunked(tokens, given, train, chunk)
+                y, indices = self._chunked(tokens, given, train, chunk, decode=gathered)
+            elif gathered:
+                y, indices = self.forward_tokens(tokens, None, False, decode=True)
             else:
                 y, indices = self.forward_tokens(tokens, given, train)
             y = y.reshape(x.shape[:-1] + y.shape[-1:])
@@ -224,19 +236,20 @@ class SparseFeedForward(nn.Module):
             y = self._masked(x, logits, indices, train)
         return self.dropout(y.astype(self.dtype), deterministic=not train), indices
 
-    def _chunked(self, x, indices, train: bool, chunk_size: int):
+    def _chunked(self, x, indices, train: bool, chunk_size: int, decode: bool = False):
         """``forward_tokens`` over chunks of at most ``chunk_size`` tokens (see :func:`to_chunks`),
         in a scan whose body is rematerialised: one chunk's ``[chunk, d_ff]`` activations live
         at a time, forward and backward (the reference's ``tl.Chunk``: a ``Scan`` with
         ``remat=True``). The parameters are shared by the chunks; the ``dropout`` rng is split
-        per chunk, so each draws its own noise, coin and mask."""
+        per chunk, so each draws its own noise, coin and mask. ``decode``: each chunk runs the
+        decode step (the chosen units only; deterministic calls)."""
         n_tokens = x.shape[0]
         n_chunks, chunk_len = chunk_layout(n_tokens, chunk_size)
         xs = nn.with_logical_constraint(to_chunks(x, n_chunks, chunk_len), (None, axes.BATCH, axes.EMBED))
         given = None if indices is None else to_chunks(indices, n_chunks, chunk_len)
 
         def body(module, carry, chunk):
-            return carry, module.forward_tokens(*chunk, train)
+            return carry, module.forward_tokens(*chunk, train, decode=decode)
 
         scan = nn.scan(
             nn.remat(body, prevent_cse=False),
@@ -267,6 +280,22 @@ class SparseFeedForward(nn.Module):
         h = h.reshape(h.shape[:-2] + (self.d_ff,))
         return h @ as_float(self.wo, self.dtype).reshape(self.d_ff, self.d_model) + self.wo_bias
 
+    def _fused_weights(self):
+        return backends.SparseFeedForwardWeights(
+            self.controller_down.stored_weights(),
+            self.controller_up,
+            self.controller_bias,
+            self.wi,
+            self.wo,
+            self.wo_bias,
+        )
+
+    def _fused_rows(self, x):
+        """Tokens per call of a backend's fused step for these weights, 0 where none applies."""
+        if self.paper_formula or self.dtype != jnp.float32:
+            return 0
+        return backends.fused_feed_forward_rows(x, self._fused_weights())
+
     def _fused_decode(self, x):
         """Decode as one backend call where a backend fuses this layer's weights (narrow weights on
         the CPU: ``backends.sparse_feed_forward_step``), the same floats as the controller, the
@@ -275,14 +304,7 @@ class SparseFeedForward(nn.Module):
         or a narrower compute dtype, which the fused step does not compute."""
         if self.paper_formula or self.dtype != jnp.float32:
             return None
-        weights = backends.SparseFeedForwardWeights(
-            self.controller_down.stored_weights(),
-            self.controller_up,
-            self.controller_bias,
-            self.wi,
-            self.wo,
-            self.wo_bias,
-        )
+        weights = self._fused_weights()
 
         def unfused(x):
             chosen = block_argmax(self.controller_logits(x))
