@@ -26,6 +26,7 @@ PRIMITIVES_WITH_NATIVE_FORMS = (
     "sparse_attention_step",
     "lsh_bucket_attention",
     "blocked_attention",
+    "lsh_chunk_attention",
 )
 
 

@@ -8,12 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from terra.backends import lsh_chunk_attention, native_kernels
 from terra.errors import ConfigError
 from terra.layers import SparseQKVAttention, axes
 from terra.layers.lsh_attention import (
     LSHSelfAttention,
+    attention_in_chunks,
     bucket_factors,
     full_shared_qk_attention,
+    length_normalized,
     lsh_attention,
 )
 
@@ -394,3 +397,78 @@ def test_bad_configurations_are_config_errors():
         _shapes(_layer(n_chunks_after=1), x, decode=True, max_decode_length=8)
     assert bucket_factors(None, 64 * 128, 128) == (128,)
     assert bucket_factors(None, 512 * 128, 128) == (32, 32)  # factorised above 128, as the reference
+
+
+native = pytest.mark.skipif(not native_kernels.available(), reason="terra's native kernels are not built")
+
+
+def _sorted_chunks(seed, batch=2, heads=2, n_chunks=4, chunk=64, d=16):
+    """Random sorted entries as lsh_attention hands them to its chunk attention: positions repeat
+    across rounds, some keys are padding."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, heads, n_chunks, chunk)
+    q = jnp.asarray(rng.normal(size=shape + (d,)), jnp.float32)
+    k = length_normalized(jnp.asarray(rng.normal(size=shape + (d,)), jnp.float32)) * d**-0.5
+    v = jnp.asarray(rng.normal(size=shape + (d,)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, n_chunks * chunk // 2, size=shape), jnp.int32)
+    valid = jnp.asarray(rng.random(shape) > 0.1)
+    return q, k, v, positions, valid
+
+
+@native
+@pytest.mark.parametrize("before,after,causal", [(1, 0, True), (1, 1, False), (0, 0, True), (2, 1, True)])
+def test_native_chunk_attention_equals_its_xla_form(before, after, causal):
+    """The native LSH chunk attention (each chunk against its adjacent ones, with the self, causal and
+    padding masks) against the XLA form, outputs and logsumexps, in every instruction set."""
+    operands = _sorted_chunks(before * 3 + after)
+    xla = functools.partial(attention_in_chunks, before=before, after=after, causal=causal)
+    attend = jax.jit(lambda *a: lsh_chunk_attention(*a, before=before, after=after, causal=causal, unfused=xla))
+    assert native_kernels.TARGETS["lsh_chunk_attention", "float32"] in attend.lower(*operands).as_text()
+    want_out, want_lse = jax.jit(xla)(*operands)
+    try:
+        for isa in native_kernels.ISAS:  # read at run time: every variant this CPU can run
+            native_kernels.use_isa(isa)
+            out, lse = attend(*operands)
+            np.testing.assert_allclose(out, want_out, atol=2e-6, rtol=0, err_msg=native_kernels.isa())
+            np.testing.assert_allclose(lse, want_lse, atol=2e-6, rtol=0, err_msg=native_kernels.isa())
+    finally:
+        native_kernels.use_isa(native_kernels.ISAS[-1])
+
+
+@native
+def test_native_chunk_attention_gradient_is_the_xla_forms():
+    q, k, v, positions, valid = _sorted_chunks(9)
+    xla = functools.partial(attention_in_chunks, before=1, after=0, causal=True)
+    weights = jnp.asarray(np.random.default_rng(10).normal(size=q.shape), jnp.float32)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v, positions, valid)[0] * weights)
+
+    native_loss = loss(lambda *a: lsh_chunk_attention(*a, before=1, after=0, causal=True, unfused=xla))
+    for fast, slow in zip(jax.grad(native_loss, (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+@native
+def test_deterministic_lsh_layer_runs_the_native_chunk_attention_with_the_same_outputs():
+    """A deterministic LSH forward (a prefill, an evaluation) with heads of 16 and chunks of 64 runs
+    the native chunk attention; with the kernels off, the XLA form: the same outputs."""
+    layer = LSHSelfAttention(d_model=32, n_heads=2, chunk_len=64, n_hashes=2, causal=True)
+    x = jax.random.normal(jax.random.key(11), (1, 200, 32))
+    params = layer.init(jax.random.key(12), x)
+    native_forward = jax.jit(lambda p, x: layer.apply(p, x))
+    assert "terra_lsh_chunk_attention" in native_forward.lower(params, x).as_text()
+    with native_kernels.disabled():
+        xla_forward = jax.jit(lambda p, x: layer.apply(p, x))
+        assert "terra_lsh_chunk_attention" not in xla_forward.lower(params, x).as_text()
+        want = xla_forward(params, x)
+    np.testing.assert_allclose(native_forward(params, x), want, atol=2e-6, rtol=1e-5)
+
+
+@native
+def test_native_chunk_attention_refuses_operands_that_disagree():
+    q, k, v, positions, valid = _sorted_chunks(13)
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        jax.block_until_ready(native_kernels.lsh_chunk_attention(q, k, v, positions[..., :32], valid, 1, 0, True))
+    with pytest.raises(Exception, match="at most as many adjacent chunks"):
+        jax.block_until_ready(native_kernels.lsh_chunk_attention(q, k, v, positions, valid, 4, 0, True))

@@ -248,3 +248,19 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array):
         return native_kernels.blocked_attention(scaled, k, v, rows, causal)
 
     return native
+
+
+def lsh_chunk_attention(q: jax.Array, n_chunks: int, before: int, after: int):
+    """``(q, k, v, positions, valid) -> (out, lse)``: an LSH layer's attention over its sorted chunks
+    in one native call (``native_kernels.lsh_chunk_attention``), for float32 entries whose head size
+    is a multiple of 16, chunks of a multiple of 64 entries and a window no wider than the chunks."""
+    if q.dtype != jnp.float32 or q.shape[-1] % 16 or q.shape[-2] % 64 or before + after + 1 > n_chunks:
+        return None
+    if not native_kernels.available():
+        return None
+
+    def native(q, k, v, positions, valid, causal):
+        out, lse = native_kernels.lsh_chunk_attention(q, k, v, positions, valid, before, after, causal)
+        return out, lse
+
+    return native

@@ -88,6 +88,8 @@ TARGETS.update(
         ("blocked_attention", True): "terra_blocked_attention_causal",
     }
 )
+# An LSH layer's attention over its sorted chunks (a prefill's, an evaluation's).
+TARGETS[("lsh_chunk_attention", "float32")] = "terra_lsh_chunk_attention"
 # Keys per tile of the blocked attention's transposed keys (a multiple of 64: prefill_attention.h).
 ATTENTION_KEY_TILE = 256
 
@@ -356,6 +358,26 @@ def blocked_attention(q, k, v, bias, causal: bool):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call(TARGETS["blocked_attention", bool(causal)], out, vmap_method="sequential")
     return call(q, kt, v, bias)
+
+
+def lsh_chunk_attention(q, k, v, positions, valid, before: int, after: int, causal: bool):
+    """An LSH layer's attention over its sorted entries in one call (``terra/layers/lsh_attention.py``,
+    ``lsh_attention``): each chunk of ``C`` entries against its own and its ``before`` previous and
+    ``after`` next chunks (cyclically), with the layer's masks (its own position −1e5, a later
+    position when ``causal`` and a padding key −1e9), softmax over the window.
+
+    ``q``, ``k``, ``v`` ``f32 [B, H, N, C, Dh]`` (``k`` length-normalised and scaled by ``Dh **
+    -0.5``), ``positions`` and ``valid`` ``[B, H, N, C]`` (each entry's position, and 1 for a real
+    key). ``Dh`` a multiple of 16, ``C`` of 64. Returns ``(out f32 [B, H, N, C, Dh], lse f32 [B, H, N, C])``."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    f32 = jnp.float32
+    results = [jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(q.shape[:-1], f32)]
+    call = jax.ffi.ffi_call(TARGETS["lsh_chunk_attention", "float32"], results, vmap_method="sequential")
+    i32 = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
+    # Each chunk's keys transposed, [B, H, N, Dh, C]: a chunk's keys lie along the vector lanes.
+    kt = jnp.swapaxes(k, -1, -2)
+    return call(q, kt, v, i32(positions), i32(valid), before=int(before), after=int(after), causal=bool(causal))
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

@@ -10,7 +10,8 @@ a function is traced.
 A backend is a module with one function per primitive below that has native forms
 (``output_major_product``, ``input_major_product``, ``transposed_chunk_rows``,
 ``gathered_rows_product``, ``gathered_rows_sum``, ``sparse_feed_forward_step``,
-``sparse_attention_step``, ``lsh_bucket_attention``, ``blocked_attention``), each returning the form or
+``sparse_attention_step``, ``lsh_bucket_attention``, ``blocked_attention``, ``lsh_chunk_attention``),
+each returning the form or
 ``None`` (``terra/backends/cpu.py``).
 """
 
@@ -20,6 +21,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from terra.backends import cpu, xla
@@ -328,3 +330,32 @@ def _blocked_attention_backward(causal, chunk, operands, grad):
 
 
 _blocked_attention.defvjp(_blocked_attention_forward, _blocked_attention_backward)
+
+
+def lsh_chunk_attention(q, k, v, positions, valid, *, before: int, after: int, causal: bool, unfused: Callable):
+    """An LSH layer's attention over its sorted entries, without dropout: ``q``, ``k``, ``v`` ``[b, h,
+    n, c, d]`` (``k`` length-normalised, scaled by ``d ** -0.5``), ``positions``, ``valid`` ``[b, h,
+    n, c]``; each chunk attends to itself and its ``before`` previous and ``after`` next chunks with
+    the layer's masks. Returns ``(out [b, h, n, c, d], lse [b, h, n, c])``. ``unfused(q, k, v,
+    positions, valid)`` computes the same in XLA: it runs where no backend has a form, and its
+    derivative is the derivative whichever form ran forward (recomputed)."""
+    forms = _native_forms("lsh_chunk_attention", q, q.shape[2], before, after)
+    if not forms:
+        return unfused(q, k, v, positions, valid)
+    native = {platform: functools.partial(form, causal=causal) for platform, form in forms.items()}
+
+    @jax.custom_vjp
+    def attend(q, k, v, positions, valid):
+        return _run(native, unfused, q, k, v, positions, valid)
+
+    def forward(q, k, v, positions, valid):
+        return attend(q, k, v, positions, valid), (q, k, v, positions, valid)
+
+    def backward(operands, grads):
+        q, k, v, positions, valid = operands
+        _, pullback = jax.vjp(lambda q, k, v: unfused(q, k, v, positions, valid), q, k, v)
+        integer_zero = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
+        return (*pullback(grads), integer_zero(positions), integer_zero(valid))
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v, positions, valid)

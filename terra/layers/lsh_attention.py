@@ -79,6 +79,7 @@ Decode equals the full forward whenever every past key is kept, e.g. for sequenc
 selection rules (as in the reference).
 """
 
+import functools
 import math
 import zlib
 from typing import Optional, Sequence, Tuple, Union
@@ -88,13 +89,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import LSHDecodeCache, lsh_bucket_attention, write_after_read
+from terra.backends import LSHDecodeCache, lsh_bucket_attention, lsh_chunk_attention, write_after_read
 from terra.errors import ConfigError
 from terra.layers import axes, kv_cache
 from terra.layers.attention import MASK_VALUE, output_projection
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
 from terra.layers.multiplicative import MultiplicativeDense
+from terra.layers.selection import block_argmax
 from terra.layers.sparse_qkv import ConvolutionCacheMixin, ModuleConvolution, attention_sparsity_modules
 
 # Additive logit for a query's own key (the reference's exclude_self: dots - 1e5).
@@ -181,7 +183,7 @@ def _buckets(rotated: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
     for factor in factors:
         part = rotated[..., start : start + factor // 2]
         start += factor // 2
-        b = jnp.argmax(jnp.concatenate([part, -part], axis=-1), axis=-1).astype(jnp.int32)
+        b = block_argmax(jnp.concatenate([part, -part], axis=-1))
         buckets = b if buckets is None else buckets + radix * b
         radix *= factor
     return buckets
@@ -222,6 +224,29 @@ def full_shared_qk_attention(
     logits = logits + _mask_bias(pos[:, None], pos[None, :], valid[:, None, None, :], causal)
     probs = jax.nn.softmax(logits, axis=-1)
     return jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v)
+
+
+def attention_in_chunks(cq, ck, cv, cpos, cvalid, *, before: int, after: int, causal: bool, dropout=None):
+    """Each sorted chunk's attention over itself and its ``before`` previous and ``after`` next
+    chunks (``look_adjacent``), with the layer's masks: ``cq``, ``ck`` (length-normalised, scaled),
+    ``cv`` ``[b, h, n, c, d]``, ``cpos``, ``cvalid`` ``[b, h, n, c]`` -> (``[b, h, n, c, d]``, the
+    logsumexp ``[b, h, n, c]``). The XLA form of ``backends.lsh_chunk_attention``."""
+    ck = look_adjacent(ck, before, after, axis=2)
+    cv = look_adjacent(cv, before, after, axis=2)
+    kpos = look_adjacent(cpos, before, after, axis=2)
+    kvalid = look_adjacent(cvalid, before, after, axis=2)
+    logits = jnp.einsum("bhncd,bhnkd->bhnck", cq, ck).astype(jnp.float32)
+    logits = logits + _mask_bias(cpos[..., :, None], kpos[..., None, :], kvalid[..., None, :], causal)
+    # Normalise against the row maximum (not as exp(logits - logsumexp)): a row whose best
+    # key is its own (-1e5) would otherwise lose float32 precision in the probabilities.
+    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    unnormalized = jnp.exp(logits - row_max)
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    probs = unnormalized / total
+    lse = row_max + jnp.log(total)
+    if dropout is not None:
+        probs = dropout(probs)
+    return jnp.einsum("bhnck,bhnkd->bhncd", probs.astype(cv.dtype), cv), lse[..., 0]
 
 
 def lsh_attention(
@@ -266,25 +291,18 @@ def lsh_attention(
 
     n_chunks = n_hashes * length // chunk_len
     chunked = lambda t: t.reshape((batch, heads, n_chunks, chunk_len) + t.shape[3:])  # noqa: E731
-    cq, cpos = chunked(sq), chunked(pos)
-    ck = look_adjacent(chunked(sk), n_chunks_before, n_chunks_after, axis=2)
-    cv = look_adjacent(chunked(sv), n_chunks_before, n_chunks_after, axis=2)
-    kpos = look_adjacent(cpos, n_chunks_before, n_chunks_after, axis=2)
-    kvalid = look_adjacent(chunked(svalid), n_chunks_before, n_chunks_after, axis=2)
-
-    logits = jnp.einsum("bhncd,bhnkd->bhnck", cq, ck).astype(jnp.float32)
-    logits = logits + _mask_bias(cpos[..., :, None], kpos[..., None, :], kvalid[..., None, :], causal)
-    # Normalise against the row maximum (not as exp(logits - logsumexp)): a row whose best
-    # key is its own (-1e5) would otherwise lose float32 precision in the probabilities.
-    row_max = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    unnormalized = jnp.exp(logits - row_max)
-    total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-    probs = unnormalized / total
-    lse = row_max + jnp.log(total)
-    if dropout is not None:
-        probs = dropout(probs)
-    so = jnp.einsum("bhnck,bhnkd->bhncd", probs.astype(v.dtype), cv).reshape(batch, heads, n_hashes * length, d)
-    slse = lse.reshape(batch, heads, n_hashes * length)
+    attend = functools.partial(
+        attention_in_chunks, before=n_chunks_before, after=n_chunks_after, causal=causal, dropout=dropout
+    )
+    operands = (chunked(sq), chunked(sk), chunked(sv), chunked(pos), chunked(svalid))
+    if dropout is None:  # a backend may run it natively (a prefill, an evaluation)
+        so, slse = lsh_chunk_attention(
+            *operands, before=n_chunks_before, after=n_chunks_after, causal=causal, unfused=attend
+        )
+    else:
+        so, slse = attend(*operands)
+    so = so.reshape(batch, heads, n_hashes * length, d)
+    slse = slse.reshape(batch, heads, n_hashes * length)
 
     o = jnp.take_along_axis(so, undo[..., None], axis=2).reshape(batch, heads, n_hashes, length, d)
     round_lse = jnp.take_along_axis(slse, undo, axis=2).reshape(batch, heads, n_hashes, length)

@@ -16,6 +16,8 @@
 //                                          cache stored as float32, int8 or bfloat16 (lsh_attention.h)
 //   terra_blocked_attention{,_causal}      softmax attention over a whole input, blocks of queries
 //                                          against tiles of keys (prefill_attention.h)
+//   terra_lsh_chunk_attention              an LSH layer's attention over its sorted chunks, each
+//                                          with its adjacent ones (prefill_attention.h)
 //   terra_sparse_attention_{projections1,projections2,projections3,self,cross}_{int8,bf16}
 //                                          a sparse QKV layer's decode step (with one to three
 //                                          convolutions) or with its self- or cross-attention too
@@ -326,6 +328,35 @@ ffi::Error BlockedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   return BlockedAttention(pool, o);
 }
 
+// The LSH chunk attention: q, v [B, H, N, C, Dh], kt [B, H, N, Dh, C], pos and valid s32 [B, H, N, C]
+// -> out [B, H, N, C, Dh], lse [B, H, N, C]; the window and causality as attributes
+// (prefill_attention.h).
+ffi::Error LshChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> valid,
+                                 Out out, Out lse, int64_t before, int64_t after, bool causal) {
+  const auto qs = q.dimensions();
+  if (qs.size() != 5)
+    return ffi::Error::InvalidArgument("LSH chunk attention: q [B, H, N, C, Dh] expected (prefill_attention.h)");
+  auto is = [](ffi::Span<const int64_t> shape, ffi::Span<const int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  const ffi::Span<const int64_t> entries(qs.begin(), 4);
+  const int64_t transposed[] = {qs[0], qs[1], qs[2], qs[4], qs[3]};
+  if (!is(kt.dimensions(), ffi::Span<const int64_t>(transposed, 5)) || !is(v.dimensions(), qs) || !is(out->dimensions(), qs) ||
+      !is(pos.dimensions(), entries) || !is(valid.dimensions(), entries) || !is(lse->dimensions(), entries))
+    return ffi::Error::InvalidArgument("LSH chunk attention: operand shapes disagree (prefill_attention.h)");
+  LshChunkOperands o;
+  o.rows = qs[0] * qs[1], o.chunks = qs[2], o.chunk = qs[3], o.dh = qs[4];
+  o.before = before, o.after = after, o.causal = causal;
+  if (o.dh < 16 || o.dh % 16 != 0 || o.chunk % 64 != 0 || before < 0 || after < 0 || before + after + 1 > o.chunks)
+    return ffi::Error::InvalidArgument("LSH chunk attention: Dh a multiple of 16, chunks of a multiple of 64 "
+                                       "entries, and at most as many adjacent chunks as there are chunks");
+  o.q = q.typed_data(), o.kt = kt.typed_data(), o.v = v.typed_data();
+  o.pos = pos.typed_data(), o.valid = valid.typed_data();
+  o.out = out->typed_data(), o.lse = lse->typed_data();
+  return LshChunkAttention(pool, o);
+}
+
 }  // namespace
 
 // The library is built with hidden visibility (no header internals exported); these are its API.
@@ -410,6 +441,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_bf16, LshDecodeBf16,
 #define TERRA_BLOCKED_BIND ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_F32 TERRA_OUT
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_blocked_attention, BlockedAttentionImpl<false>, TERRA_BLOCKED_BIND);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_blocked_attention_causal, BlockedAttentionImpl<true>, TERRA_BLOCKED_BIND);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_chunk_attention, LshChunkAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_S32 TERRA_S32 TERRA_OUT
+                                      TERRA_OUT.Attr<int64_t>("before")
+                                      .Attr<int64_t>("after")
+                                      .Attr<bool>("causal"));
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one

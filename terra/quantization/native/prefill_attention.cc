@@ -93,9 +93,10 @@ constexpr int kTileVectors = I::kIsa == kAvx512 ? 4 : 2;
 constexpr int kTileRows = 4;
 
 // s[r, j0 + c W + l] = q[r] . kt[:, j0 + c W + l] for r < R, c < C, l < W (the tile's keys are the
-// columns of kt [Dh, K]).
+// columns of kt [Dh, K]; rows of s `s_stride` apart).
 template <typename I, int R, int C>
-TERRA_INLINE void ScoreTile(const float* q, int64_t dh, const float* kt, int64_t tile, int64_t j0, float* s) {
+TERRA_INLINE void ScoreTile(const float* q, int64_t dh, const float* kt, int64_t tile, int64_t j0, float* s,
+                            int64_t s_stride) {
   constexpr int64_t W = I::kWidth;
   typename I::Vec acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -109,7 +110,7 @@ TERRA_INLINE void ScoreTile(const float* q, int64_t dh, const float* kt, int64_t
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) I::Store(s + r * tile + j0 + c * W, acc[r][c]);
+    for (int c = 0; c < C; ++c) I::Store(s + r * s_stride + j0 + c * W, acc[r][c]);
 }
 
 // o[r, d0 .. d0 + C W) += sum_{j < n} p[r, j] v[j, d0 .. d0 + C W) for r < R (p rows of stride
@@ -172,9 +173,9 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
     const float* tile = kt + t * dh * K;
     int64_t r = 0;
     for (; r + kTileRows <= nq; r += kTileRows)
-      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, kTileRows, C>(q + r * dh, dh, tile, K, j0, s + r * K);
+      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, kTileRows, C>(q + r * dh, dh, tile, K, j0, s + r * K, K);
     for (; r < nq; ++r)
-      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, tile, K, j0, s + r * K);
+      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, tile, K, j0, s + r * K, K);
     for (r = 0; r < nq; ++r) {
       float* row = s + r * K;
       const int64_t visible = a.causal ? std::clamp<int64_t>(q0 + r - k0 + 1, 0, nk) : nk;
@@ -200,7 +201,96 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
   }
 }
 
+// logits[j] += the layer's mask for the query at position `q` and keys at k_pos[j] (k_valid[j] 1
+// for a real key), j < n, in the layer's order (_mask_bias): the self term, the causal one, padding.
+TERRA_INLINE void AddMaskBias(int32_t q, const int32_t* k_pos, const int32_t* k_valid, int64_t n, bool causal,
+                              float* logits) {
+  const Int32Lanes query = Int32Lanes{} + q;
+  const Lanes self = Lanes{} + kSelfLogit, masked = Lanes{} + kMaskLogit, zero = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Int32Lanes positions, valid;
+    std::memcpy(&positions, k_pos + j, sizeof positions);
+    std::memcpy(&valid, k_valid + j, sizeof valid);
+    const auto real = valid != 0;
+    Lanes bias = (positions == query) & real ? self : zero;
+    if (causal) bias += query < positions ? masked : zero;
+    bias += real ? zero : masked;
+    StoreLanes(logits + j, LoadLanes(logits + j) + bias);
+  }
+  for (; j < n; ++j) {
+    float bias = (q == k_pos[j] && k_valid[j]) ? kSelfLogit : 0.0f;
+    if (causal) bias += q < k_pos[j] ? kMaskLogit : 0.0f;
+    bias += k_valid[j] ? 0.0f : kMaskLogit;
+    logits[j] += bias;
+  }
+}
+
+// One chunk n of one (batch row, head) of an LSH layer: `item` = row * N + n.
+template <typename I>
+TERRA_INLINE void AttendChunk(const LshChunkOperands& a, int64_t item, std::vector<float>& buffer) {
+  constexpr int C = kTileVectors<I>;
+  constexpr int64_t span = C * I::kWidth;
+  const int64_t dh = a.dh, L = a.chunk, N = a.chunks, row = item / N, n = item % N;
+  const int64_t segments = a.before + 1 + a.after, width = segments * L;
+  buffer.resize(static_cast<size_t>(L * width + L * dh));
+  float* s = buffer.data();     // [L, width]: logits, then weights
+  float* o = s + L * width;     // [L, dh]
+  const int64_t base = row * N;  // chunk index of (row, 0)
+  auto window_chunk = [&](int64_t w) { return base + ((n - a.before + w) % N + N) % N; };
+  const float* q = a.q + (base + n) * L * dh;
+  // Each segment's keys are their chunk's [Dh, C] transposed keys: the scores of rows r against
+  // segment w fill columns [w C, (w + 1) C) of s (C a multiple of the tile's span).
+  for (int64_t w = 0; w < segments; ++w) {
+    const float* kt = a.kt + window_chunk(w) * dh * L;
+    int64_t r = 0;
+    for (; r + kTileRows <= L; r += kTileRows)
+      for (int64_t j0 = 0; j0 < L; j0 += span)
+        ScoreTile<I, kTileRows, C>(q + r * dh, dh, kt, L, j0, s + r * width + w * L, width);
+    for (; r < L; ++r)
+      for (int64_t j0 = 0; j0 < L; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, kt, L, j0, s + r * width + w * L, width);
+  }
+  const int32_t* q_pos = a.pos + (base + n) * L;
+  float* lse = a.lse + (base + n) * L;
+  int64_t r = 0;
+  for (; r < L; ++r) {
+    float* logits = s + r * width;
+    for (int64_t w = 0; w < segments; ++w) {
+      const int64_t m = window_chunk(w);
+      const int32_t* k_pos = a.pos + m * L;
+      const int32_t* k_valid = a.valid + m * L;
+      float* part = logits + w * L;
+      AddMaskBias(q_pos[r], k_pos, k_valid, L, a.causal, part);
+    }
+    const float top = RowMax(logits, width);
+    const float total = ExpAndSum(logits, width, top);
+    lse[r] = top + std::log(total);
+    const float inverse = 1.0f / total;
+    for (int64_t j = 0; j < width; ++j) logits[j] *= inverse;
+  }
+  std::fill(o, o + L * dh, 0.0f);
+  for (int64_t w = 0; w < segments; ++w) {
+    const float* values = a.v + window_chunk(w) * L * dh;
+    for (r = 0; r + kTileRows <= L; r += kTileRows)
+      AddWeightedValueRows<I, kTileRows>(s + r * width + w * L, width, L, values, dh, o + r * dh);
+    for (; r < L; ++r) AddWeightedValueRows<I, 1>(s + r * width + w * L, width, L, values, dh, o + r * dh);
+  }
+  std::memcpy(a.out + (base + n) * L * dh, o, L * dh * sizeof(float));
+}
+
 }  // namespace
+
+ffi::Error LshChunkAttention(ffi::ThreadPool& pool, const LshChunkOperands& a) {
+  const int isa = ActiveIsa();
+  const int64_t items = a.rows * a.chunks;
+  Chunked(pool, items, 1, items > 1 ? kParallelBytes : 0, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    WithIsa(isa, [&](auto tag) TERRA_INLINE_LAMBDA {
+      for (int64_t item = begin; item < end; ++item) AttendChunk<decltype(tag)>(a, item, buffer);
+    });
+  });
+  return ffi::Error::Success();
+}
 
 ffi::Error BlockedAttention(ffi::ThreadPool& pool, const BlockedAttentionOperands& a) {
   const int isa = ActiveIsa();

@@ -1,6 +1,7 @@
 // Softmax attention over a whole input in one call (a prefill's, or any long forward's without
 // dropout): blocks of queries against tiles of keys with an online softmax, so that no
-// [heads, queries, keys] scores are ever held (terra/layers/attention.py, blocked_attention).
+// [heads, queries, keys] scores are ever held (terra/layers/attention.py, blocked_attention);
+// and an LSH layer's attention over its sorted chunks, each with its adjacent ones.
 
 #ifndef TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
 #define TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
@@ -30,6 +31,28 @@ struct BlockedAttentionOperands {
 
 // The body of the terra_blocked_attention handlers (prefill_attention.cc).
 ffi::Error BlockedAttention(ffi::ThreadPool& pool, const BlockedAttentionOperands& operands);
+
+// The operands and results of one terra_lsh_chunk_attention call: an LSH layer's attention over its
+// sorted entries (terra/layers/lsh_attention.py, lsh_attention), each chunk of C entries attending
+// to its own chunk and the `before` previous and `after` next ones, cyclically, with the layer's
+// masks: a key that is the query's own position (and real) gets kSelfLogit added, a later one
+// (causal) or a padding key kMaskLogit.
+constexpr float kSelfLogit = -1e5f;
+constexpr float kMaskLogit = -1e9f;
+struct LshChunkOperands {  // C a multiple of 64
+  const float* q = nullptr;        // [B, H, N, C, Dh] sorted queries (unscaled)
+  const float* kt = nullptr;       // [B, H, N, Dh, C] sorted keys (length-normalised, scaled by Dh^-0.5),
+                                   // each chunk's transposed
+  const float* v = nullptr;        // [B, H, N, C, Dh] sorted values
+  const int32_t* pos = nullptr;    // [B, H, N, C] each sorted entry's position
+  const int32_t* valid = nullptr;  // [B, H, N, C] 1 for a real key, 0 for padding
+  int64_t rows = 0, chunks = 0, chunk = 0, dh = 0, before = 0, after = 0;  // rows = B * H
+  bool causal = false;
+  float* out = nullptr;  // [B, H, N, C, Dh] softmax-weighted values
+  float* lse = nullptr;  // [B, H, N, C] log of the softmax's normaliser (its logsumexp)
+};
+
+ffi::Error LshChunkAttention(ffi::ThreadPool& pool, const LshChunkOperands& operands);
 
 }  // namespace terra::native
 
