@@ -83,6 +83,7 @@ def test_consecutive_skips_stop_the_stream_naming_the_lines(tmp_path):
             pass
 
 
+@pytest.mark.slow
 def test_an_empty_shard_is_an_error_not_a_stop_iteration(tmp_path):
     _write_lines(str(tmp_path / "en" / "c4-train.00000-of-00001.json.gz"), [])
     with pytest.raises(InputError, match="gave no full batch of 2 examples: its files hold no usable records"):

@@ -175,6 +175,7 @@ def test_native_bucket_attention_refuses_operands_that_disagree():
         jax.block_until_ready(native_kernels.lsh_decode_attention(jnp.ones((b, h, d)), keys, None, keys, None, *bad))
 
 
+@pytest.mark.slow
 def test_terraformer_decode_with_bucket_lists_equals_whole_cache_selection():
     """Through a Terraformer's decoder, whose LSH cache is prefilled with ``[encoder, padding,
     decoder]`` (padding inside the prefix): chunk_len 2 keeps 7 of up to 17 past keys."""

@@ -128,6 +128,7 @@ def float32_decode(request):
     return make, params, _decode(make(), params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16"])
 def test_narrow_caches_decode_close_to_float32_caches(float32_decode, cache_dtype):
     make, params, (reference, _) = float32_decode
@@ -173,6 +174,7 @@ def test_the_setting_is_a_gin_binding():
         gin.clear_config()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native_kernels.fused_available(), reason="native kernels not built")
 def test_narrow_caches_keep_the_native_projections_of_sparse_qkv():
     """The fused native step reads float32 caches only: over narrow caches the backend runs the
