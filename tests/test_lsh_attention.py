@@ -416,11 +416,15 @@ def _sorted_chunks(seed, batch=2, heads=2, n_chunks=4, chunk=64, d=16):
 
 
 @native
-@pytest.mark.parametrize("before,after,causal", [(1, 0, True), (1, 1, False), (0, 0, True), (2, 1, True)])
-def test_native_chunk_attention_equals_its_xla_form(before, after, causal):
+@pytest.mark.parametrize(
+    "before,after,causal,chunk",
+    [(1, 0, True, 64), (1, 1, False, 64), (0, 0, True, 64), (2, 1, True, 64), (1, 0, True, 48)],
+)
+def test_native_chunk_attention_equals_its_xla_form(before, after, causal, chunk):
     """The native LSH chunk attention (each chunk against its adjacent ones, with the self, causal and
-    padding masks) against the XLA form, outputs and logsumexps, in every instruction set."""
-    operands = _sorted_chunks(before * 3 + after)
+    padding masks) against the XLA form, outputs and logsumexps, in every instruction set; chunks of
+    a multiple of 16 entries take the register tiles' narrower tails."""
+    operands = _sorted_chunks(before * 3 + after, chunk=chunk)
     xla = functools.partial(attention_in_chunks, before=before, after=after, causal=causal)
     attend = jax.jit(lambda *a: lsh_chunk_attention(*a, before=before, after=after, causal=causal, unfused=xla))
     assert native_kernels.TARGETS["lsh_chunk_attention", "float32"] in attend.lower(*operands).as_text()

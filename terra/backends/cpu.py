@@ -235,31 +235,30 @@ def lsh_bucket_attention(q: jax.Array, cache):
     return native
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array):
-    """``(q, k, v, bias, causal) -> y``: softmax attention over a whole input in one native call
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool):
+    """``(q, k, v, bias) -> y``: softmax attention over a whole input in one native call
     (``native_kernels.blocked_attention``), for float32 operands whose head size is a multiple of 16."""
     if not all(t.dtype == jnp.float32 for t in (q, k, v)) or q.shape[-1] % 16 or not native_kernels.available():
         return None
 
-    def native(q, k, v, bias, causal):
+    def native(q, k, v, bias):
         scaled = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-        rows = jnp.broadcast_to(bias, (bias.shape[0], 1, 1, k.shape[2])).reshape(bias.shape[0], k.shape[2])
-        rows = jnp.broadcast_to(rows, (q.shape[0], k.shape[2])).astype(jnp.float32)
-        return native_kernels.blocked_attention(scaled, k, v, rows, causal)
+        rows = jnp.broadcast_to(bias.reshape(bias.shape[0], bias.shape[-1]), (q.shape[0], k.shape[2]))
+        return native_kernels.blocked_attention(scaled, k, v, rows.astype(jnp.float32), causal)
 
     return native
 
 
-def lsh_chunk_attention(q: jax.Array, n_chunks: int, before: int, after: int):
+def lsh_chunk_attention(q: jax.Array, n_chunks: int, before: int, after: int, causal: bool):
     """``(q, k, v, positions, valid) -> (out, lse)``: an LSH layer's attention over its sorted chunks
     in one native call (``native_kernels.lsh_chunk_attention``), for float32 entries whose head size
-    is a multiple of 16, chunks of a multiple of 64 entries and a window no wider than the chunks."""
-    if q.dtype != jnp.float32 or q.shape[-1] % 16 or q.shape[-2] % 64 or before + after + 1 > n_chunks:
+    is a multiple of 16, chunks of a multiple of 16 entries and a window no wider than the chunks."""
+    if q.dtype != jnp.float32 or q.shape[-1] % 16 or q.shape[-2] % 16 or before + after + 1 > n_chunks:
         return None
     if not native_kernels.available():
         return None
 
-    def native(q, k, v, positions, valid, causal):
+    def native(q, k, v, positions, valid):
         out, lse = native_kernels.lsh_chunk_attention(q, k, v, positions, valid, before, after, causal)
         return out, lse
 

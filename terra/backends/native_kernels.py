@@ -368,7 +368,7 @@ def lsh_chunk_attention(q, k, v, positions, valid, before: int, after: int, caus
 
     ``q``, ``k``, ``v`` ``f32 [B, H, N, C, Dh]`` (``k`` length-normalised and scaled by ``Dh **
     -0.5``), ``positions`` and ``valid`` ``[B, H, N, C]`` (each entry's position, and 1 for a real
-    key). ``Dh`` a multiple of 16, ``C`` of 64. Returns ``(out f32 [B, H, N, C, Dh], lse f32 [B, H, N, C])``."""
+    key). ``Dh`` and ``C`` multiples of 16. Returns ``(out f32 [B, H, N, C, Dh], lse f32 [B, H, N, C])``."""
     if _library() is None:
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
     f32 = jnp.float32

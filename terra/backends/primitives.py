@@ -15,13 +15,11 @@ each returning the form or
 ``None`` (``terra/backends/cpu.py``).
 """
 
-import functools
 import math
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from terra.backends import cpu, xla
@@ -301,35 +299,12 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
     form runs blocks of queries against tiles of keys with an online softmax; the XLA form
     (``attention_in_query_chunks``) attends ``chunk`` queries at a time. Differentiating it
     differentiates the XLA form (recomputed), whichever form ran forward."""
-    forms = _native_forms("blocked_attention", q, k, v)
-    return (_blocked_attention if forms else _chunked_attention)(q, k, v, bias, causal, chunk)
 
+    def chunked(q, k, v, bias):
+        return xla.attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=chunk)
 
-def _chunked_attention(q, k, v, bias, causal, chunk):
-    return xla.attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=chunk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _blocked_attention(q, k, v, bias, causal, chunk):
-    forms = _native_forms("blocked_attention", q, k, v)
-
-    def unfused(q, k, v, bias):
-        return _chunked_attention(q, k, v, bias, causal, chunk)
-
-    return _run(
-        {platform: functools.partial(form, causal=causal) for platform, form in forms.items()}, unfused, q, k, v, bias
-    )
-
-
-def _blocked_attention_forward(q, k, v, bias, causal, chunk):
-    return _blocked_attention(q, k, v, bias, causal, chunk), (q, k, v, bias)
-
-
-def _blocked_attention_backward(causal, chunk, operands, grad):
-    return jax.vjp(lambda *a: _chunked_attention(*a, causal, chunk), *operands)[1](grad)
-
-
-_blocked_attention.defvjp(_blocked_attention_forward, _blocked_attention_backward)
+    forms = _native_forms("blocked_attention", q, k, v, causal)
+    return _run_with_xla_derivative(forms, chunked, q, k, v, bias)
 
 
 def lsh_chunk_attention(q, k, v, positions, valid, *, before: int, after: int, causal: bool, unfused: Callable):
@@ -339,23 +314,26 @@ def lsh_chunk_attention(q, k, v, positions, valid, *, before: int, after: int, c
     the layer's masks. Returns ``(out [b, h, n, c, d], lse [b, h, n, c])``. ``unfused(q, k, v,
     positions, valid)`` computes the same in XLA: it runs where no backend has a form, and its
     derivative is the derivative whichever form ran forward (recomputed)."""
-    forms = _native_forms("lsh_chunk_attention", q, q.shape[2], before, after)
+    forms = _native_forms("lsh_chunk_attention", q, q.shape[2], before, after, causal)
+    return _run_with_xla_derivative(forms, unfused, q, k, v, positions, valid)
+
+
+def _run_with_xla_derivative(forms: dict, xla_form: Callable, *operands):
+    """:func:`_run`, differentiated as ``xla_form`` (recomputed in the backward pass) whichever form
+    ran forward: for native forms that have no derivative of their own. Integer operands get no
+    cotangent (``float0``), as ``jax.vjp`` gives them."""
     if not forms:
-        return unfused(q, k, v, positions, valid)
-    native = {platform: functools.partial(form, causal=causal) for platform, form in forms.items()}
+        return xla_form(*operands)
 
     @jax.custom_vjp
-    def attend(q, k, v, positions, valid):
-        return _run(native, unfused, q, k, v, positions, valid)
+    def run(*operands):
+        return _run(forms, xla_form, *operands)
 
-    def forward(q, k, v, positions, valid):
-        return attend(q, k, v, positions, valid), (q, k, v, positions, valid)
+    def forward(*operands):
+        return run(*operands), operands
 
     def backward(operands, grads):
-        q, k, v, positions, valid = operands
-        _, pullback = jax.vjp(lambda q, k, v: unfused(q, k, v, positions, valid), q, k, v)
-        integer_zero = lambda t: np.zeros(t.shape, jax.dtypes.float0)  # noqa: E731
-        return (*pullback(grads), integer_zero(positions), integer_zero(valid))
+        return jax.vjp(xla_form, *operands)[1](grads)
 
-    attend.defvjp(forward, backward)
-    return attend(q, k, v, positions, valid)
+    run.defvjp(forward, backward)
+    return run(*operands)

@@ -194,23 +194,29 @@ class SparseFeedForward(nn.Module):
             # The reference flattens the tokens (BatchLeadingAxes) before chunking and dropout.
             tokens = x.reshape(-1, x.shape[-1])
             given = None if indices is None else indices.reshape(tokens.shape[0], -1)
-            chunk, gathered = self.ff_chunk_size, False
-            if not train and given is None and self.gathered_inference:
-                rows = self._fused_rows(tokens)
-                if rows:
-                    chunk, gathered = (rows if tokens.shape[0] > rows else 0), True
-            if not chunk and not train and 0 < self.inference_chunk_size < tokens.shape[0]:
-                chunk = self.inference_chunk_size
+            chunk, gathered = self._chunking(tokens, given, train)
             if chunk:
                 y, indices = self._chunked(tokens, given, train, chunk, decode=gathered)
-            elif gathered:
-                y, indices = self.forward_tokens(tokens, None, False, decode=True)
             else:
-                y, indices = self.forward_tokens(tokens, given, train)
+                y, indices = self.forward_tokens(tokens, given, train, decode=gathered)
             y = y.reshape(x.shape[:-1] + y.shape[-1:])
             indices = indices.reshape(x.shape[:-1] + indices.shape[-1:])
         self.sow("intermediates", "indices", indices)
         return y
+
+    def _chunking(self, tokens, given, train: bool):
+        """``(chunk size, 0 for the whole call; whether each chunk runs the decode step)`` for a
+        full-sequence call on ``tokens [n, d_model]``: the fused step's rows for a deterministic
+        call it takes (``gathered_inference``), else ``ff_chunk_size``, else for a deterministic
+        call ``inference_chunk_size`` when the tokens outnumber it."""
+        n = tokens.shape[0]
+        if not train and given is None and self.gathered_inference:
+            rows = self._fused_rows(tokens)
+            if rows:
+                return (rows if n > rows else 0), True
+        if train or self.ff_chunk_size:
+            return self.ff_chunk_size, False
+        return (self.inference_chunk_size if 0 < self.inference_chunk_size < n else 0), False
 
     def forward_tokens(self, x, indices, train: bool, decode: bool = False):
         """``[tokens, d_model]`` (``[..., d_model]`` in decode) -> (output after dropout, block

@@ -348,8 +348,8 @@ ffi::Error LshChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   LshChunkOperands o;
   o.rows = qs[0] * qs[1], o.chunks = qs[2], o.chunk = qs[3], o.dh = qs[4];
   o.before = before, o.after = after, o.causal = causal;
-  if (o.dh < 16 || o.dh % 16 != 0 || o.chunk % 64 != 0 || before < 0 || after < 0 || before + after + 1 > o.chunks)
-    return ffi::Error::InvalidArgument("LSH chunk attention: Dh a multiple of 16, chunks of a multiple of 64 "
+  if (o.dh < 16 || o.dh % 16 != 0 || o.chunk % 16 != 0 || before < 0 || after < 0 || before + after + 1 > o.chunks)
+    return ffi::Error::InvalidArgument("LSH chunk attention: Dh a multiple of 16, chunks of a multiple of 16 "
                                        "entries, and at most as many adjacent chunks as there are chunks");
   o.q = q.typed_data(), o.kt = kt.typed_data(), o.v = v.typed_data();
   o.pos = pos.typed_data(), o.valid = valid.typed_data();

@@ -87,68 +87,67 @@ TERRA_INLINE float ExpAndSum(float* s, int64_t n, float top) {
   return sum;
 }
 
-// Register tiles: R query rows by C vectors (of keys in the scores, of Dh in the weighted values).
+// Both products of attention, scores = q k^T (k transposed) and out += weights v, are one product
+// c [rows, width] (+)= a [rows, depth] b [depth, width], computed in register tiles of R rows of a by
+// C vectors of b's columns: each step broadcasts R entries of a and multiplies them into C vectors
+// of one row of b.
 template <typename I>
 constexpr int kTileVectors = I::kIsa == kAvx512 ? 4 : 2;
 constexpr int kTileRows = 4;
 
-// s[r, j0 + c W + l] = q[r] . kt[:, j0 + c W + l] for r < R, c < C, l < W (the tile's keys are the
-// columns of kt [Dh, K]; rows of s `s_stride` apart).
-template <typename I, int R, int C>
-TERRA_INLINE void ScoreTile(const float* q, int64_t dh, const float* kt, int64_t tile, int64_t j0, float* s,
-                            int64_t s_stride) {
-  constexpr int64_t W = I::kWidth;
-  typename I::Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = I::Zero();
-  for (int64_t d = 0; d < dh; ++d) {
-    typename I::Vec k[C];
-    for (int c = 0; c < C; ++c) k[c] = I::Load(kt + d * tile + j0 + c * W);
-    for (int r = 0; r < R; ++r) {
-      const typename I::Vec qr = I::Broadcast(q[r * dh + d]);
-      for (int c = 0; c < C; ++c) acc[r][c] = I::Fma(qr, k[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) I::Store(s + r * s_stride + j0 + c * W, acc[r][c]);
-}
+// Rows of a, b and c `*_stride` apart; `accumulate`: add to c rather than overwrite it.
+struct ProductOperands {
+  const float* a;
+  int64_t a_stride;
+  const float* b;
+  int64_t b_stride;
+  float* c;
+  int64_t c_stride;
+  int64_t depth;
+  bool accumulate;
+};
 
-// o[r, d0 .. d0 + C W) += sum_{j < n} p[r, j] v[j, d0 .. d0 + C W) for r < R (p rows of stride
-// `tile`, o rows of stride dh).
+// c[r, j0 + l] for r < R, l < C W.
 template <typename I, int R, int C>
-TERRA_INLINE void AddWeightedValues(const float* p, int64_t tile, int64_t n, const float* v, int64_t dh, int64_t d0,
-                                    float* o) {
+TERRA_INLINE void ProductTile(const ProductOperands& m, int64_t row, int64_t j0) {
   constexpr int64_t W = I::kWidth;
+  const float* a = m.a + row * m.a_stride;
+  float* c = m.c + row * m.c_stride + j0;
   typename I::Vec acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = I::Load(o + r * dh + d0 + c * W);
-  for (int64_t j = 0; j < n; ++j) {
-    typename I::Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = I::Load(v + j * dh + d0 + c * W);
+    for (int v = 0; v < C; ++v) acc[r][v] = m.accumulate ? I::Load(c + r * m.c_stride + v * W) : I::Zero();
+  for (int64_t t = 0; t < m.depth; ++t) {
+    typename I::Vec b[C];
+    for (int v = 0; v < C; ++v) b[v] = I::Load(m.b + t * m.b_stride + j0 + v * W);
     for (int r = 0; r < R; ++r) {
-      const typename I::Vec pr = I::Broadcast(p[r * tile + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = I::Fma(pr, vv[c], acc[r][c]);
+      const typename I::Vec ar = I::Broadcast(a[r * m.a_stride + t]);
+      for (int v = 0; v < C; ++v) acc[r][v] = I::Fma(ar, b[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) I::Store(o + r * dh + d0 + c * W, acc[r][c]);
+    for (int v = 0; v < C; ++v) I::Store(c + r * m.c_stride + v * W, acc[r][v]);
 }
 
 template <typename I, int R>
-TERRA_INLINE void AddWeightedValueRows(const float* p, int64_t tile, int64_t n, const float* v, int64_t dh,
-                                       float* o) {
+TERRA_INLINE void ProductRows(const ProductOperands& m, int64_t row, int64_t width) {
   constexpr int C = kTileVectors<I>;
   constexpr int64_t span = C * I::kWidth;
-  int64_t d0 = 0;
-  for (; d0 + span <= dh; d0 += span) AddWeightedValues<I, R, C>(p, tile, n, v, dh, d0, o);
-  for (; d0 < dh; d0 += I::kWidth) AddWeightedValues<I, R, 1>(p, tile, n, v, dh, d0, o);
+  int64_t j0 = 0;
+  for (; j0 + span <= width; j0 += span) ProductTile<I, R, C>(m, row, j0);
+  for (; j0 < width; j0 += I::kWidth) ProductTile<I, R, 1>(m, row, j0);
+}
+
+// The product over `rows` rows of a and `width` columns of b (a multiple of the vector width).
+template <typename I>
+TERRA_INLINE void Product(const ProductOperands& m, int64_t rows, int64_t width) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) ProductRows<I, kTileRows>(m, r, width);
+  for (; r < rows; ++r) ProductRows<I, 1>(m, r, width);
 }
 
 // One block of queries of one (batch row, head): `item` = (b * H + h) * blocks + block.
 template <typename I>
 TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, std::vector<float>& buffer) {
-  constexpr int C = kTileVectors<I>;
-  constexpr int64_t span = C * I::kWidth;
   const int64_t dh = a.dh, K = a.tile, Lq = a.q_length, Lk = a.k_length;
   const int64_t blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
   const int64_t bh = item / blocks, q0 = (item % blocks) * kQueryBlock;
@@ -169,14 +168,9 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
   const int64_t key_end = a.causal ? std::min(Lk, q0 + nq) : Lk;
   for (int64_t k0 = 0, t = 0; k0 < key_end; k0 += K, ++t) {
     const int64_t nk = std::min(K, key_end - k0);
-    const int64_t width = (nk + span - 1) / span * span;  // <= K: K is a multiple of span
-    const float* tile = kt + t * dh * K;
-    int64_t r = 0;
-    for (; r + kTileRows <= nq; r += kTileRows)
-      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, kTileRows, C>(q + r * dh, dh, tile, K, j0, s + r * K, K);
-    for (; r < nq; ++r)
-      for (int64_t j0 = 0; j0 < width; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, tile, K, j0, s + r * K, K);
-    for (r = 0; r < nq; ++r) {
+    const int64_t width = (nk + I::kWidth - 1) / I::kWidth * I::kWidth;  // <= K: K is a multiple of 64
+    Product<I>({q, dh, kt + t * dh * K, K, s, K, dh, false}, nq, width);
+    for (int64_t r = 0; r < nq; ++r) {
       float* row = s + r * K;
       const int64_t visible = a.causal ? std::clamp<int64_t>(q0 + r - k0 + 1, 0, nk) : nk;
       for (int64_t j = 0; j < visible; ++j) row[j] += bias[k0 + j];
@@ -189,10 +183,7 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
         for (int64_t d = 0; d < dh; ++d) o[r * dh + d] *= shrink;
       top[r] = new_top;
     }
-    const float* tile_v = v + k0 * dh;
-    for (r = 0; r + kTileRows <= nq; r += kTileRows)
-      AddWeightedValueRows<I, kTileRows>(s + r * K, K, nk, tile_v, dh, o + r * dh);
-    for (; r < nq; ++r) AddWeightedValueRows<I, 1>(s + r * K, K, nk, tile_v, dh, o + r * dh);
+    Product<I>({s, K, v + k0 * dh, dh, o, dh, nk, true}, nq, dh);
   }
   float* out = a.out + (bh * Lq + q0) * dh;
   for (int64_t r = 0; r < nq; ++r) {
@@ -229,31 +220,20 @@ TERRA_INLINE void AddMaskBias(int32_t q, const int32_t* k_pos, const int32_t* k_
 // One chunk n of one (batch row, head) of an LSH layer: `item` = row * N + n.
 template <typename I>
 TERRA_INLINE void AttendChunk(const LshChunkOperands& a, int64_t item, std::vector<float>& buffer) {
-  constexpr int C = kTileVectors<I>;
-  constexpr int64_t span = C * I::kWidth;
   const int64_t dh = a.dh, L = a.chunk, N = a.chunks, row = item / N, n = item % N;
   const int64_t segments = a.before + 1 + a.after, width = segments * L;
-  buffer.resize(static_cast<size_t>(L * width + L * dh));
-  float* s = buffer.data();     // [L, width]: logits, then weights
-  float* o = s + L * width;     // [L, dh]
+  buffer.resize(static_cast<size_t>(L * width));
+  float* s = buffer.data();  // [L, width]: logits, then weights
   const int64_t base = row * N;  // chunk index of (row, 0)
   auto window_chunk = [&](int64_t w) { return base + ((n - a.before + w) % N + N) % N; };
   const float* q = a.q + (base + n) * L * dh;
-  // Each segment's keys are their chunk's [Dh, C] transposed keys: the scores of rows r against
-  // segment w fill columns [w C, (w + 1) C) of s (C a multiple of the tile's span).
-  for (int64_t w = 0; w < segments; ++w) {
-    const float* kt = a.kt + window_chunk(w) * dh * L;
-    int64_t r = 0;
-    for (; r + kTileRows <= L; r += kTileRows)
-      for (int64_t j0 = 0; j0 < L; j0 += span)
-        ScoreTile<I, kTileRows, C>(q + r * dh, dh, kt, L, j0, s + r * width + w * L, width);
-    for (; r < L; ++r)
-      for (int64_t j0 = 0; j0 < L; j0 += span) ScoreTile<I, 1, C>(q + r * dh, dh, kt, L, j0, s + r * width + w * L, width);
-  }
+  // Each segment's keys are their chunk's [Dh, C] transposed keys: the scores against segment w
+  // fill columns [w C, (w + 1) C) of s.
+  for (int64_t w = 0; w < segments; ++w)
+    Product<I>({q, dh, a.kt + window_chunk(w) * dh * L, L, s + w * L, width, dh, false}, L, L);
   const int32_t* q_pos = a.pos + (base + n) * L;
   float* lse = a.lse + (base + n) * L;
-  int64_t r = 0;
-  for (; r < L; ++r) {
+  for (int64_t r = 0; r < L; ++r) {
     float* logits = s + r * width;
     for (int64_t w = 0; w < segments; ++w) {
       const int64_t m = window_chunk(w);
@@ -268,14 +248,10 @@ TERRA_INLINE void AttendChunk(const LshChunkOperands& a, int64_t item, std::vect
     const float inverse = 1.0f / total;
     for (int64_t j = 0; j < width; ++j) logits[j] *= inverse;
   }
-  std::fill(o, o + L * dh, 0.0f);
-  for (int64_t w = 0; w < segments; ++w) {
-    const float* values = a.v + window_chunk(w) * L * dh;
-    for (r = 0; r + kTileRows <= L; r += kTileRows)
-      AddWeightedValueRows<I, kTileRows>(s + r * width + w * L, width, L, values, dh, o + r * dh);
-    for (; r < L; ++r) AddWeightedValueRows<I, 1>(s + r * width + w * L, width, L, values, dh, o + r * dh);
-  }
-  std::memcpy(a.out + (base + n) * L * dh, o, L * dh * sizeof(float));
+  float* out = a.out + (base + n) * L * dh;
+  std::fill(out, out + L * dh, 0.0f);
+  for (int64_t w = 0; w < segments; ++w)
+    Product<I>({s + w * L, width, a.v + window_chunk(w) * L * dh, dh, out, dh, L, true}, L, dh);
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ ffi::Error BlockedAttention(ffi::ThreadPool& pool, const BlockedAttentionOperand
 // (causal) or a padding key kMaskLogit.
 constexpr float kSelfLogit = -1e5f;
 constexpr float kMaskLogit = -1e9f;
-struct LshChunkOperands {  // C a multiple of 64
+struct LshChunkOperands {  // C a multiple of 16
   const float* q = nullptr;        // [B, H, N, C, Dh] sorted queries (unscaled)
   const float* kt = nullptr;       // [B, H, N, Dh, C] sorted keys (length-normalised, scaled by Dh^-0.5),
                                    // each chunk's transposed
