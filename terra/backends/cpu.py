@@ -144,9 +144,10 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
     step in one call (``native_kernels.sparse_attention``), where every weight is narrow of one
     store, the convolutions span the cached window, and the batch's modules fit the kernel.
 
-    The native attention reads float32 caches only: over a narrow cache (bfloat16, int8;
-    ``terra/layers/kv_cache.py``) the native call computes the projections and the attention is
-    XLA's (``xla.cached_attention``, which reads the cache narrow)."""
+    The fused attention reads float32 caches: over a narrow cache (bfloat16, int8;
+    ``terra/layers/kv_cache.py``) the fused call computes the projections and the attention is the
+    native cache attention's (:func:`cache_attention`), its new key and value narrowed and written
+    by XLA."""
     batch, n_modules = x.shape[0], weights.gate.shape[0]
     kernels = [kernel for kernel, _ in weights.convolutions]
     kind = _one_narrow_kind([weights.gate, weights.kernel] + kernels)
@@ -174,7 +175,7 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
         if mode is None:
             return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
         if narrow_cache:
-            return _xla_attention(mode, [o[:, :, None, :] for o in outs], cache, new_rows)
+            return _narrow_cache_attention(mode, [o[:, :, None, :] for o in outs], cache, new_rows)
         if mode == "self":  # the scales (None for a float32 cache) pass through
             return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:]) + tuple(cache[4:])
         return attended[0].reshape(batch, 1, -1), new_rows
@@ -182,21 +183,62 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
     return native
 
 
-def _xla_attention(mode: str, heads, cache, new_rows):
-    """The attention of a sparse QKV step over a narrow cache, in XLA: ``heads`` the projections
-    ``[b, S, 1, M]`` (Q, K, V for ``"self"``; Q for ``"cross"``), ``cache`` as
-    ``primitives.sparse_attention_step`` takes it; results as the fused call returns them."""
+def _narrow_cache_attention(mode: str, heads, cache, new_rows):
+    """The attention of a sparse QKV step over a narrow cache, after the fused projections:
+    ``heads`` ``[b, S, 1, M]`` (Q, K, V for ``"self"``; Q for ``"cross"``), ``cache`` as
+    ``primitives.sparse_attention_step`` takes it; results as the fused call returns them. The read
+    is the native cache attention where it applies (:func:`cache_attention`), else XLA's."""
     batch = heads[0].shape[0]
+    native = cache_attention(heads[0], cache[0])
+    attend = xla.cache_attention if native is None else native
     if mode == "self":
         keys, values, index, key_mask, key_scale, value_scale = cache
-        out = xla.cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale)
+        out = xla.cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale, attend=attend)
         y, rest = out[0], tuple(out[1:]) + ((None, None) if key_scale is None else ())
         return (y.reshape(batch, 1, -1), new_rows) + rest
     keys, values, bias, key_scale, value_scale = cache
     q = heads[0] * jnp.asarray(heads[0].shape[-1] ** -0.5, heads[0].dtype)
-    probs = jax.nn.softmax(xla.cache_logits(q, keys, key_scale) + bias, axis=-1)
-    y = xla.cache_weighted_values(probs, values, value_scale)
+    visible = jnp.asarray(keys.shape[2], jnp.int32)
+    y = attend(q, keys, values, bias.reshape(batch, keys.shape[2]), key_scale, value_scale, visible, None)
     return y.reshape(batch, 1, -1), new_rows
+
+
+def _joined_softmax(out, top, total, own_logit=None, own_value=None):
+    """A native attention's terms over the cached keys (``out = sum exp(l_j - top) v_j``, ``top``,
+    ``total = sum exp(l_j - top)``, ``[b, h, d]`` and ``[b, h]``) normalised, joined first with the
+    query's own key (``own_logit [b, h]``, ``own_value [b, h, d]``) where it has one: ``[b, h, d]``."""
+    if own_logit is None:
+        return out / total[..., None]
+    joint = jnp.maximum(top, own_logit)
+    past_weight, own_weight = jnp.exp(top - joint), jnp.exp(own_logit - joint)
+    return (out * past_weight[..., None] + own_weight[..., None] * own_value) / (total * past_weight + own_weight)[
+        ..., None
+    ]
+
+
+def cache_attention(q: jax.Array, keys: jax.Array):
+    """``(q, keys, values, bias, key_scale, value_scale, visible, own) -> y``: a decode step's
+    attention over a whole cache as one native call (``native_kernels.cache_attention``: the visible
+    rows read where they lie, widened in registers), joined here with the query's own key; for one
+    float32 query per head, a float32, int8 or bfloat16 cache and heads of at most
+    ``MAX_CACHE_HEAD_SIZE``."""
+    if q.dtype != jnp.float32 or q.ndim != 4 or q.shape[2] != 1 or str(keys.dtype) not in native_kernels.CACHE_KINDS:
+        return None
+    if q.shape[-1] > native_kernels.MAX_CACHE_HEAD_SIZE or not native_kernels.available():
+        return None
+
+    def native(q, keys, values, bias, key_scale, value_scale, visible, own, dropout=None):
+        del dropout  # never given: the primitive keeps a dropout for its XLA form
+        out, top, total = native_kernels.cache_attention(
+            q[:, :, 0], keys, key_scale, values, value_scale, bias, visible
+        )
+        if own is None:
+            return _joined_softmax(out, top, total)[:, :, None]
+        k, v = own
+        own_logit = jnp.sum(q * k, axis=-1)[:, :, 0]
+        return _joined_softmax(out, top, total, own_logit, v[:, :, 0])[:, :, None].astype(v.dtype)
+
+    return native
 
 
 def lsh_bucket_attention(q: jax.Array, cache):
@@ -204,7 +246,7 @@ def lsh_bucket_attention(q: jax.Array, cache):
     native call (``native_kernels.lsh_decode_attention``: the kept keys chosen from the bucket lists
     and their rows read in place), joined here with the token's own key; for float32 queries, at
     most ``MAX_LSH_ROUNDS`` hash rounds and a float32, int8 or bfloat16 cache."""
-    kinds = native_kernels.LSH_CACHE_KINDS
+    kinds = native_kernels.CACHE_KINDS
     if q.dtype != jnp.float32 or str(cache.keys.dtype) not in kinds or not native_kernels.fused_available():
         return None
     if cache.buckets.shape[2] > native_kernels.MAX_LSH_ROUNDS:
@@ -224,12 +266,7 @@ def lsh_bucket_attention(q: jax.Array, cache):
             cache.recent_counts,
             q_buckets,
         )
-        own = self_logit[:, :, 0, 0]
-        joint = jnp.maximum(top, own)
-        past_weight, own_weight = jnp.exp(top - joint), jnp.exp(own - joint)
-        y = (out * past_weight[..., None] + own_weight[..., None] * v[:, :, 0]) / (total * past_weight + own_weight)[
-            ..., None
-        ]
+        y = _joined_softmax(out, top, total, self_logit[:, :, 0, 0], v[:, :, 0])
         return y[:, :, None].astype(v.dtype)
 
     return native

@@ -14,7 +14,9 @@ layers (:func:`output_major`), the input-major one of the small sparse-layer ker
 (:func:`gathered_dot`, :func:`gathered_sum`), a sparse feed-forward layer's and a sparse QKV
 layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse_attention`), and
 an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_decode_attention`),
-and softmax attention over a whole input, a prefill's (:func:`blocked_attention`).
+a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
+(:func:`cache_attention`), and softmax attention over a whole input, a prefill's
+(:func:`blocked_attention`).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
@@ -74,11 +76,16 @@ TARGETS.update(
     }
 )
 
-# The LSH decode attention: one target per cache store (float32, int8 with row scales, bfloat16 bits).
-LSH_CACHE_KINDS = {"float32": "f32", "int8": "int8", "uint16": "bf16"}
+# The attention caches a decode kernel reads, by dtype: float32, int8 with row scales, bfloat16 bits.
+# The LSH decode attention: one target per cache store.
+CACHE_KINDS = {"float32": "f32", "int8": "int8", "uint16": "bf16"}
 TARGETS.update(
-    {("lsh_decode_attention", kind): f"terra_lsh_decode_attention_{suffix}" for kind, suffix in LSH_CACHE_KINDS.items()}
+    {("lsh_decode_attention", kind): f"terra_lsh_decode_attention_{suffix}" for kind, suffix in CACHE_KINDS.items()}
 )
+# A decode step's attention over a whole KV cache: one target per cache store, as the LSH one's.
+TARGETS.update({("cache_attention", kind): f"terra_cache_attention_{suffix}" for kind, suffix in CACHE_KINDS.items()})
+# The largest head size the cache attention takes (cache_attention.h, kMaxCacheHeadSize).
+MAX_CACHE_HEAD_SIZE = 512
 # Hash rounds the LSH kernel takes (lsh_attention.h, kMaxLshRounds).
 MAX_LSH_ROUNDS = 8
 # Softmax attention over a whole input (prefill): blocks of queries against tiles of keys.
@@ -337,6 +344,34 @@ def lsh_decode_attention(
     lists_and_buckets = (buckets, lists, counts, recent, recent_count, q_buckets)
     out, top, total = call(q.astype(f32), *scaled, *map(i32, lists_and_buckets))
     return out, top, total
+
+
+def cache_attention(q, keys, key_scale, values, value_scale, bias, visible):
+    """A decode step's attention over a whole KV cache (``cache_attention.h``) in one call: each
+    (batch row, head)'s query against the cache's first ``visible`` positions, each row widened in
+    registers as it is read, the heads shared between the pool's threads.
+
+    ``q f32 [B, H, Dh]`` scaled by ``Dh ** -0.5``; ``keys``, ``values`` ``[B, H, L, Dh]`` float32,
+    int8 (with ``key_scale``, ``value_scale`` ``f32 [B, H, L]``) or uint16 bfloat16 bits (scales
+    ``None``); ``bias f32 [B, L]`` added to every head's logits (``MASK_VALUE`` for a hidden
+    position); ``visible int32 []``: positions ``>= visible`` are neither read nor attended to.
+    ``Dh`` <= :data:`MAX_CACHE_HEAD_SIZE`. Returns ``(out f32 [B, H, Dh], top f32 [B, H], total f32
+    [B, H])`` over the visible positions j with logits ``l_j``: ``top = max l_j`` (−1e30 if none),
+    ``total = sum exp(l_j - top)``, ``out = sum exp(l_j - top) v_j``, for the caller to join with
+    the query's own key and normalise."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    kind = str(keys.dtype)
+    batch, heads, dh = q.shape
+    f32 = jnp.float32
+    results = [
+        jax.ShapeDtypeStruct((batch, heads, dh), f32),
+        jax.ShapeDtypeStruct((batch, heads), f32),
+        jax.ShapeDtypeStruct((batch, heads), f32),
+    ]
+    scaled = (keys, key_scale, values, value_scale) if kind == "int8" else (keys, values)
+    call = jax.ffi.ffi_call(TARGETS["cache_attention", kind], results, vmap_method="sequential")
+    return call(q.astype(f32), *scaled, bias.astype(f32), jnp.asarray(visible, jnp.int32))
 
 
 def blocked_attention(q, k, v, bias, causal: bool):

@@ -10,7 +10,8 @@ a function is traced.
 A backend is a module with one function per primitive below that has native forms
 (``output_major_product``, ``input_major_product``, ``transposed_chunk_rows``,
 ``gathered_rows_product``, ``gathered_rows_sum``, ``sparse_feed_forward_step``,
-``sparse_attention_step``, ``lsh_bucket_attention``, ``blocked_attention``, ``lsh_chunk_attention``),
+``sparse_attention_step``, ``cache_attention``, ``lsh_bucket_attention``, ``blocked_attention``,
+``lsh_chunk_attention``),
 each returning the form or
 ``None`` (``terra/backends/cpu.py``).
 """
@@ -30,7 +31,6 @@ BACKENDS = {cpu.PLATFORM: cpu}
 # A weight as a parameter tree stores it: float, or narrow in a decode tree.
 Weight = Union[jax.Array, QuantizedTensor]
 
-cached_attention = xla.cached_attention
 cache_logits = xla.cache_logits
 cache_weighted_values = xla.cache_weighted_values
 write_after_read = xla.write_after_read
@@ -151,6 +151,34 @@ def look_up_rows(table, tokens: jax.Array, dtype) -> jax.Array:
     if isinstance(table, QuantizedTensor):
         return take_rows(table, tokens).astype(dtype)
     return jnp.take(jnp.asarray(table, dtype), tokens, axis=0)
+
+
+def cache_attention(q, keys, values, bias, key_scale=None, value_scale=None, visible=None, own=None, dropout=None):
+    """One decode step's attention of one query per head over a whole cache (a dense layer's
+    self-attention over its KV cache, a cross-attention over the encoder's keys and values): ``q
+    [b, h, 1, d]`` scaled by ``d ** -0.5``; ``keys``/``values [b, h, L, d]`` as the cache stores them
+    (float, int8 with ``key_scale``/``value_scale [b, h, L]``, bfloat16 bits); ``bias [b, L]`` added
+    to the logits; ``visible`` (int32 ``[]``, default ``L``): the bias hides every position from it
+    on; ``own = (k, v) [b, h, 1, d]``, the query's own key and value (self-attention); ``dropout``
+    on the probabilities. Returns ``y [b, h, 1, d]`` float32. A backend's form (without dropout)
+    reads only the visible rows, each widened in registers; the XLA form reads the cache in blocks
+    (``xla.cache_attention``)."""
+    if visible is None:
+        visible = jnp.asarray(keys.shape[2], jnp.int32)
+    if dropout is not None:
+        return xla.cache_attention(q, keys, values, bias, key_scale, value_scale, visible, own, dropout)
+    forms = _native_forms("cache_attention", q, keys)
+    return _run(forms, xla.cache_attention, q, keys, values, bias, key_scale, value_scale, visible, own)
+
+
+def cached_attention(
+    q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None, key_scale=None, value_scale=None
+):
+    """One decode step of causal attention over a KV cache, written as ``xla.cached_attention``
+    describes (the new key and value written after the read), its read by :func:`cache_attention`."""
+    return xla.cached_attention(
+        q, k, v, cached_key, cached_value, index, key_mask, dropout, key_scale, value_scale, attend=cache_attention
+    )
 
 
 class SparseFeedForwardWeights(NamedTuple):

@@ -199,8 +199,44 @@ def _over_positions(cache: jax.Array, product, add, out_shape):
     return _over_blocks(length, b * h * d, product, add, out_shape, CACHE_BLOCK_ELEMENTS)
 
 
+def cache_attention(q, keys, values, bias, key_scale=None, value_scale=None, visible=None, own=None, dropout=None):
+    """One decode step's attention of one query per head over a whole cache: ``q [b, h, 1, d]``
+    (float, scaled by ``d ** -0.5``), the cache's ``keys``/``values [b, h, L, d]`` as it stores them
+    (``terra/layers/kv_cache.py``: float, int8 with ``key_scale``/``value_scale [b, h, L]``, or
+    bfloat16 bits), ``bias [b, L]`` added to the logits (``MASK_VALUE`` hides a position), and for
+    self-attention ``own = (k, v)`` ``[b, h, 1, d]``, the query's own key and value, attended to
+    beside the cache. ``visible`` (int32 ``[]``) promises that the bias hides every position from
+    ``visible`` on, so that a native form need not read them; this form reads the whole cache.
+    ``dropout``: applied to the probabilities. Returns ``y [b, h, 1, d]`` in ``q``'s dtype."""
+    del visible
+    logits = cache_logits(q, keys, key_scale) + bias[:, None, None, :].astype(jnp.float32)
+    length = keys.shape[2]
+    if own is not None:
+        k, v = own
+        own_logits = jnp.sum(q * k, axis=-1, keepdims=True).astype(jnp.float32)
+        logits = jnp.concatenate([logits, own_logits], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if dropout is not None:
+        probs = dropout(probs)
+    probs = probs.astype(q.dtype)
+    y = cache_weighted_values(probs[..., :length], values, value_scale).astype(q.dtype)
+    if own is not None:
+        y = y + probs[..., length:] * own[1]
+    return y
+
+
 def cached_attention(
-    q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None, key_scale=None, value_scale=None
+    q,
+    k,
+    v,
+    cached_key,
+    cached_value,
+    index,
+    key_mask=None,
+    dropout=None,
+    key_scale=None,
+    value_scale=None,
+    attend=cache_attention,
 ):
     """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
     position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
@@ -208,39 +244,30 @@ def cached_attention(
     and the caches with k and v written at ``index``.
 
     Narrow caches (``terra/layers/kv_cache.py``): caches of another dtype than ``q`` (bfloat16
-    bits in ``uint16``, or int8 with ``key_scale``/``value_scale [b, h, max_len]``) are read by
-    :func:`cache_logits` and :func:`cache_weighted_values` and the new key and value written
-    narrow; with scales the result is ``(y, cached_key, cached_value, key_scale, value_scale)``.
-    The new position attends to its own k and v exactly.
+    bits in ``uint16``, or int8 with ``key_scale``/``value_scale [b, h, max_len]``) are read narrow
+    and the new key and value written narrow; with scales the result is ``(y, cached_key,
+    cached_value, key_scale, value_scale)``. The new position attends to its own k and v exactly.
 
-    It attends over the cache as it was plus the new token, then writes the new key and value in
-    place. XLA:CPU copies a donated buffer that is both read and updated in one step unless the
-    update provably comes after the reads (two full copies of every cache per layer per token;
-    docs/architecture.md): :func:`write_after_read` gives the update that data dependency."""
+    ``attend``: the attention's read, :func:`cache_attention`'s signature (this form, or a
+    backend's that reads only the visible positions). It attends over the cache as it was plus the
+    new token, then writes the new key and value in place. XLA:CPU copies a donated buffer that is
+    both read and updated in one step unless the update provably comes after the reads (two full
+    copies of every cache per layer per token; docs/architecture.md): :func:`write_after_read`
+    gives the update that data dependency."""
     max_len = cached_key.shape[2]
     scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     visible = jnp.arange(max_len)[None, :] < index
     if key_mask is not None:
         visible = visible & key_mask
-    past_bias = jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-    past_logits = cache_logits(q * scale, cached_key, key_scale)
-    past_logits = past_logits + past_bias[:, None, None, :]
-    self_logits = jnp.sum(q * scale * k, axis=-1, keepdims=True).astype(jnp.float32)
-    probs = jax.nn.softmax(jnp.concatenate([past_logits, self_logits], axis=-1), axis=-1)
-    if dropout is not None:
-        probs = dropout(probs)
-    probs = probs.astype(v.dtype)
-    past_values = cache_weighted_values(probs[..., :max_len], cached_value, value_scale).astype(v.dtype)
-    y = past_values + probs[..., max_len:] * v
+    bias = jnp.broadcast_to(jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32), (q.shape[0], max_len))
+    y = attend(q * scale, cached_key, cached_value, bias, key_scale, value_scale, index, (k, v), dropout)
     (k, new_key_scale), (v, new_value_scale) = (_narrow_like(t, cached_key, key_scale) for t in (k, v))
-    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, past_logits, index), (0, 0, index, 0))
-    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, past_values, index), (0, 0, index, 0))
+    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, y, index), (0, 0, index, 0))
+    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, y, index), (0, 0, index, 0))
     if key_scale is None:
         return y, cached_key, cached_value
-    new_key_scale = write_after_read(new_key_scale, past_logits, index)
-    new_value_scale = write_after_read(new_value_scale, past_values, index)
-    key_scale = lax.dynamic_update_slice(key_scale, new_key_scale, (0, 0, index))
-    value_scale = lax.dynamic_update_slice(value_scale, new_value_scale, (0, 0, index))
+    key_scale = lax.dynamic_update_slice(key_scale, write_after_read(new_key_scale, y, index), (0, 0, index))
+    value_scale = lax.dynamic_update_slice(value_scale, write_after_read(new_value_scale, y, index), (0, 0, index))
     return y, cached_key, cached_value, key_scale, value_scale
 
 

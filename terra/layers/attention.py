@@ -10,8 +10,9 @@ the body, so an unguarded index update would advance on creation
 
 ``cache_dtype`` (``terra/layers/kv_cache.py``) stores the decode caches narrow: bfloat16, or int8
 with one float32 scale per (batch, head, position) in ``cached_key_scale``/``cached_value_scale``
-``[batch, heads, length]`` beside the caches. The step's products read them narrow
-(``backends.cache_logits``, ``backends.cache_weighted_values``); float32 leaves the caches as before.
+``[batch, heads, length]`` beside the caches. A decode step reads them narrow
+(``backends.cache_attention``: on the CPU one native call that widens each row in registers);
+float32 leaves the caches as before.
 """
 
 from typing import Optional
@@ -25,6 +26,7 @@ from terra.backends import (  # noqa: F401  (attention_in_query_chunks: the XLA 
     MASK_VALUE,
     attention_in_query_chunks,
     blocked_attention,
+    cache_attention,
     cache_logits,
     cache_weighted_values,
     cached_attention,
@@ -135,13 +137,35 @@ class AttentionBase(nn.Module):
             if deterministic:
                 return blocked_attention(q, k, v, bias, causal=causal, chunk=self.query_chunk_size)
             return attention_in_query_chunks(q, k, v, bias, causal=causal, chunk=self.query_chunk_size)
+        scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+        if q.shape[2] == 1 and not causal and bias.ndim == 4 and bias.shape[1] == bias.shape[2] == 1:
+            # One query per head (a decode step's cross-attention): the backend's read of the
+            # cache, which on the CPU widens each row of a narrow cache in registers.
+            keys_bias = jnp.broadcast_to(bias.reshape(bias.shape[0], -1), (q.shape[0], k.shape[2]))
+            y = cache_attention(
+                q * scale,
+                k,
+                v,
+                keys_bias,
+                key_scale,
+                value_scale,
+                dropout=self._probability_dropout(deterministic),
+            )
+            return y.astype(q.dtype)
         if causal:
             bias = bias + causal_bias(q.shape[2])
-        q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+        q = q * scale
         logits = cache_logits(q, k, key_scale) + bias
         probs = jax.nn.softmax(logits, axis=-1)
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
         return cache_weighted_values(probs.astype(q.dtype), v, value_scale).astype(q.dtype)
+
+    def _probability_dropout(self, deterministic: bool):
+        """The dropout on attention probabilities, or ``None`` where it does nothing (so that the
+        backends may read a decode cache with their own kernels)."""
+        if deterministic or self.dropout_rate == 0.0:
+            return None
+        return lambda probs: nn.Dropout(self.dropout_rate)(probs, deterministic=False)
 
     def _scale_variables(self, shape):
         """The int8 caches' scale variables ``cached_key_scale``, ``cached_value_scale`` ``[batch,
@@ -224,7 +248,7 @@ class AttentionBase(nn.Module):
             cached_value.value,
             index,
             key_mask,
-            dropout=lambda probs: nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic),
+            dropout=self._probability_dropout(deterministic),
             key_scale=None if key_scale is None else key_scale.value,
             value_scale=None if value_scale is None else value_scale.value,
         )

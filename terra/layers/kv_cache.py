@@ -19,7 +19,7 @@ cross-attention's encoder keys/values) more than its weights, so their bytes set
 Plain jax (no flax, no gin) so every attention layer can use it. A per-position scale factors out
 of the attention products, so a step never widens a whole cache: ``q . (s_k K_k) = s_k (q . K_k)``
 scales the ``[..., max_len]`` logits and ``sum_k p_k s_k V_k = (p * s) . V`` the probabilities
-(``terra.backends.primitives``).
+(``terra.backends.cache_attention``; on the CPU each row is widened in registers as it is read).
 """
 
 from typing import Optional

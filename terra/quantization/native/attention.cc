@@ -2,6 +2,7 @@
 // KV cache (or the encoder's keys and values) in one call per decode step.
 
 #include "attention.h"
+#include "cache_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,9 +52,9 @@ struct Convolution {
 // with it. kSelf: causal self-attention over the KV cache [B, H, L, Dh], positions < index visible
 // (and key_mask, where a prefill padded them), plus the new key and value, which are then written at
 // position min(index, L - 1) after the reads (the aliased cache is updated in place); kCross: over
-// the encoder's keys and values with an additive bias [B, L]. Masked positions are skipped: their
-// probability is exactly 0 in the layer's softmax too (exp(-1e9 - max) underflows), and a causal
-// query always sees its own key.
+// the encoder's keys and values with an additive bias [B, L]. A position the key mask hides gets the
+// layer's -1e9 added, as the XLA form adds it: its probability is exactly 0 (exp(-1e9 - max)
+// underflows), since a causal query always sees its own key.
 struct DecodeAttention {
   enum Mode : int64_t { kNone = 0, kSelf = 1, kCross = 2 };
   int64_t mode = kNone;
@@ -66,49 +67,41 @@ struct DecodeAttention {
   float* y = nullptr;        // [B, H * Dh]
 };
 
-// Head row r (batch b = r / H, head h = r % H) of query q, new key k and value v (self only), each [Dh].
+// Head row r (batch b = r / H, head h = r % H) of query q, new key k and value v (self only), each
+// [Dh]: the visible cache rows by the shared core (cache_attention.h), then, for self-attention, the
+// query's own key joined into the softmax and the new key and value written.
+template <typename I>
 TERRA_INLINE void AttendRow(const DecodeAttention& a, int64_t r, int64_t heads, int64_t dh, const float* q,
                             const float* k, const float* v) {
   const int64_t b = r / heads, length = a.length;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dh)));  // as the layer's q.shape[-1] ** -0.5
   float* keys = a.keys + r * length * dh;
   float* values = a.values + r * length * dh;
-  const int64_t past = a.mode == DecodeAttention::kSelf ? std::min(a.index, length) : length;
-  thread_local std::vector<float> scaled_buffer, logit_buffer;
-  thread_local std::vector<int64_t> seen_buffer;
-  scaled_buffer.resize(static_cast<size_t>(dh));
-  logit_buffer.resize(static_cast<size_t>(past + 1));
-  seen_buffer.resize(static_cast<size_t>(past + 1));
-  float* scaled = scaled_buffer.data();
-  float* logits = logit_buffer.data();
-  int64_t* seen = seen_buffer.data();
-  for (int64_t d = 0; d < dh; ++d) scaled[d] = q[d] * scale;
-  int64_t n = 0;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < past; ++l) {
-    if (a.key_mask && !a.key_mask[b * length + l]) continue;
-    float logit = RowDot(scaled, keys + l * dh, dh);
-    if (a.bias) logit += a.bias[b * length + l];
-    seen[n] = l, logits[n] = logit, top = std::max(top, logit), ++n;
-  }
   const bool self = a.mode == DecodeAttention::kSelf;
-  if (self) logits[n] = RowDot(scaled, k, dh), top = std::max(top, logits[n]);
-  float total = 0.0f;
-  for (int64_t j = 0; j < n + self; ++j) total += (logits[j] = std::exp(logits[j] - top));
+  thread_local std::vector<float> scaled_buffer, logit_buffer;
+  scaled_buffer.resize(static_cast<size_t>(dh));
+  float* scaled = scaled_buffer.data();
+  for (int64_t d = 0; d < dh; ++d) scaled[d] = q[d] * scale;
+  CachedRows<float> cache;
+  cache.keys = keys, cache.values = values, cache.dh = dh;
+  cache.visible = self ? std::min(a.index, length) : length;
+  cache.key_mask = a.key_mask ? a.key_mask + b * length : nullptr;
+  cache.bias = a.bias ? a.bias + b * length : nullptr;
   float* y = a.y + r * dh;
-  std::fill(y, y + dh, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = logits[j] / total;
-    const float* value = values + seen[j] * dh;
-    for (int64_t d = 0; d < dh; ++d) y[d] += p * value[d];
+  const SoftmaxTerms past = AttendCachedRows<I>(scaled, cache, y, logit_buffer);
+  if (!self) {
+    const float inverse = 1.0f / past.total;
+    for (int64_t d = 0; d < dh; ++d) y[d] *= inverse;
+    return;
   }
-  if (self) {
-    const float p = logits[n] / total;
-    for (int64_t d = 0; d < dh; ++d) y[d] += p * v[d];
-    const int64_t position = std::max<int64_t>(0, std::min(a.index, length - 1));
-    std::memcpy(keys + position * dh, k, dh * sizeof(float));
-    std::memcpy(values + position * dh, v, dh * sizeof(float));
-  }
+  const float own = RowDot(scaled, k, dh);
+  const float top = std::max(past.top, own);
+  const float past_weight = std::exp(past.top - top), own_weight = std::exp(own - top);
+  const float inverse = 1.0f / (past.total * past_weight + own_weight);
+  for (int64_t d = 0; d < dh; ++d) y[d] = (y[d] * past_weight + own_weight * v[d]) * inverse;
+  const int64_t position = std::max<int64_t>(0, std::min(a.index, length - 1));
+  std::memcpy(keys + position * dh, k, dh * sizeof(float));
+  std::memcpy(values + position * dh, v, dh * sizeof(float));
 }
 
 template <typename W>
@@ -196,7 +189,7 @@ TERRA_INLINE void SparseAttentionChunk(const SparseAttentionStep<W>& s, int phas
   const bool self = s.attention.mode == DecodeAttention::kSelf;
   for (int64_t r = r0; r < r1; ++r) {
     const float* q = s.convs[0].product.y + r * m;
-    AttendRow(s.attention, r, s.n_modules, m, q, self ? s.convs[1].product.y + r * m : nullptr,
+    AttendRow<I>(s.attention, r, s.n_modules, m, q, self ? s.convs[1].product.y + r * m : nullptr,
               self ? s.convs[2].product.y + r * m : nullptr);
   }
 }

@@ -14,6 +14,8 @@
 //   terra_sparse_feed_forward_{int8,bf16}  a sparse feed-forward layer's decode step (sparse_feedforward.h)
 //   terra_lsh_decode_attention_{f32,int8,bf16}   an LSH layer's decode-step attention over its
 //                                          cache stored as float32, int8 or bfloat16 (lsh_attention.h)
+//   terra_cache_attention_{f32,int8,bf16}  a decode step's attention over a whole KV cache stored as
+//                                          float32, int8 or bfloat16 (cache_attention.h)
 //   terra_blocked_attention{,_causal}      softmax attention over a whole input, blocks of queries
 //                                          against tiles of keys (prefill_attention.h)
 //   terra_lsh_chunk_attention              an LSH layer's attention over its sorted chunks, each
@@ -28,6 +30,7 @@
 #include <cstdint>
 
 #include "attention.h"
+#include "cache_attention.h"
 #include "isa.h"
 #include "lsh_attention.h"
 #include "prefill_attention.h"
@@ -300,6 +303,55 @@ ffi::Error LshDecodeBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return LshDecode<uint16_t>(pool, q, keys, nullptr, values, nullptr, TERRA_LSH_PASS);
 }
 
+// The cache attention: shapes checked here (cache_attention.h names them) before anything is read.
+template <typename T, ffi::DataType D>
+ffi::Error CacheAttentionImpl(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<D>& keys,
+                              const ffi::Buffer<ffi::F32>* key_scale, const ffi::Buffer<D>& values,
+                              const ffi::Buffer<ffi::F32>* value_scale, const ffi::Buffer<ffi::F32>& bias,
+                              const S32& visible, Out& out, Out& top, Out& total) {
+  const auto qs = q.dimensions(), ks = keys.dimensions();
+  if (qs.size() != 3 || ks.size() != 4)
+    return ffi::Error::InvalidArgument("cache attention: q [B, H, Dh] and keys [B, H, L, Dh] expected");
+  CacheAttentionOperands<T> o;
+  o.batch = qs[0], o.heads = qs[1], o.dh = qs[2], o.length = ks[2];
+  const int64_t B = o.batch, H = o.heads, L = o.length, dh = o.dh;
+  auto is = [](ffi::Span<const int64_t> shape, std::initializer_list<int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  const bool scales_ok = !key_scale || (is(key_scale->dimensions(), {B, H, L}) && value_scale &&
+                                        is(value_scale->dimensions(), {B, H, L}));
+  if (!is(ks, {B, H, L, dh}) || !is(values.dimensions(), {B, H, L, dh}) || !is(bias.dimensions(), {B, L}) ||
+      visible.element_count() != 1 || !is(out->dimensions(), {B, H, dh}) || !is(top->dimensions(), {B, H}) ||
+      !is(total->dimensions(), {B, H}) || !scales_ok)
+    return ffi::Error::InvalidArgument("cache attention: operand shapes disagree (cache_attention.h)");
+  if (dh < 1 || dh > kMaxCacheHeadSize)
+    return ffi::Error::InvalidArgument("cache attention: a head size of 1 to 512");
+  o.q = q.typed_data(), o.keys = keys.typed_data(), o.values = values.typed_data();
+  o.key_scale = key_scale ? key_scale->typed_data() : nullptr;
+  o.value_scale = value_scale ? value_scale->typed_data() : nullptr;
+  o.bias = bias.typed_data(), o.visible = *visible.typed_data();
+  o.out = out->typed_data(), o.top = top->typed_data(), o.total = total->typed_data();
+  return CacheAttention<T>(pool, o);
+}
+
+#define TERRA_CACHE_RESULTS Out out, Out top, Out total
+ffi::Error CacheAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                             ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::F32> bias, S32 visible,
+                             TERRA_CACHE_RESULTS) {
+  return CacheAttentionImpl<float>(pool, q, keys, nullptr, values, nullptr, bias, visible, out, top, total);
+}
+ffi::Error CacheAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> keys,
+                              ffi::Buffer<ffi::F32> key_scale, ffi::Buffer<ffi::S8> values,
+                              ffi::Buffer<ffi::F32> value_scale, ffi::Buffer<ffi::F32> bias, S32 visible,
+                              TERRA_CACHE_RESULTS) {
+  return CacheAttentionImpl<int8_t>(pool, q, keys, &key_scale, values, &value_scale, bias, visible, out, top, total);
+}
+ffi::Error CacheAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> keys,
+                              ffi::Buffer<ffi::U16> values, ffi::Buffer<ffi::F32> bias, S32 visible,
+                              TERRA_CACHE_RESULTS) {
+  return CacheAttentionImpl<uint16_t>(pool, q, keys, nullptr, values, nullptr, bias, visible, out, top, total);
+}
+
 // The blocked attention: q [B, H, Lq, Dh], kt [B, H, T, Dh, K], v [B, H, Lk, Dh], bias [B, Lk]
 // -> out [B, H, Lq, Dh] (prefill_attention.h); checked here before anything is read.
 template <bool kCausal>
@@ -437,6 +489,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_int8, LshDecodeInt8,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_decode_attention_bf16, LshDecodeBf16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_bf16
                                   TERRA_WEIGHT_BIND_bf16 TERRA_LSH_BIND);
+
+#define TERRA_CACHE_BIND TERRA_F32 TERRA_S32 TERRA_OUT TERRA_OUT TERRA_OUT
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_cache_attention_f32, CacheAttentionF32,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_CACHE_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_cache_attention_int8, CacheAttentionInt8,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_int8
+                                  TERRA_WEIGHT_BIND_int8 TERRA_CACHE_BIND);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_cache_attention_bf16, CacheAttentionBf16,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_WEIGHT_BIND_bf16
+                                  TERRA_WEIGHT_BIND_bf16 TERRA_CACHE_BIND);
 
 #define TERRA_BLOCKED_BIND ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_F32 TERRA_OUT
 XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_blocked_attention, BlockedAttentionImpl<false>, TERRA_BLOCKED_BIND);
