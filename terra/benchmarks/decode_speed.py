@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from terra import errors, gin_utils
+from terra import errors, gin_utils, process_memory
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
@@ -432,65 +432,6 @@ def available_memory_bytes() -> Tuple[int, str]:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
 
 
-def release_freed_memory() -> None:
-    """Collects garbage and returns the allocator's freed pages to the system (glibc's
-    ``malloc_trim``, where there is one), so that a row's resident memory as it starts is what is
-    still in use, not what earlier rows freed and the allocator kept."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_peak_resident() -> bool:
-    """Resets the process's peak resident memory (``VmHWM``), after releasing freed memory
-    (``release_freed_memory``); False where it cannot."""
-    release_freed_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def resident_now() -> Optional[int]:
-    """The process's resident bytes now (``VmRSS``), or None without /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_resident(was_reset: bool) -> Tuple[Optional[int], str]:
-    """The process's peak resident bytes and what they measure: ``VmHWM`` since
-    ``reset_peak_resident``, else the process's peak since it started (``ru_maxrss``)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-                    if was_reset:
-                        return peak, "VmHWM, reset before the row"
-                    return peak, "VmHWM, the process's peak since it started (/proc/self/clear_refs refused a reset)"
-    except OSError:
-        pass
-    try:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-        return peak, "ru_maxrss, the process's peak since it started (no /proc)"
-    except (ImportError, OSError):
-        return None, "unavailable"
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """A ``MemoryError`` or XLA's resource-exhausted error (an allocation it could not make)."""
     text = str(error)
@@ -615,8 +556,8 @@ def run_row(
     bindings, weights_dtype, cache_dtype = row_bindings(row, config)
     input_length = int(config.input_length if input_length is None else input_length)
     where = f"row '{row.name}': "
-    reset = reset_peak_resident()
-    resident_before = resident_now()
+    reset = process_memory.reset_peak_resident()
+    resident_before = process_memory.resident_bytes()
     estimate = None
     if config.block_mode == "difference":
         one, two = (bindings + [f"TransformerConfig.n_decoder_layers = {n}"] for n in (1, 2))
@@ -668,7 +609,7 @@ def run_row(
         floor = reads["total"] / bandwidth
         flops = reads["flops"]
         extra = {}
-    peak, peak_source = peak_resident(reset)
+    peak, peak_source = process_memory.peak_resident(reset)
     result = {
         **row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length),
         "params": int(n_params),
@@ -810,6 +751,8 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
         raise ValueError("block_mode='difference' subtracts step-call times; leave time_calls True.")
     if lengths:
         _preflight(config, lengths)
+    # Each row's memory as a process that returns its large buffers sees it (terra's commands do).
+    process_memory.return_large_buffers_to_system()
     machine = describe_machine()
     bandwidth = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)
     product_gflops = measure_product_gflops()

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from absl import flags
 
 import terra
-from terra import errors
+from terra import errors, process_memory
 from terra.cli import gin_checks
 from terra.gin_utils import GinConfigError
 
@@ -123,6 +123,9 @@ class Command:
         if self.positional and not rest:
             raise errors.UsageError(f"missing {self.positional}; run '{self.name} --help' for its usage.")
         self._check_gin_overrides(flag_values)
+        # Large buffers back to the system when freed: a long document's prefill otherwise leaves
+        # the process larger each time (terra/process_memory.py).
+        process_memory.return_large_buffers_to_system()
         from terra.tensorflow_setup import import_tensorflow_quietly  # before anything imports terra.data
 
         import_tensorflow_quietly()

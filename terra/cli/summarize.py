@@ -37,7 +37,7 @@ import sys
 
 from absl import flags
 
-from terra import errors
+from terra import errors, process_memory
 from terra.cli import app, flag_groups
 
 
@@ -115,28 +115,10 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     )
 
 
-def peak_resident_bytes():
-    """This process's peak resident memory in bytes (VmHWM of /proc/self/status; elsewhere
-    ``getrusage``'s maximum), or None where neither is available."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
-
-
 def timing_line(times: dict, batches: int) -> str:
     """What one phase of a batch prints on standard error (``InteractiveModel.generate``'s
     ``timing``): the compile and the prefill as they end, then the batch's whole line."""
-    rows, peak = times["rows"], peak_resident_bytes()
+    rows, (peak, _) = times["rows"], process_memory.peak_resident()
     memory = f"; peak resident memory {peak / 2**30:.2f} GiB" if peak is not None else ""
     head = f"timing: batch {times['batch'] + 1}/{batches}: "
     if times["phase"] == "compiled":

@@ -1,0 +1,99 @@
+"""This process's memory: how large buffers are given back to the system, and what is resident.
+
+A long-document prefill allocates caches and activations of tens of MB each (24 layers' keys and
+values, one layer's float32 keys and values before they are narrowed), and XLA:CPU allocates them
+with glibc's ``malloc``. glibc serves a block above its *mmap threshold* with its own mapping,
+returned to the system when freed, and below it from its heaps, which keep freed memory. The
+threshold starts at 128 KiB and rises to the size of each mapped block freed, up to 32 MiB: after
+the first prefill freed its blocks, the next prefill's blocks of the same sizes come from the
+heaps, and their freed memory stays resident, so each prefill of a long document left the
+process larger (the 800M fully sparse model with an int8 cache at 15,360 inputs: 3.35, 3.75 and
+4.28 GB at three prefills in one process; docs/decode_speed.md, "Long documents").
+:func:`return_large_buffers_to_system` fixes the threshold at 1 MiB; terra's commands call it
+as they start. Plain Python, no JAX.
+"""
+
+import ctypes
+import gc
+import sys
+from typing import Optional, Tuple
+
+# glibc's mallopt parameter numbers (malloc.h).
+_M_MMAP_THRESHOLD = -3
+# Blocks of at least this many bytes get their own mapping, whatever was freed before.
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _libc():
+    """glibc, or ``None`` elsewhere (macOS, musl: their allocators have no such parameters)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def return_large_buffers_to_system(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fixes glibc's mmap threshold at ``threshold_bytes`` (and with it stops its dynamic rise),
+    so every block at least that large is mapped on its own and unmapped when freed. Returns
+    whether the allocator took it (False off glibc)."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)) == 1)
+
+
+def release_freed_memory() -> None:
+    """Collects garbage and returns the allocator's freed pages to the system (glibc's
+    ``malloc_trim``, where there is one), so that what is resident is what is still in use."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_bytes(field: str) -> Optional[int]:
+    """A ``/proc/self/status`` field in bytes (``VmRSS``, ``VmHWM``), or ``None`` without /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> Optional[int]:
+    """The process's resident bytes now (``VmRSS``), or ``None`` without /proc."""
+    return _status_bytes("VmRSS")
+
+
+def reset_peak_resident() -> bool:
+    """Releases freed memory (:func:`release_freed_memory`), then resets the process's peak
+    resident memory (``VmHWM``) to what is resident now; False where it cannot."""
+    release_freed_memory()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_resident(was_reset: bool = False) -> Tuple[Optional[int], str]:
+    """The process's peak resident bytes and what they measure: ``VmHWM`` (since
+    :func:`reset_peak_resident` where ``was_reset``), else the peak since the process started
+    (``ru_maxrss``)."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        if was_reset:
+            return peak, "VmHWM, reset before the row"
+        return peak, "VmHWM, the process's peak since it started"
+    try:
+        import resource
+    except ImportError:
+        return None, "unavailable"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Bytes on macOS, kB elsewhere.
+    return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss, the process's peak since it started"
