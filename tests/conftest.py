@@ -352,6 +352,26 @@ def optimized_compile():
         yield
 
 
+@pytest.fixture
+def native_kernels_on(monkeypatch):
+    """The native kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the
+    shell sets (a test of them fails, rather than skips, where they are not built), with the best
+    instruction set again after the test; a module states it with
+    ``pytestmark = pytest.mark.usefixtures("native_kernels_on")``."""
+    from terra.backends import native_kernels
+
+    switched = native_kernels.ENV_SWITCH in os.environ
+    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
+    if switched:
+        native_kernels._library.cache_clear()
+    if not native_kernels.available():
+        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
+    yield
+    native_kernels.use_isa(native_kernels.ISAS[-1])
+    if switched:
+        native_kernels._library.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny dense encoder-decoder and its random parameters, shared by the suite."""

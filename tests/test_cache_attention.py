@@ -5,7 +5,6 @@ or not, hidden and masked positions, and head sizes off the vector width; the de
 steps and a sparse QKV step over a narrow cache run it; mismatched operands are one error."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,24 +19,9 @@ from terra.quantization import quantize_params
 
 from conftest import tiny_config
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+pytestmark = pytest.mark.usefixtures("fast_compile", "native_kernels_on")
 
 CACHE_DTYPES = ("float32", "int8", "bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def kernels_switched_on(monkeypatch):
-    """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
-    switched = native_kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
-    if switched:
-        native_kernels._library.cache_clear()
-    if not native_kernels.available():
-        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
-    yield
-    native_kernels.use_isa(native_kernels.ISAS[-1])
-    if switched:
-        native_kernels._library.cache_clear()
 
 
 def _cache(cache_dtype, batch, heads, length, dh, seed):

@@ -6,7 +6,6 @@ odd shapes, in every instruction set, in the threads' split and inside the gener
 decode step of a narrow model uses them."""
 
 import functools
-import os
 import re
 
 import flax.linen as nn
@@ -24,24 +23,9 @@ from conftest import xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
-pytestmark = pytest.mark.usefixtures("optimized_compile")
+pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def kernels_switched_on(monkeypatch):
-    """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
-    switched = native_kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
-    if switched:
-        native_kernels._library.cache_clear()
-    if not native_kernels.available():
-        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
-    yield
-    native_kernels.use_isa(native_kernels.ISAS[-1])
-    if switched:
-        native_kernels._library.cache_clear()
 
 
 def _use_isa(isa):

@@ -5,8 +5,6 @@ W1 and W2 a sparse feed-forward layer selects). Each equals the float64 product 
 weights in every instruction set this CPU has, on odd shapes and in the threads' split, and is
 chosen by the primitives of ``terra.backends`` only where it applies."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,24 +17,9 @@ from terra.quantization import dequantize, quantize
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
-pytestmark = pytest.mark.usefixtures("optimized_compile")
+pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def kernels_switched_on(monkeypatch):
-    """The kernels as a default install has them, whatever ``TERRA_NATIVE_KERNELS`` the shell sets."""
-    switched = native_kernels.ENV_SWITCH in os.environ
-    monkeypatch.delenv(native_kernels.ENV_SWITCH, raising=False)
-    if switched:
-        native_kernels._library.cache_clear()
-    if not native_kernels.available():
-        pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
-    yield
-    native_kernels.use_isa(native_kernels.ISAS[-1])
-    if switched:
-        native_kernels._library.cache_clear()
 
 
 def _use_isa(isa):

@@ -328,22 +328,11 @@ def lsh_decode_attention(
     ``(out f32 [B, H, Dh], top f32 [B, H], total f32 [B, H])``: over the kept keys j with logits
     ``l_j``, ``top = max l_j`` (−1e30 if none), ``total = sum exp(l_j - top)`` and ``out = sum
     exp(l_j - top) v_j``, for the caller to join with the query's own key."""
-    if _library() is None:
-        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
-    kind = str(keys.dtype)
-    batch, heads, dh = q.shape
-    f32 = jnp.float32
-    results = [
-        jax.ShapeDtypeStruct((batch, heads, dh), f32),
-        jax.ShapeDtypeStruct((batch, heads), f32),
-        jax.ShapeDtypeStruct((batch, heads), f32),
-    ]
     i32 = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
-    scaled = (keys, key_scale, values, value_scale) if kind == "int8" else (keys, values)
-    call = jax.ffi.ffi_call(TARGETS["lsh_decode_attention", kind], results, vmap_method="sequential")
     lists_and_buckets = (buckets, lists, counts, recent, recent_count, q_buckets)
-    out, top, total = call(q.astype(f32), *scaled, *map(i32, lists_and_buckets))
-    return out, top, total
+    return _softmax_terms_call(
+        "lsh_decode_attention", q, keys, key_scale, values, value_scale, *map(i32, lists_and_buckets)
+    )
 
 
 def cache_attention(q, keys, key_scale, values, value_scale, bias, visible):
@@ -359,19 +348,24 @@ def cache_attention(q, keys, key_scale, values, value_scale, bias, visible):
     [B, H])`` over the visible positions j with logits ``l_j``: ``top = max l_j`` (−1e30 if none),
     ``total = sum exp(l_j - top)``, ``out = sum exp(l_j - top) v_j``, for the caller to join with
     the query's own key and normalise."""
+    rest = (bias.astype(jnp.float32), jnp.asarray(visible, jnp.int32))
+    return _softmax_terms_call("cache_attention", q, keys, key_scale, values, value_scale, *rest)
+
+
+def _softmax_terms_call(kernel: str, q, keys, key_scale, values, value_scale, *rest):
+    """A decode attention over a cache stored as ``keys.dtype`` (:data:`CACHE_KINDS`; the scales
+    passed for int8 only), its results the softmax's terms ``(out [B, H, Dh], top [B, H], total
+    [B, H])``: :func:`lsh_decode_attention`'s and :func:`cache_attention`'s call."""
     if _library() is None:
         raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
     kind = str(keys.dtype)
     batch, heads, dh = q.shape
     f32 = jnp.float32
-    results = [
-        jax.ShapeDtypeStruct((batch, heads, dh), f32),
-        jax.ShapeDtypeStruct((batch, heads), f32),
-        jax.ShapeDtypeStruct((batch, heads), f32),
-    ]
+    results = [jax.ShapeDtypeStruct((batch, heads, dh), f32)] + [jax.ShapeDtypeStruct((batch, heads), f32)] * 2
     scaled = (keys, key_scale, values, value_scale) if kind == "int8" else (keys, values)
-    call = jax.ffi.ffi_call(TARGETS["cache_attention", kind], results, vmap_method="sequential")
-    return call(q.astype(f32), *scaled, bias.astype(f32), jnp.asarray(visible, jnp.int32))
+    call = jax.ffi.ffi_call(TARGETS[kernel, kind], results, vmap_method="sequential")
+    out, top, total = call(q.astype(f32), *scaled, *rest)
+    return out, top, total
 
 
 def blocked_attention(q, k, v, bias, causal: bool):

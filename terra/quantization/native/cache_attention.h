@@ -1,9 +1,10 @@
 // A decode step's attention over a whole KV cache: one query per (batch row, head) against every
 // visible position's key and value, stored float32, int8 (one float32 scale per row) or bfloat16
 // bits (terra/layers/kv_cache.py). The row-level core, AttendCachedRows, is inlined into each
-// instruction set's function (isa.h) by two callers: the cache attention handler
+// instruction set's function (isa.h) by three callers: the cache attention handler
 // (terra_cache_attention_*, cache_attention.cc: a dense layer's self- and cross-attention step, and
-// a sparse QKV step over a narrow cache) and the fused sparse attention step (attention.cc).
+// a sparse QKV step over a narrow cache), the fused sparse attention step (attention.cc), and an
+// LSH step over the positions its buckets keep (lsh_attention.cc), which the core reads as a list.
 //
 // Why native: a step over a long context is a read of the cache, so its time is the cache's bytes
 // at the memory's rate, if the arithmetic keeps up. XLA:CPU reads a narrow cache through widened
@@ -48,6 +49,11 @@ struct CachedRows {
   const bool* key_mask = nullptr;      // [L]: false adds kCacheMaskLogit; or nullptr
   int64_t visible = 0;                 // rows [0, visible) are attended to; the rest are not read
   int64_t dh = 0;                      // 1 to kMaxCacheHeadSize
+  // The positions to read instead, `visible` of them (an LSH step's kept keys), each in [0, L);
+  // nullptr: positions 0 .. visible - 1.
+  const int32_t* rows = nullptr;
+
+  TERRA_INLINE int64_t Row(int64_t j) const { return rows ? rows[j] : j; }
 };
 
 // The softmax's running terms over the visible rows j with logits l_j: top = max l_j (kNoLogit if
@@ -77,18 +83,36 @@ TERRA_INLINE typename I::Vec Wide(const W* p, int64_t m) {
   return I::Widen(p, m);
 }
 
-// Bytes ahead of the rows being read that are asked for (PrefetchLine): the hardware's stream
-// prefetcher stops at each 4 KiB page, which a float32 cache crosses every 16 rows.
+// Bytes ahead of contiguous rows being read that are asked for (PrefetchLine): the hardware's
+// stream prefetcher stops at each 4 KiB page, which a float32 cache crosses every 16 rows.
 #ifndef TERRA_CACHE_PREFETCH_BYTES
 #define TERRA_CACHE_PREFETCH_BYTES 8192
 #endif
 constexpr int64_t kPrefetchBytes = TERRA_CACHE_PREFETCH_BYTES;
 
-// Asks for the lines of [start + kPrefetchBytes, start + kPrefetchBytes + bytes).
-TERRA_INLINE void PrefetchAhead(const void* start, int64_t bytes) {
-  if (kPrefetchBytes <= 0) return;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(start) + kPrefetchBytes;
-  for (uintptr_t line = first & ~uintptr_t{63}; line < first + bytes; line += 64) PrefetchLine(line);
+// Rows ahead of the ones being read that are asked for when the rows are a list of positions
+// (enough to cover a memory latency at the rate the rows are consumed).
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks for the lines of [start, start + bytes).
+TERRA_INLINE void PrefetchBytes(uintptr_t start, int64_t bytes) {
+  for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) PrefetchLine(line);
+}
+
+// Asks for what rows [j, j + count) will read, that far ahead: contiguous rows kPrefetchBytes
+// ahead, a list's rows kPrefetchRows ahead (with their scales).
+template <typename T>
+TERRA_INLINE void PrefetchRows(const CachedRows<T>& c, const T* base, const float* scale, int64_t j, int64_t count) {
+  const int64_t row_bytes = c.dh * static_cast<int64_t>(sizeof(T));
+  if (!c.rows) {
+    if (kPrefetchBytes > 0) PrefetchBytes(reinterpret_cast<uintptr_t>(base + j * c.dh) + kPrefetchBytes, count * row_bytes);
+    return;
+  }
+  const int64_t end = std::min(j + count + kPrefetchRows, c.visible);
+  for (int64_t a = j + kPrefetchRows; a < end; ++a) {
+    PrefetchBytes(reinterpret_cast<uintptr_t>(base + c.rows[a] * c.dh), row_bytes);
+    if (scale) PrefetchLine(reinterpret_cast<uintptr_t>(scale + c.rows[a]));
+  }
 }
 
 // Vectors per row: NV full vectors (a compile-time count, so the accumulators stay in registers),
@@ -113,15 +137,16 @@ TERRA_INLINE void Logits(const float* q, const CachedRows<T>& c, RowShape<I, NV>
   if (NV == 0 && tail > 0) q_tail = I::Load(q + full * W, tail);
   int64_t l = 0;
   for (; l + R <= n; l += R) {
-    const T* k = c.keys + l * dh;
-    PrefetchAhead(k, R * dh * static_cast<int64_t>(sizeof(T)));
+    PrefetchRows(c, c.keys, c.key_scale, l, R);
+    const T* k[R];
+    for (int64_t r = 0; r < R; ++r) k[r] = c.keys + c.Row(l + r) * dh;
     Vec acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = I::Zero();
     // Row after row, as they lie in memory: R independent chains of multiply-adds.
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t v = 0; v < full; ++v) acc[r] = I::Fma(qv[v], Wide<I>(k + r * dh + v * W), acc[r]);
+      for (int64_t v = 0; v < full; ++v) acc[r] = I::Fma(qv[v], Wide<I>(k[r] + v * W), acc[r]);
     if (NV == 0 && tail > 0)
-      for (int64_t r = 0; r < R; ++r) acc[r] = I::Fma(q_tail, Wide<I>(k + r * dh + full * W, tail), acc[r]);
+      for (int64_t r = 0; r < R; ++r) acc[r] = I::Fma(q_tail, Wide<I>(k[r] + full * W, tail), acc[r]);
     if constexpr (I::kTransposedSums) {
       I::Store(logits + l, I::SumsOfWidth(acc));
     } else {
@@ -129,7 +154,7 @@ TERRA_INLINE void Logits(const float* q, const CachedRows<T>& c, RowShape<I, NV>
     }
   }
   for (; l < n; ++l) {
-    const T* k = c.keys + l * dh;
+    const T* k = c.keys + c.Row(l) * dh;
     Vec acc = I::Zero();
     for (int64_t v = 0; v < full; ++v) acc = I::Fma(qv[v], Wide<I>(k + v * W), acc);
     if (NV == 0 && tail > 0) acc = I::Fma(q_tail, Wide<I>(k + full * W, tail), acc);
@@ -137,11 +162,11 @@ TERRA_INLINE void Logits(const float* q, const CachedRows<T>& c, RowShape<I, NV>
   }
   // q . (s K) = s (q . K), then the bias and the mask, in the order XLA's form adds them.
   if (c.key_scale)
-    for (int64_t j = 0; j < n; ++j) logits[j] *= c.key_scale[j];
+    for (int64_t j = 0; j < n; ++j) logits[j] *= c.key_scale[c.Row(j)];
   if (c.bias)
-    for (int64_t j = 0; j < n; ++j) logits[j] += c.bias[j];
+    for (int64_t j = 0; j < n; ++j) logits[j] += c.bias[c.Row(j)];
   if (c.key_mask)
-    for (int64_t j = 0; j < n; ++j) logits[j] += c.key_mask[j] ? 0.0f : kCacheMaskLogit;
+    for (int64_t j = 0; j < n; ++j) logits[j] += c.key_mask[c.Row(j)] ? 0.0f : kCacheMaskLogit;
 }
 
 // y = sum_j w[j] values[j] (times its scale) for j < n, two rows at a time into two sets of
@@ -159,11 +184,12 @@ TERRA_INLINE void WeightedValues(const float* w, const CachedRows<T>& c, int64_t
   const float* scale = c.value_scale;
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
-    const Vec w0 = I::Broadcast(scale ? w[j] * scale[j] : w[j]);
-    const Vec w1 = I::Broadcast(scale ? w[j + 1] * scale[j + 1] : w[j + 1]);
-    const T* v0 = values + j * dh;
-    const T* v1 = v0 + dh;
-    PrefetchAhead(v0, 2 * dh * static_cast<int64_t>(sizeof(T)));
+    const int64_t p0 = c.Row(j), p1 = c.Row(j + 1);
+    const Vec w0 = I::Broadcast(scale ? w[j] * scale[p0] : w[j]);
+    const Vec w1 = I::Broadcast(scale ? w[j + 1] * scale[p1] : w[j + 1]);
+    const T* v0 = values + p0 * dh;
+    const T* v1 = values + p1 * dh;
+    PrefetchRows(c, values, scale, j, 2);
     for (int64_t v = 0; v < full; ++v) {
       even[v] = I::Fma(w0, Wide<I>(v0 + v * W), even[v]);
       odd[v] = I::Fma(w1, Wide<I>(v1 + v * W), odd[v]);
@@ -174,8 +200,9 @@ TERRA_INLINE void WeightedValues(const float* w, const CachedRows<T>& c, int64_t
     }
   }
   if (j < n) {
-    const Vec w0 = I::Broadcast(scale ? w[j] * scale[j] : w[j]);
-    const T* v0 = values + j * dh;
+    const int64_t p0 = c.Row(j);
+    const Vec w0 = I::Broadcast(scale ? w[j] * scale[p0] : w[j]);
+    const T* v0 = values + p0 * dh;
     for (int64_t v = 0; v < full; ++v) even[v] = I::Fma(w0, Wide<I>(v0 + v * W), even[v]);
     if (NV == 0 && tail > 0) even_tail = I::Fma(w0, Wide<I>(v0 + full * W, tail), even_tail);
   }

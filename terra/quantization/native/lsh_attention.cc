@@ -16,22 +16,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cache_attention.h"
 #include "isa.h"
 #include "threads.h"
 
 namespace terra::native {
 
 namespace {
-
-// Rows prefetched ahead of the one being read: enough to cover a memory latency at the rate the
-// rows are consumed (a 64-wide dot and axpy per row).
-constexpr int64_t kPrefetchAhead = 8;
-constexpr float kNoKey = -1e30f;
-
-TERRA_INLINE void PrefetchRow(const void* row, int64_t bytes) {
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row);
-  for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) PrefetchLine(line);
-}
 
 // The positions (b, h) attends to, at most C, into `kept`; returns how many. The lists are ring
 // buffers: a list with `count` entries ever appended holds its j-th newest at slot
@@ -82,48 +73,22 @@ int64_t KeptPositions(const LshDecodeOperands<T>& a, int64_t b, int64_t h, int32
   return n;
 }
 
-// One (b, h): its kept rows' logits, online softmax and weighted sum of values.
-template <typename T>
-void AttendHead(const LshDecodeOperands<T>& a, int64_t row) {
+// One (b, h): its kept rows attended to by the cache attention's core (cache_attention.h), which
+// reads each kept row where it lies, a few rows ahead of its use.
+template <typename I, typename T>
+TERRA_INLINE void AttendHead(const LshDecodeOperands<T>& a, int64_t row, std::vector<int32_t>& kept,
+                             std::vector<float>& buffer) {
   const int64_t b = row / a.heads, h = row % a.heads, L = a.length, dh = a.dh;
-  thread_local std::vector<int32_t> kept_buffer;
-  kept_buffer.resize(static_cast<size_t>(a.capacity));
-  int32_t* kept = kept_buffer.data();
-  const int64_t n = KeptPositions(a, b, h, kept);
-  const float* q = a.q + row * dh;
-  const T* keys = a.keys + row * L * dh;
-  const T* values = a.values + row * L * dh;
-  const float* key_scale = a.key_scale ? a.key_scale + row * L : nullptr;
-  const float* value_scale = a.value_scale ? a.value_scale + row * L : nullptr;
-  float* y = a.out + row * dh;
-  std::fill(y, y + dh, 0.0f);
-  const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < std::min(n, kPrefetchAhead); ++j) {
-    PrefetchRow(keys + kept[j] * dh, row_bytes), PrefetchRow(values + kept[j] * dh, row_bytes);
-  }
-  float top = kNoKey, total = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchAhead < n) {
-      const int64_t ahead = kept[j + kPrefetchAhead];
-      PrefetchRow(keys + ahead * dh, row_bytes), PrefetchRow(values + ahead * dh, row_bytes);
-      if (key_scale) PrefetchLine(reinterpret_cast<uintptr_t>(key_scale + ahead));
-      if (value_scale) PrefetchLine(reinterpret_cast<uintptr_t>(value_scale + ahead));
-    }
-    const int64_t p = kept[j];
-    float logit = RowDot(q, keys + p * dh, dh);
-    if (key_scale) logit *= key_scale[p];
-    if (logit > top) {  // a new maximum: what was summed so far is rescaled to it
-      const float shrink = std::exp(top - logit);
-      total *= shrink;
-      for (int64_t d = 0; d < dh; ++d) y[d] *= shrink;
-      top = logit;
-    }
-    const float w = std::exp(logit - top);
-    total += w;
-    AddScaledRow(y, value_scale ? w * value_scale[p] : w, values + p * dh, dh);
-  }
-  a.top[row] = top;
-  a.total[row] = total;
+  kept.resize(static_cast<size_t>(a.capacity));
+  CachedRows<T> c;
+  c.visible = KeptPositions(a, b, h, kept.data());
+  c.rows = kept.data();
+  c.keys = a.keys + row * L * dh, c.values = a.values + row * L * dh, c.dh = dh;
+  c.key_scale = a.key_scale ? a.key_scale + row * L : nullptr;
+  c.value_scale = a.value_scale ? a.value_scale + row * L : nullptr;
+  const SoftmaxTerms terms = AttendCachedRows<I>(a.q + row * dh, c, a.out + row * dh, buffer);
+  a.top[row] = terms.top;
+  a.total[row] = terms.total;
 }
 
 }  // namespace
@@ -132,8 +97,13 @@ template <typename T>
 ffi::Error LshDecodeAttention(ffi::ThreadPool& pool, const LshDecodeOperands<T>& a) {
   const int64_t rows = a.batch * a.heads;
   const int64_t work_bytes = rows * a.capacity * a.dh * static_cast<int64_t>(2 * sizeof(T));
+  const int isa = ActiveIsa();
   Chunked(pool, rows, 1, work_bytes, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) AttendHead(a, r);
+    thread_local std::vector<int32_t> kept;
+    thread_local std::vector<float> buffer;
+    WithIsa(isa, [&](auto tag) TERRA_INLINE_LAMBDA {
+      for (int64_t r = begin; r < end; ++r) AttendHead<decltype(tag)>(a, r, kept, buffer);
+    });
   });
   return ffi::Error::Success();
 }
