@@ -143,6 +143,7 @@ def test_cached_attention_step_writes_the_same_cache_with_either_read():
     np.testing.assert_allclose(direct[0], reference[0], atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_dense_decode_step_runs_the_native_cache_attention(cache_dtype):
     """An encoder-decoder's step (self- and cross-attention over caches of ``cache_dtype``) lowers
