@@ -9,8 +9,12 @@ the first prefill freed its blocks, the next prefill's blocks of the same sizes 
 heaps, and their freed memory stays resident, so each prefill of a long document left the
 process larger (the 800M fully sparse model with an int8 cache at 15,360 inputs: 3.35, 3.75 and
 4.28 GB at three prefills in one process; docs/decode_speed.md, "Long documents").
-:func:`return_large_buffers_to_system` fixes the threshold at 1 MiB; terra's commands call it
-as they start. Plain Python, no JAX.
+:func:`return_large_buffers_to_system` fixes the threshold at 8 MiB; terra's commands call it
+as they start. Not lower: every block above the threshold is mapped and its pages zero-filled by
+the kernel each time it is allocated, and the many blocks of 1-8 MiB that compiling and running
+small programs allocate made the unit tests take 5 min 00 s instead of 2 min 51 s at 1 MiB (2-core
+VM), with the same prefill peaks (3.16, 3.22, 3.22 GB at 1 MiB; 3.17, 3.23, 3.23 GB at 8 MiB;
+3.22, 3.49, 3.49 GB with the dynamic threshold). Plain Python, no JAX.
 """
 
 import ctypes
@@ -21,7 +25,7 @@ from typing import Optional, Tuple
 # glibc's mallopt parameter numbers (malloc.h).
 _M_MMAP_THRESHOLD = -3
 # Blocks of at least this many bytes get their own mapping, whatever was freed before.
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 8 << 20
 
 
 def _libc():
