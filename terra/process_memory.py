@@ -7,14 +7,11 @@ returned to the system when freed, and below it from its heaps, which keep freed
 threshold starts at 128 KiB and rises to the size of each mapped block freed, up to 32 MiB: after
 the first prefill freed its blocks, the next prefill's blocks of the same sizes come from the
 heaps, and their freed memory stays resident, so each prefill of a long document left the
-process larger (the 800M fully sparse model with an int8 cache at 15,360 inputs: 3.35, 3.75 and
-4.28 GB at three prefills in one process; docs/decode_speed.md, "Long documents").
-:func:`return_large_buffers_to_system` fixes the threshold at 8 MiB; terra's commands call it
-as they start. Not lower: every block above the threshold is mapped and its pages zero-filled by
-the kernel each time it is allocated, and the many blocks of 1-8 MiB that compiling and running
-small programs allocate made the unit tests take 5 min 00 s instead of 2 min 51 s at 1 MiB (2-core
-VM), with the same prefill peaks (3.16, 3.22, 3.22 GB at 1 MiB; 3.17, 3.23, 3.23 GB at 8 MiB;
-3.22, 3.49, 3.49 GB with the dynamic threshold). Plain Python, no JAX.
+process larger. :func:`return_large_buffers_to_system` fixes the threshold at 8 MiB; terra's
+commands call it as they start. Not lower: every block above the threshold is mapped and its
+pages zero-filled by the kernel at each allocation, and the many blocks of 1-8 MiB that
+compiling and running small programs allocate slow them down (the measurements are in
+docs/architecture.md, "Large buffers back to the system"). Plain Python, no JAX.
 """
 
 import ctypes
