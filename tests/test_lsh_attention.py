@@ -16,9 +16,15 @@ from terra.layers.lsh_attention import (
     attention_in_chunks,
     bucket_factors,
     full_shared_qk_attention,
+    inverse_permutation,
     length_normalized,
     lsh_attention,
+    signed_argmax,
+    stable_order,
 )
+from terra.layers.multiplicative import MultiplicativeDense
+from terra.layers.selection import block_argmax
+from terra.layers.sparse_qkv import ModuleConvolution
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -314,6 +320,52 @@ def test_incremental_decode_matches_full_forward_within_one_chunk(weights_format
     np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=1e-5, rtol=1e-5)
     assert int(cache["cache"]["cache_index"]) == CHUNK
     assert (np.asarray(cache["cache"]["cached_buckets"])[..., :CHUNK] >= 0).all()
+
+
+def test_sparse_shared_qk_is_one_convolution_with_the_averaged_weights():
+    """Over a whole sequence the 'sparse' format's shared QK, the reference's average of the Q and
+    K convolutions, is computed as one convolution with the averaged weights: the same attention
+    as the two convolutions computed one by one and averaged."""
+    layer = _layer(weights_format="sparse", std_length=4 * CHUNK)  # full attention over the projections
+    x = _x(2 * CHUNK)
+    variables = _init(layer)
+    params = variables["params"]
+    u = MultiplicativeDense(D, H, split_modules=True).apply({"params": params["mult"]}, x)
+
+    def conv(name, module_kernel):
+        return ModuleConvolution(D // H, 3, module_kernel).apply({"params": params[name]}, u)
+
+    heads = lambda t: jnp.swapaxes(t.reshape(2, -1, H, D // H), 1, 2)  # noqa: E731
+    q = heads((conv("q_conv", 3) + conv("k_conv", 3)) / 2)
+    want = jnp.swapaxes(full_shared_qk_attention(q, heads(conv("v_conv", 1))), 1, 2).reshape(x.shape)
+    np.testing.assert_allclose(_apply(layer, variables, x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_keys", [5, 2**30])  # one combined-key sort; past int32, the argsort
+def test_stable_order_and_its_inverse_equal_the_stable_argsort(n_keys):
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 5, (2, 3, 40)).astype(np.int32)  # many ties: stability is visible
+    order, sorted_keys = jax.jit(stable_order, static_argnums=1)(jnp.asarray(keys), n_keys)
+    want = np.argsort(keys, axis=-1, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(sorted_keys, np.take_along_axis(keys, want, axis=-1))
+    undo = jax.jit(inverse_permutation)(order)
+    np.testing.assert_array_equal(undo, np.argsort(want, axis=-1))
+    identity = np.broadcast_to(np.arange(40), keys.shape)
+    np.testing.assert_array_equal(np.take_along_axis(want, np.asarray(undo), axis=-1), identity)
+
+
+def test_signed_argmax_is_the_argmax_of_the_value_and_its_negation():
+    """The hash's bucket, argmax([xR, -xR]), without the concatenation: equal on random rows,
+    ties between the maximum and the negated minimum, repeated extremes and NaN."""
+    rng = np.random.default_rng(4)
+    rows = [rng.normal(size=8) for _ in range(50)]
+    rows += [[1.0, -1.0, 0.5, 0.0], [-2.0, 0.5, 2.0, -2.0], [0.0, -0.0, 0.0, 0.0], [1.0, np.nan, -3.0, np.nan]]
+    rows += [[0.5, 3.0, 3.0, -1.0], [-4.0, 1.0, -4.0, 2.0]]
+    for row in rows:
+        x = jnp.asarray(np.asarray(row, np.float32)[None])
+        want = block_argmax(jnp.concatenate([x, -x], axis=-1))
+        assert int(signed_argmax(x)[0]) == int(want[0]), row
 
 
 def test_decode_beyond_one_chunk_prefers_same_bucket_keys():

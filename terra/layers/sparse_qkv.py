@@ -65,15 +65,10 @@ class ModuleConvolution(nn.Module):
             (f, k, m_in, self.features),
         )
         bias = self.param("bias", nn.with_logical_partitioning(BIAS_INIT, (axes.KV,)), (self.features,))
-        u = jnp.pad(
-            u.astype(self.dtype), ((0, 0), (f - 1 if causal_pad else 0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0))
-        )
         if causal_pad:
-            kernel = as_float(kernel, self.dtype)
-            y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        else:
-            y = self._unfolded(u, kernel)
-        return y + jnp.asarray(bias, self.dtype)
+            return convolve_modules(u, kernel, bias, self.dtype)
+        u = jnp.pad(u.astype(self.dtype), ((0, 0), (0, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+        return self._unfolded(u, kernel) + jnp.asarray(bias, self.dtype)
 
     def _unfolded(self, u: jax.Array, kernel) -> jax.Array:
         """The same convolution as one matrix product over unfolded windows. Used in decode,
@@ -95,6 +90,19 @@ class ModuleConvolution(nn.Module):
         weights), for a layer that hands its weights to a backend's fused decode step; ``None`` for
         any not yet created."""
         return tuple(nn.unbox(self.get_variable("params", name)) for name in ("kernel", "bias"))
+
+
+def convolve_modules(u: jax.Array, kernel, bias, dtype=jnp.float32) -> jax.Array:
+    """:class:`ModuleConvolution` over a whole sequence (causal in length, output length = input
+    length): ``u`` ``[batch, length, S, M_in]``, ``kernel`` ``[F, k, M_in, features]`` (float or a
+    decode tree's narrow weights, widened here), ``bias`` ``[features]`` -> ``[batch, length, S,
+    features]``. Linear in ``(kernel, bias)``: the sum of two convolutions of one input is one
+    convolution with the summed weights (``LSHSelfAttention``'s shared QK)."""
+    f, k = kernel.shape[:2]
+    u = jnp.pad(u.astype(dtype), ((0, 0), (f - 1, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+    kernel = as_float(kernel, dtype)
+    y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y + jnp.asarray(as_float(bias, dtype), dtype)
 
 
 def attention_sparsity_modules(d_model: int, n_heads: int, attention_sparsity: Optional[int], who: str) -> int:
