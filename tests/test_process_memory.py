@@ -2,6 +2,7 @@
 buffers leave the process (with glibc's dynamic threshold they stay resident once a block of their
 size was freed); terra's commands fix it as they start; the resident and peak readings."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -64,3 +65,51 @@ def test_resident_and_peak_readings_are_consistent():
         return
     assert peak >= resident > 0
     assert source == ("VmHWM, reset before the row" if was_reset else "VmHWM, the process's peak since it started")
+
+
+def test_huge_pages_are_asked_for_only_where_the_kernel_gives_them_on_request():
+    env = process_memory.huge_page_environment
+    assert env({"PATH": "/bin"}, "madvise", (2, 36)) == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    kept = env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", (2, 36))
+    assert kept["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert env({}, "always", (2, 36)) is None  # every region gets them already
+    assert env({}, "never", (2, 36)) is None and env({}, None, (2, 36)) is None
+    assert env({}, "madvise", (2, 31)) is None  # glibc without the tunable
+    assert env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", (2, 36)) is None  # the user's choice
+    assert env({process_memory.NO_RESTART_VARIABLE: "1"}, "madvise", (2, 36)) is None
+
+
+@glibc
+def test_a_command_restarts_once_under_the_huge_page_tunable_where_it_helps():
+    """The restart replaces the process with the same program and arguments, once."""
+    program = textwrap.dedent(
+        """
+        import os, sys
+        from terra import process_memory
+        print("start", sys.argv[1:], flush=True)
+        process_memory.restart_with_huge_pages()
+        print("tunables", os.environ.get("GLIBC_TUNABLES"))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", process_memory.NO_RESTART_VARIABLE)}
+    done = subprocess.run(
+        [sys.executable, "-c", program, "a", "b"], capture_output=True, text=True, check=True, env=env
+    )
+    helps = process_memory.huge_page_environment(
+        env, process_memory.transparent_huge_pages(), process_memory._glibc_version()
+    )
+    if helps is None:
+        assert done.stdout.splitlines() == ["start ['a', 'b']", "tunables None"]
+    else:
+        assert done.stdout.splitlines() == ["start ['a', 'b']", "start ['a', 'b']", "tunables glibc.malloc.hugetlb=1"]
+
+
+def test_commands_restart_only_when_run_as_commands(monkeypatch):
+    from terra.cli import app
+
+    calls = []
+    monkeypatch.setattr(process_memory, "restart_with_huge_pages", lambda: calls.append(True))
+    monkeypatch.setattr(sys, "argv", ["terra-probe"])
+    command = app.Command(name="terra-probe", python_m="python -m probe", doc="Probe.", run=lambda flags, rest: 0)
+    assert command.main([]) == 0 and calls == []  # called from Python: this process stays
+    assert command.main() == 0 and calls == [True]

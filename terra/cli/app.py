@@ -176,7 +176,12 @@ class Command:
     def main(self, argv: Optional[Sequence[str]] = None) -> int:
         """The console entry point: runs the command and turns terra's errors into one line
         on standard error and an exit status. Run as a command (``argv`` None), a failed
-        command ends its process at once (see :func:`_leave`)."""
+        command ends its process at once (see :func:`_leave`). Run as a command, it first
+        restarts under glibc's huge pages for large blocks where the machine has them
+        (``terra/process_memory.py``: a long document's prefill otherwise spends seconds in page
+        faults)."""
+        if argv is None:
+            process_memory.restart_with_huge_pages()
         status = self._status(argv)
         if argv is None and status != 0:
             _leave(status)
