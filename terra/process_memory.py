@@ -100,11 +100,14 @@ def restart_with_huge_pages() -> None:
     where :func:`huge_page_environment` says it helps; otherwise returns. For commands only, as
     they start (nothing has run yet): the program restarts from its first line."""
     environ = huge_page_environment(os.environ, transparent_huge_pages(), _glibc_version())
-    if environ is None or not getattr(sys, "orig_argv", None):
+    if environ is None or not getattr(sys, "orig_argv", None) or not sys.executable:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    except OSError:  # an interpreter that cannot be started again: run on in this process
+        return
 
 
 def release_freed_memory() -> None:

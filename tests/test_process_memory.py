@@ -113,3 +113,13 @@ def test_commands_restart_only_when_run_as_commands(monkeypatch):
     command = app.Command(name="terra-probe", python_m="python -m probe", doc="Probe.", run=lambda flags, rest: 0)
     assert command.main([]) == 0 and calls == []  # called from Python: this process stays
     assert command.main() == 0 and calls == [True]
+
+
+@glibc
+def test_a_command_that_cannot_restart_runs_on_in_its_process(monkeypatch):
+    def refuse(*args):
+        raise PermissionError("not executable")
+
+    monkeypatch.setattr(process_memory, "huge_page_environment", lambda *args: {"GLIBC_TUNABLES": "x"})
+    monkeypatch.setattr(process_memory.os, "execve", refuse)
+    assert process_memory.restart_with_huge_pages() is None
