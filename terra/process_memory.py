@@ -57,6 +57,9 @@ def return_large_buffers_to_system(threshold_bytes: int = MMAP_THRESHOLD_BYTES) 
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
 # Set (to anything) to keep a command in the process it started in.
 NO_RESTART_VARIABLE = "TERRA_NO_HUGE_PAGES"
+# Set in the restarted process: a loader that drops GLIBC_TUNABLES (a setuid interpreter) must not
+# make every start restart again.
+RESTARTED_VARIABLE = "TERRA_HUGE_PAGES_RESTARTED"
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -84,15 +87,15 @@ def transparent_huge_pages() -> Optional[str]:
 def huge_page_environment(environ, thp_mode: Optional[str], glibc_version: Tuple[int, int]):
     """The environment to restart with so that glibc maps its large blocks on huge pages, or
     ``None`` where a restart would change nothing: the kernel gives huge pages to every region
-    (``always``) or to none, glibc is older than 2.35 (or absent), the tunable is already set, or
-    ``TERRA_NO_HUGE_PAGES`` is set."""
+    (``always``) or to none, glibc is older than 2.35 (or absent), the tunable is already set,
+    ``TERRA_NO_HUGE_PAGES`` is set, or this process is already the restarted one."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if thp_mode != "madvise" or glibc_version < (2, 35) or NO_RESTART_VARIABLE in environ:
+    if thp_mode != "madvise" or glibc_version < (2, 35) or HUGE_PAGE_TUNABLE in tunables:
         return None
-    if HUGE_PAGE_TUNABLE in tunables:
+    if NO_RESTART_VARIABLE in environ or RESTARTED_VARIABLE in environ:
         return None
     setting = f"{HUGE_PAGE_TUNABLE}=1"
-    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting}
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{setting}" if tunables else setting, RESTARTED_VARIABLE: "1"}
 
 
 def restart_with_huge_pages() -> None:

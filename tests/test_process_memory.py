@@ -69,7 +69,14 @@ def test_resident_and_peak_readings_are_consistent():
 
 def test_huge_pages_are_asked_for_only_where_the_kernel_gives_them_on_request():
     env = process_memory.huge_page_environment
-    assert env({"PATH": "/bin"}, "madvise", (2, 36)) == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    restarted = env({"PATH": "/bin"}, "madvise", (2, 36))
+    assert restarted == {
+        "PATH": "/bin",
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+        process_memory.RESTARTED_VARIABLE: "1",
+    }
+    # A loader that drops GLIBC_TUNABLES (secure execution) must not restart the program forever.
+    assert env({k: v for k, v in restarted.items() if k != "GLIBC_TUNABLES"}, "madvise", (2, 36)) is None
     kept = env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", (2, 36))
     assert kept["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     assert env({}, "always", (2, 36)) is None  # every region gets them already
@@ -91,7 +98,8 @@ def test_a_command_restarts_once_under_the_huge_page_tunable_where_it_helps():
         print("tunables", os.environ.get("GLIBC_TUNABLES"))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", process_memory.NO_RESTART_VARIABLE)}
+    unset = ("GLIBC_TUNABLES", process_memory.NO_RESTART_VARIABLE, process_memory.RESTARTED_VARIABLE)
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run(
         [sys.executable, "-c", program, "a", "b"], capture_output=True, text=True, check=True, env=env
     )

@@ -96,6 +96,7 @@ from terra.layers.attention import MASK_VALUE, output_projection
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
 from terra.layers.multiplicative import MultiplicativeDense
+from terra.layers.selection import block_argmax
 from terra.layers.sparse_qkv import (
     ConvolutionCacheMixin,
     ModuleConvolution,
@@ -194,17 +195,16 @@ def _buckets(rotated: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
 
 
 def signed_argmax(x: jax.Array) -> jax.Array:
-    """``selection.block_argmax(concatenate([x, -x], -1))`` (first index of the maximum, NaN counting as
+    """``block_argmax(concatenate([x, -x], -1))`` (first index of the maximum, NaN counting as
     the maximum) from ``x``'s maximum and minimum, without building the negated copy (in a
     prefill's hash a float32 ``[heads, 2, length, 128]`` per layer)."""
     half = x.shape[-1]
-    top, bottom = jnp.max(x, axis=-1, keepdims=True), jnp.min(x, axis=-1, keepdims=True)
+    top, bottom = jnp.max(x, axis=-1), jnp.min(x, axis=-1, keepdims=True)
     index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    first_top = jnp.min(jnp.where((x == top) | jnp.isnan(x), index, half), axis=-1)
     first_bottom = jnp.min(jnp.where(x == bottom, index, half), axis=-1)
     # A tie between the maximum and the negated minimum goes to the first half, as argmax's.
-    use_top = (top[..., 0] >= -bottom[..., 0]) | jnp.isnan(top[..., 0])
-    return jnp.where(use_top, first_top, half + first_bottom)
+    use_top = (top >= -bottom[..., 0]) | jnp.isnan(top)
+    return jnp.where(use_top, block_argmax(x), half + first_bottom)
 
 
 def stable_order(keys: jax.Array, n_keys: int) -> Tuple[jax.Array, jax.Array]:
@@ -673,8 +673,8 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
 
         q_conv, k_conv = conv("q_conv", self.module_kernel_size), conv("k_conv", self.module_kernel_size)
         v = conv("v_conv", self.value_module_kernel_size)(window, causal_pad=causal_pad)
-        stored = (q_conv.stored_weights(), k_conv.stored_weights())
-        if causal_pad and all(w is not None for pair in stored for w in pair):
+        stored = (q_conv.stored_weights(), k_conv.stored_weights())  # (kernel, bias) each; None before init
+        if causal_pad and stored[0][0] is not None and stored[1][0] is not None:
             # The reference's QKAvg, (conv_q(u) + conv_k(u)) / 2, as one convolution with the
             # averaged weights (a convolution is linear in them): half the Q/K products of a
             # whole sequence (a prefill, training), the same parameters.
