@@ -13,9 +13,11 @@ from terra.errors import ConfigError
 from terra.layers import SparseQKVAttention, axes
 from terra.layers.lsh_attention import (
     LSHSelfAttention,
+    _buckets,
     attention_in_chunks,
     bucket_factors,
     full_shared_qk_attention,
+    hash_vectors,
     inverse_permutation,
     length_normalized,
     lsh_attention,
@@ -528,3 +530,42 @@ def test_native_chunk_attention_refuses_operands_that_disagree():
         jax.block_until_ready(native_kernels.lsh_chunk_attention(q, k, v, positions[..., :32], valid, 1, 0, True))
     with pytest.raises(Exception, match="at most as many adjacent chunks"):
         jax.block_until_ready(native_kernels.lsh_chunk_attention(q, k, v, positions, valid, 4, 0, True))
+
+
+@native
+@pytest.mark.parametrize("factors,rounds,d", [((8,), 2, 16), ((4, 6), 3, 8), ((128,), 2, 64), ((2,), 1, 5)])
+def test_native_hash_equals_its_xla_form(factors, rounds, d):
+    """The native LSH hash against the XLA form's buckets, exactly, in every instruction set: small
+    integer vectors and rotations make every product exact, so ties (zero vectors, repeated values)
+    and NaNs test the rule itself (the first index of the maximum of ``[xR, -xR]``, NaN the
+    maximum); widths that are not whole vectors take the padded columns."""
+    rng = np.random.default_rng(len(factors) * 10 + rounds)
+    batch, heads, length = 2, 3, 70
+    vecs = rng.integers(-2, 3, size=(batch, heads, length, d)).astype(np.float32)
+    vecs[0, 0, :5] = 0.0  # every rotated value ties
+    vecs[1, 2, 7, 0] = np.nan
+    rotations = jnp.asarray(rng.integers(-3, 4, size=(heads, d, rounds, sum(factors) // 2)), jnp.float32)
+    vecs = jnp.asarray(vecs)
+    xla = jax.jit(lambda v, r: _buckets(jnp.einsum("bhld,hdrk->bhrlk", v, r), factors))
+    hashed = jax.jit(lambda v, r: hash_vectors(v, r, factors))
+    assert native_kernels.TARGETS["lsh_hash", "float32"] in hashed.lower(vecs, rotations).as_text()
+    want = np.asarray(xla(vecs, rotations))
+    assert len(np.unique(want)) > 1
+    try:
+        for isa in native_kernels.ISAS:
+            native_kernels.use_isa(isa)
+            np.testing.assert_array_equal(hashed(vecs, rotations), want, err_msg=native_kernels.isa())
+    finally:
+        native_kernels.use_isa(native_kernels.ISAS[-1])
+
+
+@native
+def test_native_hash_refuses_bad_factors_and_shapes():
+    vecs = jnp.zeros((1, 2, 8, 4), jnp.float32)
+    rotations = jnp.zeros((2, 4, 1, 2), jnp.float32)
+    with pytest.raises(Exception, match="bucket factors must be even"):
+        jax.block_until_ready(native_kernels.lsh_hash(vecs, jnp.zeros((2, 4, 1, 1)), (3,)))
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        jax.block_until_ready(native_kernels.lsh_hash(vecs, jnp.zeros((3, 4, 1, 2)), (4,)))
+    with pytest.raises(Exception, match="1 to 4 bucket factors"):
+        jax.block_until_ready(native_kernels.lsh_hash(vecs, rotations, (2, 2, 2, 2, 2)))

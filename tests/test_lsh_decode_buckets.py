@@ -115,6 +115,34 @@ def test_bucket_lists_choose_the_whole_cache_choice():
         np.testing.assert_array_equal(np.sort(fast, -1), np.sort(slow, -1))
 
 
+def test_prefill_attends_with_the_buckets_it_caches():
+    """The prefill hashes its prefix once: its own output is the layer's forward with the
+    buckets it writes to the cache, also with an ``lsh`` rng (whose second draw, for a second
+    hash, would give other rotations)."""
+    layer = _layer()
+    x, prefix_mask, _ = _inputs(1, padded=True)
+    prefix = x[:, :PREFIX]
+    rngs = {"lsh": jax.random.key(7)}
+
+    @jax.jit
+    def prefill_and_forward(params):
+        y, cache = layer.apply(
+            {"params": params},
+            prefix,
+            decode=True,
+            max_decode_length=MAX_LEN,
+            prefix_mask=prefix_mask,
+            mutable=["cache"],
+            rngs=rngs,
+        )
+        cached = cache["cache"]["cached_buckets"][..., :PREFIX]
+        return y, layer.apply({"params": params}, prefix, prefix_mask, buckets=cached)
+
+    y, replayed = prefill_and_forward(_params())
+    real = np.asarray(prefix_mask, bool)
+    np.testing.assert_allclose(np.asarray(y)[real], np.asarray(replayed)[real], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("cache_dtype,atol", [("bfloat16", 1e-2), ("int8", 1e-2)])
 def test_narrow_caches_stay_close_to_float32(cache_dtype, atol):
     x, prefix_mask, step_mask = _inputs(4, True)

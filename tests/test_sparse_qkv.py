@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from terra.backends import native_kernels
 from terra.errors import ConfigError
 from terra.layers import MultiplicativeDense, SparseLossLogits, SparseQKVAttention, SparseQueryCrossAttention
 from terra.layers.multiplicative import COMBINED_KERNEL_ROWS
-from terra.layers.sparse_qkv import sparse_qkv_param_count
+from terra.layers.sparse_qkv import convolve_modules, sparse_qkv_param_count
 from terra.quantization import quantize_params
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
@@ -146,3 +147,48 @@ def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
     np.testing.assert_allclose(logits[..., s * 10 + m], expected, atol=1e-5)
     with pytest.raises(ConfigError, match="vocab_size=40 is not divisible by loss_sparsity=3"):
         SparseLossLogits(vocab_size=40, loss_sparsity=3).init(jax.random.key(0), x)
+
+
+native = pytest.mark.skipif(not native_kernels.available(), reason="terra's native kernels are not built")
+
+
+def _xla_convolution(u, kernel, bias):
+    f, k = kernel.shape[:2]
+    padded = jnp.pad(u, ((0, 0), (f - 1, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
+    dims = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(padded, kernel, (1, 1), "VALID", dimension_numbers=dims) + bias
+
+
+@native
+@pytest.mark.parametrize("length,modules,f,k,m,n", [(150, 4, 3, 3, 8, 16), (5, 3, 3, 1, 5, 32), (70, 16, 2, 5, 64, 64)])
+def test_native_module_convolution_equals_the_convolution_op(length, modules, f, k, m, n):
+    """Blocks of positions and a last partial one, sequences shorter than the window, module
+    kernels wider than one and than the modules' padding, against XLA's convolution op, in every
+    instruction set; the gradient is the XLA form's."""
+    rng = np.random.default_rng(length + k)
+    u = jnp.asarray(rng.normal(size=(2, length, modules, m)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(f, k, m, n)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    convolve = jax.jit(lambda u, w, b: convolve_modules(u, w, b))
+    assert native_kernels.TARGETS["module_convolution", "float32"] in convolve.lower(u, kernel, bias).as_text()
+    want = _xla_convolution(u, kernel, bias)
+    try:
+        for isa in native_kernels.ISAS:
+            native_kernels.use_isa(isa)
+            np.testing.assert_allclose(convolve(u, kernel, bias), want, atol=2e-5, rtol=2e-5, err_msg=isa)
+    finally:
+        native_kernels.use_isa(native_kernels.ISAS[-1])
+    weights = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
+    grads = jax.grad(lambda *a: jnp.sum(convolve_modules(*a) * weights), (0, 1, 2))(u, kernel, bias)
+    want_grads = jax.grad(lambda *a: jnp.sum(_xla_convolution(*a) * weights), (0, 1, 2))(u, kernel, bias)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@native
+def test_native_module_convolution_refuses_operands_that_disagree():
+    u, bias = jnp.zeros((1, 8, 4, 8)), jnp.zeros((16,))
+    with pytest.raises(Exception, match="operand shapes disagree"):
+        jax.block_until_ready(native_kernels.module_convolution(u, jnp.zeros((3, 3, 7, 16)), bias))
+    with pytest.raises(Exception, match="odd module kernel"):
+        jax.block_until_ready(native_kernels.module_convolution(u, jnp.zeros((3, 2, 8, 16)), bias))

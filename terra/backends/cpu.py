@@ -300,3 +300,28 @@ def lsh_chunk_attention(q: jax.Array, n_chunks: int, before: int, after: int, ca
         return out, lse
 
     return native
+
+
+def lsh_hash(vecs: jax.Array, rotations: jax.Array, factors):
+    """``(vecs, rotations) -> buckets``: an LSH layer's hash of a whole sequence in one native call
+    (``native_kernels.lsh_hash``), for float32 operands and at most ``MAX_LSH_FACTORS`` factors."""
+    if vecs.dtype != jnp.float32 or rotations.dtype != jnp.float32 or len(factors) > native_kernels.MAX_LSH_FACTORS:
+        return None
+    if not native_kernels.available():
+        return None
+
+    def native(vecs, rotations):
+        return native_kernels.lsh_hash(vecs, rotations, factors)
+
+    return native
+
+
+def module_convolution(u: jax.Array, kernel: jax.Array):
+    """``(u, kernel, bias) -> y``: a sparse-QKV convolution over a whole sequence in one native call
+    (``native_kernels.module_convolution``), for float32 operands with an odd module kernel and a
+    multiple of 16 output features."""
+    if u.dtype != jnp.float32 or kernel.dtype != jnp.float32 or kernel.shape[-1] % 16 or kernel.shape[1] % 2 == 0:
+        return None
+    if not native_kernels.available():
+        return None
+    return native_kernels.module_convolution

@@ -35,6 +35,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ENV_SWITCH = "TERRA_NATIVE_KERNELS"
 MAX_ROWS = 8
@@ -97,6 +98,11 @@ TARGETS.update(
 )
 # An LSH layer's attention over its sorted chunks (a prefill's, an evaluation's).
 TARGETS[("lsh_chunk_attention", "float32")] = "terra_lsh_chunk_attention"
+# An LSH layer's bucket ids for a whole sequence, and the most bucket factors it takes (lsh_hash.h).
+TARGETS[("lsh_hash", "float32")] = "terra_lsh_hash"
+MAX_LSH_FACTORS = 4
+# A sparse-QKV convolution over a whole sequence (module_convolution.h).
+TARGETS[("module_convolution", "float32")] = "terra_module_convolution"
 # Keys per tile of the blocked attention's transposed keys (a multiple of 64: prefill_attention.h).
 ATTENTION_KEY_TILE = 256
 
@@ -407,6 +413,37 @@ def lsh_chunk_attention(q, k, v, positions, valid, before: int, after: int, caus
     # Each chunk's keys transposed, [B, H, N, Dh, C]: a chunk's keys lie along the vector lanes.
     kt = jnp.swapaxes(k, -1, -2)
     return call(q, kt, v, i32(positions), i32(valid), before=int(before), after=int(after), causal=bool(causal))
+
+
+def lsh_hash(vecs, rotations, factors) -> jax.Array:
+    """An LSH layer's angular hash in one call (``terra/layers/lsh_attention.py``, ``hash_vectors``):
+    ``vecs f32 [B, H, L, D]``, ``rotations f32 [H, D, R, sum(factors) / 2]`` -> buckets ``s32 [B, H,
+    R, L]``, per round ``sum_f radix_f · argmax([x R_f, -x R_f])`` (the first index of the maximum,
+    NaN counting as the maximum). At most ``MAX_LSH_FACTORS`` even factors."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    batch, heads, length, _ = vecs.shape
+    rotation_heads, depth, rounds, half = rotations.shape
+    # The rounds' columns side by side, padded to whole vectors of 16 (lsh_hash.h).
+    columns = jnp.asarray(rotations, jnp.float32).reshape(rotation_heads, depth, rounds * half)
+    width = -(-(rounds * half) // 16) * 16
+    columns = jnp.pad(columns, ((0, 0), (0, 0), (0, width - rounds * half)))
+    out = jax.ShapeDtypeStruct((batch, heads, rounds, length), jnp.int32)
+    call = jax.ffi.ffi_call(TARGETS["lsh_hash", "float32"], out, vmap_method="sequential")
+    return call(jnp.asarray(vecs, jnp.float32), columns, factors=np.asarray(factors, np.int64))
+
+
+def module_convolution(u, kernel, bias) -> jax.Array:
+    """A sparse-QKV layer's convolution over a whole sequence in one call (``terra/layers/sparse_qkv.py``,
+    ``convolve_modules``): ``u f32 [B, L, S, M]``, ``kernel f32 [F, k, M, N]`` (``k`` odd, ``N`` a
+    multiple of 16), ``bias f32 [N]`` -> ``f32 [B, L, S, N]``, causal in length (``F - 1`` zero rows
+    before the start) with the module axis zero-padded by ``(k - 1) / 2`` on each side."""
+    if _library() is None:
+        raise RuntimeError("terra's native kernels are not available; check kernels.available() first")
+    f32 = jnp.float32
+    out = jax.ShapeDtypeStruct(tuple(u.shape[:3]) + (kernel.shape[-1],), f32)
+    call = jax.ffi.ffi_call(TARGETS["module_convolution", "float32"], out, vmap_method="sequential")
+    return call(jnp.asarray(u, f32), jnp.asarray(kernel, f32), jnp.asarray(bias, f32))
 
 
 def _call(product: str, kind: str, out_shape, x, values, scale, *rest) -> jax.Array:

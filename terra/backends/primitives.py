@@ -11,7 +11,7 @@ A backend is a module with one function per primitive below that has native form
 (``output_major_product``, ``input_major_product``, ``transposed_chunk_rows``,
 ``gathered_rows_product``, ``gathered_rows_sum``, ``sparse_feed_forward_step``,
 ``sparse_attention_step``, ``cache_attention``, ``lsh_bucket_attention``, ``blocked_attention``,
-``lsh_chunk_attention``),
+``lsh_chunk_attention``, ``lsh_hash``, ``module_convolution``),
 each returning the form or
 ``None`` (``terra/backends/cpu.py``).
 """
@@ -344,6 +344,25 @@ def lsh_chunk_attention(q, k, v, positions, valid, *, before: int, after: int, c
     derivative is the derivative whichever form ran forward (recomputed)."""
     forms = _native_forms("lsh_chunk_attention", q, q.shape[2], before, after, causal)
     return _run_with_xla_derivative(forms, unfused, q, k, v, positions, valid)
+
+
+def lsh_hash(vecs: jax.Array, rotations: jax.Array, factors: Tuple[int, ...], unfused: Callable) -> jax.Array:
+    """An LSH layer's bucket ids for a whole sequence: ``vecs [b, h, l, d]``, ``rotations [h, d, R,
+    sum(factors) / 2]`` -> ``[b, h, R, l]`` int32. ``unfused(vecs, rotations)`` computes the same in
+    XLA and runs where no backend has a form. Buckets are discrete: no gradient flows through them
+    (the operands are taken as constants, so a native form needs no derivative)."""
+    vecs, rotations = lax.stop_gradient(vecs), lax.stop_gradient(rotations)
+    return _run(_native_forms("lsh_hash", vecs, rotations, tuple(factors)), unfused, vecs, rotations)
+
+
+def module_convolution(u: jax.Array, kernel: jax.Array, bias: jax.Array, unfused: Callable) -> jax.Array:
+    """A sparse-QKV layer's convolution over a whole sequence: ``u [b, l, S, M]``, ``kernel [F, k, M,
+    N]`` and ``bias [N]`` (float) -> ``[b, l, S, N]``, causal in length, the module axis zero-padded
+    by ``(k - 1) / 2`` on each side. ``unfused(u, kernel, bias)`` computes the same in XLA: it runs
+    where no backend has a form, and its derivative is the derivative whichever form ran forward
+    (the convolution is linear, so its transpose needs no recomputed forward)."""
+    forms = _native_forms("module_convolution", u, kernel)
+    return _run_with_xla_derivative(forms, unfused, u, kernel, bias)
 
 
 def _run_with_xla_derivative(forms: dict, xla_form: Callable, *operands):

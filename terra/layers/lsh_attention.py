@@ -89,7 +89,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import LSHDecodeCache, as_float, lsh_bucket_attention, lsh_chunk_attention, write_after_read
+from terra.backends import (
+    LSHDecodeCache,
+    as_float,
+    lsh_bucket_attention,
+    lsh_chunk_attention,
+    lsh_hash,
+    write_after_read,
+)
 from terra.errors import ConfigError
 from terra.layers import axes, kv_cache
 from terra.layers.attention import MASK_VALUE, output_projection
@@ -168,9 +175,14 @@ def draw_rotations(key: jax.Array, n_heads: int, d_head: int, n_hashes: int, fac
 def hash_vectors(vecs: jax.Array, rotations: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
     """Angular LSH: ``vecs`` ``[batch, heads, length, d]`` -> buckets ``[batch, heads,
     n_hashes, length]`` in ``[0, prod(factors))``; ``bucket = argmax([xR, -xR])`` per factor,
-    combined mixed-radix for a factorised hash."""
-    rotated = jnp.einsum("bhld,hdrk->bhrlk", vecs.astype(jnp.float32), rotations)
-    return _buckets(rotated, factors)
+    combined mixed-radix for a factorised hash. A backend may hash in one call
+    (``terra.backends.lsh_hash``: XLA:CPU writes the rotated floats out and reads them back for
+    the argmax, several times the product's time at a prefill's lengths)."""
+
+    def unfused(vecs, rotations):
+        return _buckets(jnp.einsum("bhld,hdrk->bhrlk", vecs, rotations), factors)
+
+    return lsh_hash(vecs.astype(jnp.float32), rotations.astype(jnp.float32), factors, unfused)
 
 
 def hash_query(q: jax.Array, rotations_by_row: jax.Array, factors: Tuple[int, ...]) -> jax.Array:
@@ -746,10 +758,12 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
 
     # ---------------------------------------------------------------------- decode
     def _decode_step(self, q, v, mask, *, deterministic: bool, max_decode_length: Optional[int], prefix_mask=None):
-        """Returns the head-major output, or ``None`` on the cache-creating call (which, given
-        ``prefix_mask``, also writes the prefix's keys, values, buckets and bucket lists: a
-        prefill)."""
+        """Returns ``(output, prefix_buckets)``: the head-major output, or ``None`` on the
+        cache-creating call (which, given ``prefix_mask``, also writes the prefix's keys, values,
+        buckets and bucket lists: a prefill), and the prefix's buckets where the prefill's own
+        attention hashes as the cache does (else ``None``)."""
         initialized = self.has_variable("cache", "cached_key")
+        own_buckets = None
         if not initialized and max_decode_length is None:
             raise ValueError("LSHSelfAttention: the cache-creating decode call needs max_decode_length.")
         batch, heads, _, d = q.shape
@@ -795,6 +809,10 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             real = prefix_mask.astype(bool)
             by_column = jnp.moveaxis(rotations.value, -1, 1)  # [heads, d, n_hashes, n_buckets / 2]
             prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, by_column, factors), -1)
+            if factors == bucket_factors(self.n_buckets, -(-length // self.chunk_len) * self.chunk_len, self.chunk_len):
+                # The prefill's own attention hashes with the cache's rotations and factors:
+                # the same buckets, hashed once.
+                own_buckets = prefix_buckets
             cached_key.write(length_normalized(q), 0)
             cached_value.write(v, 0)
             cached_buckets.value = lax.dynamic_update_slice(cached_buckets.value, prefix_buckets, (0, 0, 0, 0))
@@ -804,7 +822,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
                 real_ids = jnp.where(real, 0, -1).astype(jnp.int32)
                 recent_positions.value, recent_counts.value = latest_positions(real_ids, 1, n_keep)
         if not initialized:
-            return None
+            return None, own_buckets
         if q.shape[2] != 1:
             raise ValueError(f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions.")
         index = cache_index.value
@@ -870,7 +888,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
                 recent_positions.value, recent_counts.value, real_id, position
             )
         cache_index.value = index + 1
-        return y
+        return y, None
 
     @nn.compact
     def __call__(
@@ -888,9 +906,11 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         q, v = self._project(x, decode, prefix_mask if decode else None)
         y = None
         if decode:
-            y = self._decode_step(
+            y, prefix_buckets = self._decode_step(
                 q, v, mask, deterministic=deterministic, max_decode_length=max_decode_length, prefix_mask=prefix_mask
             )
+            if buckets is None:
+                buckets = prefix_buckets
             if prefix_mask is not None:
                 mask = prefix_mask  # the prefill's own output: padded keys never attended to
         if y is None:

@@ -146,8 +146,7 @@ TERRA_INLINE void SparseAttentionChunk(const SparseAttentionStep<W>& s, int phas
       float* gated = s.gated + r * s.d;
       int64_t i = 0;
       for (; i + kLanes <= s.d; i += kLanes) {
-        const Lanes g = LoadLanes(x + i) * (I::WidenLanes(gate + i) * scale);
-        std::memcpy(gated + i, &g, sizeof g);
+        I::StoreWide(gated + i, I::LoadWide(x + i) * (I::WidenLanes(gate + i) * scale));
       }
       for (; i < s.d; ++i) gated[i] = x[i] * (Widen(gate[i]) * scale);
     }

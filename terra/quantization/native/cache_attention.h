@@ -230,8 +230,8 @@ TERRA_INLINE SoftmaxTerms Attend(const float* q, const CachedRows<T>& c, float* 
   float* logits = buffer.data();
   Logits<I, NV>(q, c, shape, logits);
   SoftmaxTerms terms;
-  terms.top = RowMax(logits, n);
-  terms.total = ExpAndSum(logits, n, terms.top);  // logits[j] = exp(l_j - top)
+  terms.top = RowMax<I>(logits, n);
+  terms.total = ExpAndSum<I>(logits, n, terms.top);  // logits[j] = exp(l_j - top)
   WeightedValues<I, NV>(logits, c, n, shape, y);
   return terms;
 }

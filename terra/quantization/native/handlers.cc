@@ -20,6 +20,9 @@
 //                                          against tiles of keys (prefill_attention.h)
 //   terra_lsh_chunk_attention              an LSH layer's attention over its sorted chunks, each
 //                                          with its adjacent ones (prefill_attention.h)
+//   terra_lsh_hash                         an LSH layer's bucket ids for a whole sequence (lsh_hash.h)
+//   terra_module_convolution               a sparse-QKV convolution over a whole sequence
+//                                          (module_convolution.h)
 //   terra_sparse_attention_{projections1,projections2,projections3,self,cross}_{int8,bf16}
 //                                          a sparse QKV layer's decode step (with one to three
 //                                          convolutions) or with its self- or cross-attention too
@@ -33,6 +36,8 @@
 #include "cache_attention.h"
 #include "isa.h"
 #include "lsh_attention.h"
+#include "lsh_hash.h"
+#include "module_convolution.h"
 #include "prefill_attention.h"
 #include "products.h"
 #include "sparse_feedforward.h"
@@ -409,6 +414,55 @@ ffi::Error LshChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   return LshChunkAttention(pool, o);
 }
 
+// The LSH hash: vecs [B, H, L, D], rotations [H, D, W] -> buckets s32 [B, H, R, L], the factors as
+// an attribute (lsh_hash.h); checked here before anything is read.
+ffi::Error LshHashImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> vecs, ffi::Buffer<ffi::F32> rotations,
+                       ffi::ResultBuffer<ffi::S32> buckets, ffi::Span<const int64_t> factors) {
+  const auto vs = vecs.dimensions(), rs = rotations.dimensions(), bs = buckets->dimensions();
+  if (vs.size() != 4 || rs.size() != 3 || bs.size() != 4)
+    return ffi::Error::InvalidArgument("LSH hash: vecs [B, H, L, D], rotations [H, D, W] and buckets [B, H, R, L] "
+                                       "expected (lsh_hash.h)");
+  LshHashOperands o;
+  o.batch = vs[0], o.heads = vs[1], o.length = vs[2], o.depth = vs[3], o.width = rs[2], o.rounds = bs[2];
+  if (factors.size() == 0 || static_cast<int64_t>(factors.size()) > kMaxLshFactors)
+    return ffi::Error::InvalidArgument("LSH hash: 1 to 4 bucket factors expected");
+  int64_t half_sum = 0, n_buckets = 1;
+  for (const int64_t f : factors) {
+    if (f < 2 || f % 2 != 0 || n_buckets > (int64_t{1} << 30) / f)
+      return ffi::Error::InvalidArgument("LSH hash: bucket factors must be even, positive and multiply to under 2^30");
+    o.factors[o.n_factors++] = f, half_sum += f / 2, n_buckets *= f;
+  }
+  if (rs[0] != o.heads || rs[1] != o.depth || bs[0] != o.batch || bs[1] != o.heads || bs[3] != o.length)
+    return ffi::Error::InvalidArgument("LSH hash: operand shapes disagree (lsh_hash.h)");
+  if (o.width % 16 != 0 || o.width < o.rounds * half_sum || o.depth < 1)
+    return ffi::Error::InvalidArgument("LSH hash: rotations need a width of a multiple of 16 holding every round's "
+                                       "columns");
+  o.vecs = vecs.typed_data(), o.rotations = rotations.typed_data(), o.buckets = buckets->typed_data();
+  return LshHash(pool, o);
+}
+
+// The module convolution: u [B, L, S, M], kernel [F, k, M, N], bias [N] -> out [B, L, S, N]
+// (module_convolution.h); checked here before anything is read.
+ffi::Error ModuleConvolutionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> kernel,
+                                 ffi::Buffer<ffi::F32> bias, Out out) {
+  const auto us = u.dimensions(), ks = kernel.dimensions();
+  if (us.size() != 4 || ks.size() != 4 || bias.dimensions().size() != 1 || out->dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("module convolution: u [B, L, S, M], kernel [F, k, M, N], bias [N] and out "
+                                       "[B, L, S, N] expected (module_convolution.h)");
+  ModuleConvolutionOperands o;
+  o.batch = us[0], o.length = us[1], o.modules = us[2], o.depth = us[3];
+  o.length_kernel = ks[0], o.module_kernel = ks[1], o.features = ks[3];
+  const auto os = out->dimensions();
+  if (ks[2] != o.depth || bias.dimensions()[0] != o.features || os[0] != o.batch || os[1] != o.length ||
+      os[2] != o.modules || os[3] != o.features)
+    return ffi::Error::InvalidArgument("module convolution: operand shapes disagree (module_convolution.h)");
+  if (o.features % 16 != 0 || o.module_kernel % 2 == 0 || o.length_kernel < 1)
+    return ffi::Error::InvalidArgument("module convolution: outputs of a multiple of 16 features, an odd module "
+                                       "kernel and a positive length kernel expected");
+  o.u = u.typed_data(), o.kernel = kernel.typed_data(), o.bias = bias.typed_data(), o.out = out->typed_data();
+  return ModuleConvolution(pool, o);
+}
+
 }  // namespace
 
 // The library is built with hidden visibility (no header internals exported); these are its API.
@@ -510,6 +564,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_chunk_attention, LshChunkAttentionImpl,
                                       TERRA_OUT.Attr<int64_t>("before")
                                       .Attr<int64_t>("after")
                                       .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_lsh_hash, LshHashImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<ffi::Span<const int64_t>>("factors"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_module_convolution, ModuleConvolutionImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() TERRA_F32 TERRA_F32 TERRA_F32 TERRA_OUT);
 
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one

@@ -74,6 +74,17 @@ typedef int16_t Int16Lanes __attribute__((vector_size(kLanes * sizeof(int16_t)))
 typedef int32_t Int32Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t Uint32Lanes __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
+// N lanes of float32 and of int32 for code that compares and selects (a ? b : c over a vector
+// comparison): GCC compiles such selects to vector instructions only at a width the target's
+// registers hold, and one lane at a time through the stack beyond it (16 lanes under AVX2 made the
+// LSH chunk attention's masks and softmax several times slower than its products). Each tag's
+// kSelectLanes is its register width.
+template <int64_t N>
+struct SelectLanes {
+  typedef float Float __attribute__((vector_size(N * sizeof(float))));
+  typedef int32_t Int32 __attribute__((vector_size(N * sizeof(int32_t))));
+};
+
 TERRA_INLINE Lanes LoadLanes(const float* x) {
   Lanes lanes;
   std::memcpy(&lanes, x, sizeof lanes);
@@ -122,6 +133,24 @@ TERRA_INLINE void AddScaledRow(float* y, float w, const T* row, int64_t n) {
   for (; i < n; ++i) y[i] += w * Widen(row[i]);
 }
 
+// 16 float32 lanes as two halves of 8: what the AVX2 kernels hold where the others hold Lanes.
+// GCC has no register for a 16-lane vector under AVX2 and keeps one in memory, so kernels written
+// over Lanes ran their accumulators through the stack there (an input-major product of a 64 KiB
+// int8 kernel for 16 rows: 0.92 ms, slower than the portable build); each half is one register.
+// The operations are the same lane by lane, so the results are the same as over Lanes.
+typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+struct SplitLanes {
+  HalfLanes lo, hi;
+};
+TERRA_INLINE SplitLanes operator+(const SplitLanes& a, const SplitLanes& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+TERRA_INLINE SplitLanes operator*(const SplitLanes& a, const SplitLanes& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+TERRA_INLINE SplitLanes operator*(float s, const SplitLanes& a) { return {s * a.lo, s * a.hi}; }
+TERRA_INLINE SplitLanes operator*(const SplitLanes& a, float s) { return {a.lo * s, a.hi * s}; }
+TERRA_INLINE SplitLanes& operator+=(SplitLanes& a, const SplitLanes& b) {
+  a.lo += b.lo, a.hi += b.hi;
+  return a;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The instruction-set tags. Each has:
 //   Vec, kWidth          its float32 vector and lanes per vector
@@ -130,8 +159,12 @@ TERRA_INLINE void AddScaledRow(float* y, float w, const T* row, int64_t n) {
 //   kBlockRows           rows of x per register tile of the blocked input-major product
 //   kTransposedSums      whether SumsOfWidth (kWidth vectors' sums as one vector) is cheaper than
 //                        kWidth reductions
+//   kSelectLanes         the lanes of SelectLanes that compile to the set's vector selects
 //   Zero, Broadcast, Load(x[, m]), Store, Widen(w[, m]), Fma, Mul, Sum: m = the lanes of a tail
-//   WidenLanes           16 narrow weights as Lanes, with the set's own conversions: the generic
+//   Wide, LoadWide, StoreWide, SumWide
+//                        16 float32 lanes as the set keeps them in registers (Lanes, or SplitLanes
+//                        under AVX2), loaded, stored, and added to a total lane 0 first
+//   WidenLanes           16 narrow weights as Wide, with the set's own conversions: the generic
 //                        conversion takes 8 instructions for 16 int8 weights where AVX-512 takes 2
 //                        (vpmovsxbd, vcvtdq2ps), and the gathered and input-major kernels are bound
 //                        by widening, not by memory, when their weights are in cache.
@@ -144,6 +177,7 @@ struct Portable {
   static constexpr int kAccumulators = 2;
   static constexpr int kBlockRows = 2;
   static constexpr bool kTransposedSums = false;
+  static constexpr int64_t kSelectLanes = 4;
 
   static TERRA_INLINE Vec Zero() { return Vec{}; }
   static TERRA_INLINE Vec Broadcast(float s) { return Vec{} + s; }
@@ -172,8 +206,15 @@ struct Portable {
     for (int64_t l = 0; l < kWidth; ++l) total += v[l];
     return total;
   }
+  using Wide = Lanes;
+  static TERRA_INLINE Wide LoadWide(const float* x) { return LoadLanes(x); }
+  static TERRA_INLINE void StoreWide(float* y, const Wide& v) { StoreLanes(y, v); }
+  static TERRA_INLINE float SumWide(const Wide& v, float total = 0.0f) {
+    for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+    return total;
+  }
   template <typename W>
-  static TERRA_INLINE Lanes WidenLanes(const W* v) {
+  static TERRA_INLINE Wide WidenLanes(const W* v) {
     return GenericWidenLanes(v);
   }
 };
@@ -189,6 +230,7 @@ struct Avx2 {
   // 2 * 3 accumulators of 16 lanes: 12 of the 16 registers.
   static constexpr int kBlockRows = 3;
   static constexpr bool kTransposedSums = false;
+  static constexpr int64_t kSelectLanes = 8;
 
   TERRA_AVX2 static inline Vec Zero() { return _mm256_setzero_ps(); }
   TERRA_AVX2 static inline Vec Broadcast(float s) { return _mm256_set1_ps(s); }
@@ -220,13 +262,22 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  using Wide = SplitLanes;
+  TERRA_AVX2 static inline Wide LoadWide(const float* x) {
+    return {reinterpret_cast<HalfLanes>(_mm256_loadu_ps(x)), reinterpret_cast<HalfLanes>(_mm256_loadu_ps(x + 8))};
+  }
+  TERRA_AVX2 static inline void StoreWide(float* y, const Wide& v) {
+    _mm256_storeu_ps(y, reinterpret_cast<__m256>(v.lo));
+    _mm256_storeu_ps(y + 8, reinterpret_cast<__m256>(v.hi));
+  }
+  TERRA_AVX2 static inline float SumWide(const Wide& v, float total = 0.0f) {
+    for (int64_t l = 0; l < kLanes / 2; ++l) total += v.lo[l];
+    for (int64_t l = 0; l < kLanes / 2; ++l) total += v.hi[l];
+    return total;
+  }
   template <typename W>
-  TERRA_AVX2 static inline Lanes WidenLanes(const W* v) {
-    const __m256 low = Widen(v), high = Widen(v + 8);
-    Lanes lanes;
-    std::memcpy(&lanes, &low, sizeof low);
-    std::memcpy(reinterpret_cast<char*>(&lanes) + sizeof low, &high, sizeof high);
-    return lanes;
+  TERRA_AVX2 static inline Wide WidenLanes(const W* v) {
+    return {reinterpret_cast<HalfLanes>(Widen(v)), reinterpret_cast<HalfLanes>(Widen(v + 8))};
   }
 };
 
@@ -239,6 +290,7 @@ struct Avx512 {
   // 2 * 8 accumulators: 16 of the 32 registers.
   static constexpr int kBlockRows = 8;
   static constexpr bool kTransposedSums = true;
+  static constexpr int64_t kSelectLanes = 16;
 
   TERRA_AVX512 static inline __mmask16 Mask(int64_t m) { return static_cast<__mmask16>((1u << m) - 1u); }
   TERRA_AVX512 static inline Vec Zero() { return _mm512_setzero_ps(); }
@@ -262,8 +314,15 @@ struct Avx512 {
   TERRA_AVX512 static inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   TERRA_AVX512 static inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
   TERRA_AVX512 static inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  using Wide = Lanes;
+  TERRA_AVX512 static inline Wide LoadWide(const float* x) { return reinterpret_cast<Lanes>(_mm512_loadu_ps(x)); }
+  TERRA_AVX512 static inline void StoreWide(float* y, const Wide& v) { _mm512_storeu_ps(y, reinterpret_cast<__m512>(v)); }
+  TERRA_AVX512 static inline float SumWide(const Wide& v, float total = 0.0f) {
+    for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+    return total;
+  }
   template <typename W>
-  TERRA_AVX512 static inline Lanes WidenLanes(const W* v) {
+  TERRA_AVX512 static inline Wide WidenLanes(const W* v) {
     return reinterpret_cast<Lanes>(Widen(v));
   }
 

@@ -17,69 +17,12 @@
 
 #include "isa.h"
 #include "softmax.h"
+#include "tile_products.h"
 #include "threads.h"
 
 namespace terra::native {
 
 namespace {
-
-// Both products of attention, scores = q k^T (k transposed) and out += weights v, are one product
-// c [rows, width] (+)= a [rows, depth] b [depth, width], computed in register tiles of R rows of a by
-// C vectors of b's columns: each step broadcasts R entries of a and multiplies them into C vectors
-// of one row of b.
-template <typename I>
-constexpr int kTileVectors = I::kIsa == kAvx512 ? 4 : 2;
-constexpr int kTileRows = 4;
-
-// Rows of a, b and c `*_stride` apart; `accumulate`: add to c rather than overwrite it.
-struct ProductOperands {
-  const float* a;
-  int64_t a_stride;
-  const float* b;
-  int64_t b_stride;
-  float* c;
-  int64_t c_stride;
-  int64_t depth;
-  bool accumulate;
-};
-
-// c[r, j0 + l] for r < R, l < C W.
-template <typename I, int R, int C>
-TERRA_INLINE void ProductTile(const ProductOperands& m, int64_t row, int64_t j0) {
-  constexpr int64_t W = I::kWidth;
-  const float* a = m.a + row * m.a_stride;
-  float* c = m.c + row * m.c_stride + j0;
-  typename I::Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < C; ++v) acc[r][v] = m.accumulate ? I::Load(c + r * m.c_stride + v * W) : I::Zero();
-  for (int64_t t = 0; t < m.depth; ++t) {
-    typename I::Vec b[C];
-    for (int v = 0; v < C; ++v) b[v] = I::Load(m.b + t * m.b_stride + j0 + v * W);
-    for (int r = 0; r < R; ++r) {
-      const typename I::Vec ar = I::Broadcast(a[r * m.a_stride + t]);
-      for (int v = 0; v < C; ++v) acc[r][v] = I::Fma(ar, b[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < C; ++v) I::Store(c + r * m.c_stride + v * W, acc[r][v]);
-}
-
-template <typename I, int R>
-TERRA_INLINE void ProductRows(const ProductOperands& m, int64_t row, int64_t width) {
-  constexpr int C = kTileVectors<I>;
-  constexpr int64_t span = C * I::kWidth;
-  int64_t j0 = 0;
-  for (; j0 + span <= width; j0 += span) ProductTile<I, R, C>(m, row, j0);
-  for (; j0 < width; j0 += I::kWidth) ProductTile<I, R, 1>(m, row, j0);
-}
-
-// The product over `rows` rows of a and `width` columns of b (a multiple of the vector width).
-template <typename I>
-TERRA_INLINE void Product(const ProductOperands& m, int64_t rows, int64_t width) {
-  int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows) ProductRows<I, kTileRows>(m, r, width);
-  for (; r < rows; ++r) ProductRows<I, 1>(m, r, width);
-}
 
 // One block of queries of one (batch row, head): `item` = (b * H + h) * blocks + block.
 template <typename I>
@@ -112,9 +55,9 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
       for (int64_t j = 0; j < visible; ++j) row[j] += bias[k0 + j];
       std::fill(row + visible, row + nk, 0.0f);
       if (visible == 0) continue;
-      const float new_top = std::max(top[r], RowMax(row, visible));
+      const float new_top = std::max(top[r], RowMax<I>(row, visible));
       const float shrink = std::exp(top[r] - new_top);  // 0 on the first tile (top = -inf)
-      total[r] = total[r] * shrink + ExpAndSum(row, visible, new_top);
+      total[r] = total[r] * shrink + ExpAndSum<I>(row, visible, new_top);
       if (shrink != 1.0f)
         for (int64_t d = 0; d < dh; ++d) o[r * dh + d] *= shrink;
       top[r] = new_top;
@@ -130,20 +73,27 @@ TERRA_INLINE void AttendBlock(const BlockedAttentionOperands& a, int64_t item, s
 
 // logits[j] += the layer's mask for the query at position `q` and keys at k_pos[j] (k_valid[j] 1
 // for a real key), j < n, in the layer's order (_mask_bias): the self term, the causal one, padding.
+template <typename I>
 TERRA_INLINE void AddMaskBias(int32_t q, const int32_t* k_pos, const int32_t* k_valid, int64_t n, bool causal,
                               float* logits) {
-  const Int32Lanes query = Int32Lanes{} + q;
-  const Lanes self = Lanes{} + kSelfLogit, masked = Lanes{} + kMaskLogit, zero = {};
+  constexpr int64_t N = I::kSelectLanes;
+  using F = typename SelectLanes<N>::Float;
+  using Int = typename SelectLanes<N>::Int32;
+  const Int query = Int{} + q;
+  const F self = F{} + kSelfLogit, masked = F{} + kMaskLogit, zero = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    Int32Lanes positions, valid;
+  for (; j + N <= n; j += N) {
+    Int positions, valid;
+    F row;
     std::memcpy(&positions, k_pos + j, sizeof positions);
     std::memcpy(&valid, k_valid + j, sizeof valid);
+    std::memcpy(&row, logits + j, sizeof row);
     const auto real = valid != 0;
-    Lanes bias = (positions == query) & real ? self : zero;
+    F bias = (positions == query) & real ? self : zero;
     if (causal) bias += query < positions ? masked : zero;
     bias += real ? zero : masked;
-    StoreLanes(logits + j, LoadLanes(logits + j) + bias);
+    row += bias;
+    std::memcpy(logits + j, &row, sizeof row);
   }
   for (; j < n; ++j) {
     float bias = (q == k_pos[j] && k_valid[j]) ? kSelfLogit : 0.0f;
@@ -176,10 +126,10 @@ TERRA_INLINE void AttendChunk(const LshChunkOperands& a, int64_t item, std::vect
       const int32_t* k_pos = a.pos + m * L;
       const int32_t* k_valid = a.valid + m * L;
       float* part = logits + w * L;
-      AddMaskBias(q_pos[r], k_pos, k_valid, L, a.causal, part);
+      AddMaskBias<I>(q_pos[r], k_pos, k_valid, L, a.causal, part);
     }
-    const float top = RowMax(logits, width);
-    const float total = ExpAndSum(logits, width, top);
+    const float top = RowMax<I>(logits, width);
+    const float total = ExpAndSum<I>(logits, width, top);
     lse[r] = top + std::log(total);
     const float inverse = 1.0f / total;
     for (int64_t j = 0; j < width; ++j) logits[j] *= inverse;

@@ -193,13 +193,13 @@ constexpr int64_t kRowChunk = 24;
 // Outputs [c0, c0 + V * kLanes) (within one scale group g) for rows [b0, b0 + R) of x.
 template <typename I, typename W, int R, int V>
 TERRA_INLINE void InputMajorTile(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b0) {
-  Lanes acc[R][V] = {};
+  typename I::Wide acc[R][V] = {};
   const uintptr_t stride = p.n_out * sizeof(W);
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(p.values + c0) + kAheadInputs * stride;
   for (int64_t i = 0; i < p.n_in; ++i) {
     const W* v = p.values + i * p.n_out + c0;
     PrefetchLine(ahead + i * stride);
-    Lanes w[V];
+    typename I::Wide w[V];
     for (int k = 0; k < V; ++k) w[k] = I::WidenLanes(v + k * kLanes);
     const float s = p.scale ? p.scale[i * p.groups + g] : 1.0f;
     for (int r = 0; r < R; ++r) {
@@ -207,7 +207,8 @@ TERRA_INLINE void InputMajorTile(const InputMajorProduct<W>& p, int64_t g, int64
       for (int k = 0; k < V; ++k) acc[r][k] += xs * w[k];
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(p.y + (b0 + r) * p.n_out + c0, acc[r], sizeof acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) I::StoreWide(p.y + (b0 + r) * p.n_out + c0 + k * kLanes, acc[r][k]);
 }
 
 // Rows [b_begin, b_end) of x, kInputRows at a time, for a tile of V vectors of outputs.
@@ -228,12 +229,13 @@ TERRA_INLINE void InputMajorRows(const InputMajorProduct<W>& p, int64_t g, int64
 
 // Rows [b0, b0 + R) times the widened block `w [n][V]` of inputs [i0, i0 + n), added to y (or
 // written, for the first block).
-template <int R, int V>
-TERRA_INLINE void BlockTile(const float* x, int64_t n_in, float* y, int64_t n_out, const Lanes (*w)[V],
+template <typename I, int R, int V>
+TERRA_INLINE void BlockTile(const float* x, int64_t n_in, float* y, int64_t n_out, const typename I::Wide (*w)[V],
                             int64_t n, int64_t i0, int64_t c0, int64_t b0, bool first) {
-  Lanes acc[R][V];
+  typename I::Wide acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < V; ++k) acc[r][k] = first ? Lanes{} : LoadLanes(y + (b0 + r) * n_out + c0 + k * kLanes);
+    for (int k = 0; k < V; ++k)
+      acc[r][k] = first ? typename I::Wide{} : I::LoadWide(y + (b0 + r) * n_out + c0 + k * kLanes);
   const float* xr = x + b0 * n_in + i0;
   for (int64_t i = 0; i < n; ++i) {
     for (int r = 0; r < R; ++r) {
@@ -241,18 +243,19 @@ TERRA_INLINE void BlockTile(const float* x, int64_t n_in, float* y, int64_t n_ou
       for (int k = 0; k < V; ++k) acc[r][k] += xi * w[i][k];
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(y + (b0 + r) * n_out + c0, acc[r], sizeof acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < V; ++k) I::StoreWide(y + (b0 + r) * n_out + c0 + k * kLanes, acc[r][k]);
 }
 
-template <int R, int V>
-TERRA_INLINE void BlockRows(const float* x, int64_t n_in, float* y, int64_t n_out, const Lanes (*w)[V], int64_t n,
-                            int64_t i0, int64_t c0, int64_t b_begin, int64_t b_end, bool first) {
+template <typename I, int R, int V>
+TERRA_INLINE void BlockRows(const float* x, int64_t n_in, float* y, int64_t n_out, const typename I::Wide (*w)[V],
+                            int64_t n, int64_t i0, int64_t c0, int64_t b_begin, int64_t b_end, bool first) {
   int64_t b0 = b_begin;
-  for (; b0 + R <= b_end; b0 += R) BlockTile<R, V>(x, n_in, y, n_out, w, n, i0, c0, b0, first);
+  for (; b0 + R <= b_end; b0 += R) BlockTile<I, R, V>(x, n_in, y, n_out, w, n, i0, c0, b0, first);
   if constexpr (R > 1) {
     if (b0 < b_end) {
       // The chunk's last rows: halving R until it fits (R - 1 templates each would bloat the code).
-      BlockRows<(R + 1) / 2, V>(x, n_in, y, n_out, w, n, i0, c0, b0, b_end, first);
+      BlockRows<I, (R + 1) / 2, V>(x, n_in, y, n_out, w, n, i0, c0, b0, b_end, first);
     }
   }
 }
@@ -260,7 +263,7 @@ TERRA_INLINE void BlockRows(const float* x, int64_t n_in, float* y, int64_t n_ou
 template <typename I, typename W, int V>
 TERRA_INLINE void InputMajorBlocked(const InputMajorProduct<W>& p, int64_t g, int64_t c0, int64_t b_begin,
                                     int64_t b_end) {
-  alignas(64) Lanes w[kBlockInputs][V];
+  alignas(64) typename I::Wide w[kBlockInputs][V];
   for (int64_t i0 = 0; i0 < p.n_in; i0 += kBlockInputs) {
     const int64_t n = std::min(kBlockInputs, p.n_in - i0);
     for (int64_t i = 0; i < n; ++i) {
@@ -276,7 +279,7 @@ TERRA_INLINE void InputMajorBlocked(const InputMajorProduct<W>& p, int64_t g, in
       PrefetchLine(first);
       PrefetchLine(first + V * kLanes * sizeof(W) - 1);
     }
-    BlockRows<I::kBlockRows, V>(p.x, p.n_in, p.y, p.n_out, w, n, i0, c0, b_begin, b_end, i0 == 0);
+    BlockRows<I, I::kBlockRows, V>(p.x, p.n_in, p.y, p.n_out, w, n, i0, c0, b_begin, b_end, i0 == 0);
   }
 }
 
@@ -362,15 +365,14 @@ TERRA_INLINE void GatheredDotEntries(const GatheredRows<W>& p, int64_t j0, int64
       const int64_t r = p.Index(b, j);
       const W* v = p.Row(r);
       if (j + kAheadRows < j1) PrefetchRow(p, b, j + kAheadRows, 0, p.d);
-      Lanes acc[4] = {};
+      typename I::Wide acc[4] = {};
       int64_t i = 0;
       for (; i + 4 * kLanes <= p.d; i += 4 * kLanes)
-        for (int u = 0; u < 4; ++u) acc[u] += LoadLanes(x + i + u * kLanes) * I::WidenLanes(v + i + u * kLanes);
-      for (; i + kLanes <= p.d; i += kLanes) acc[0] += LoadLanes(x + i) * I::WidenLanes(v + i);
+        for (int u = 0; u < 4; ++u) acc[u] += I::LoadWide(x + i + u * kLanes) * I::WidenLanes(v + i + u * kLanes);
+      for (; i + kLanes <= p.d; i += kLanes) acc[0] += I::LoadWide(x + i) * I::WidenLanes(v + i);
       float total = 0.0f;
       for (; i < p.d; ++i) total += x[i] * Widen(v[i]);
-      const Lanes sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      for (int64_t l = 0; l < kLanes; ++l) total += sum[l];
+      total = I::SumWide((acc[0] + acc[1]) + (acc[2] + acc[3]), total);
       p.y[b * p.k + j] = total * p.Scale(r);
     }
   }
@@ -399,9 +401,9 @@ TERRA_INLINE void GatheredSumColumns(const GatheredRows<W>& p, int64_t c0, int64
         if (j + u + kAheadRows < p.k) PrefetchRow(p, b, j + u + kAheadRows, c0, c1);
       int64_t c = c0;
       for (; c + kLanes <= c1; c += kLanes) {
-        Lanes acc = LoadLanes(y + c);
+        typename I::Wide acc = I::LoadWide(y + c);
         for (int u = 0; u < kRows; ++u) acc += coefficient[u] * I::WidenLanes(v[u] + c);
-        StoreLanes(y + c, acc);
+        I::StoreWide(y + c, acc);
       }
       for (; c < c1; ++c)
         for (int u = 0; u < kRows; ++u) y[c] += coefficient[u] * Widen(v[u][c]);
