@@ -151,6 +151,45 @@ TERRA_INLINE SplitLanes& operator+=(SplitLanes& a, const SplitLanes& b) {
   return a;
 }
 
+// 16 float32 lanes as four quarters of 4, for the portable build: a 128-bit register (SSE2, NEON)
+// holds one quarter, as an AVX2 register holds one half of SplitLanes.
+typedef float QuarterLanes __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+struct QuarteredLanes {
+  QuarterLanes q0, q1, q2, q3;
+};
+TERRA_INLINE QuarteredLanes operator+(const QuarteredLanes& a, const QuarteredLanes& b) {
+  return {a.q0 + b.q0, a.q1 + b.q1, a.q2 + b.q2, a.q3 + b.q3};
+}
+TERRA_INLINE QuarteredLanes operator*(const QuarteredLanes& a, const QuarteredLanes& b) {
+  return {a.q0 * b.q0, a.q1 * b.q1, a.q2 * b.q2, a.q3 * b.q3};
+}
+TERRA_INLINE QuarteredLanes operator*(float s, const QuarteredLanes& a) { return {s * a.q0, s * a.q1, s * a.q2, s * a.q3}; }
+TERRA_INLINE QuarteredLanes operator*(const QuarteredLanes& a, float s) { return {a.q0 * s, a.q1 * s, a.q2 * s, a.q3 * s}; }
+TERRA_INLINE QuarteredLanes& operator+=(QuarteredLanes& a, const QuarteredLanes& b) {
+  a.q0 += b.q0, a.q1 += b.q1, a.q2 += b.q2, a.q3 += b.q3;
+  return a;
+}
+// Four narrow weights as one quarter: widened through int32, as GenericWidenLanes widens 16.
+TERRA_INLINE QuarterLanes WidenQuarter(const int8_t* v) {
+  typedef int8_t Narrow __attribute__((vector_size(4)));
+  typedef int32_t Wide32 __attribute__((vector_size(16)));
+  Narrow narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  return __builtin_convertvector(__builtin_convertvector(narrow, Wide32), QuarterLanes);
+}
+TERRA_INLINE QuarterLanes WidenQuarter(const uint16_t* v) {
+  typedef uint16_t Narrow __attribute__((vector_size(8)));
+  typedef uint32_t Wide32 __attribute__((vector_size(16)));
+  Narrow narrow;
+  std::memcpy(&narrow, v, sizeof narrow);
+  return reinterpret_cast<QuarterLanes>(__builtin_convertvector(narrow, Wide32) << 16);
+}
+TERRA_INLINE QuarterLanes LoadQuarter(const float* x) {
+  QuarterLanes q;
+  std::memcpy(&q, x, sizeof q);
+  return q;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The instruction-set tags. Each has:
 //   Vec, kWidth          its float32 vector and lanes per vector
@@ -162,8 +201,9 @@ TERRA_INLINE SplitLanes& operator+=(SplitLanes& a, const SplitLanes& b) {
 //   kSelectLanes         the lanes of SelectLanes that compile to the set's vector selects
 //   Zero, Broadcast, Load(x[, m]), Store, Widen(w[, m]), Fma, Mul, Sum: m = the lanes of a tail
 //   Wide, LoadWide, StoreWide, SumWide
-//                        16 float32 lanes as the set keeps them in registers (Lanes, or SplitLanes
-//                        under AVX2), loaded, stored, and added to a total lane 0 first
+//                        16 float32 lanes as the set keeps them in registers (Lanes under AVX-512,
+//                        SplitLanes under AVX2, QuarteredLanes portably), loaded, stored, and
+//                        added to a total lane 0 first
 //   WidenLanes           16 narrow weights as Wide, with the set's own conversions: the generic
 //                        conversion takes 8 instructions for 16 int8 weights where AVX-512 takes 2
 //                        (vpmovsxbd, vcvtdq2ps), and the gathered and input-major kernels are bound
@@ -206,16 +246,26 @@ struct Portable {
     for (int64_t l = 0; l < kWidth; ++l) total += v[l];
     return total;
   }
-  using Wide = Lanes;
-  static TERRA_INLINE Wide LoadWide(const float* x) { return LoadLanes(x); }
-  static TERRA_INLINE void StoreWide(float* y, const Wide& v) { StoreLanes(y, v); }
+  using Wide = QuarteredLanes;
+  static TERRA_INLINE Wide LoadWide(const float* x) {
+    return {LoadQuarter(x), LoadQuarter(x + 4), LoadQuarter(x + 8), LoadQuarter(x + 12)};
+  }
+  static TERRA_INLINE void StoreWide(float* y, const Wide& v) {
+    std::memcpy(y, &v.q0, sizeof v.q0);
+    std::memcpy(y + 4, &v.q1, sizeof v.q1);
+    std::memcpy(y + 8, &v.q2, sizeof v.q2);
+    std::memcpy(y + 12, &v.q3, sizeof v.q3);
+  }
   static TERRA_INLINE float SumWide(const Wide& v, float total = 0.0f) {
-    for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+    for (int64_t l = 0; l < kLanes / 4; ++l) total += v.q0[l];
+    for (int64_t l = 0; l < kLanes / 4; ++l) total += v.q1[l];
+    for (int64_t l = 0; l < kLanes / 4; ++l) total += v.q2[l];
+    for (int64_t l = 0; l < kLanes / 4; ++l) total += v.q3[l];
     return total;
   }
   template <typename W>
   static TERRA_INLINE Wide WidenLanes(const W* v) {
-    return GenericWidenLanes(v);
+    return {WidenQuarter(v), WidenQuarter(v + 4), WidenQuarter(v + 8), WidenQuarter(v + 12)};
   }
 };
 
