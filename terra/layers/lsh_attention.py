@@ -715,13 +715,17 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         return jnp.asarray([self.hash_seed & 0xFFFFFFFF, zlib.crc32(path.encode())], jnp.uint32)
 
     # --------------------------------------------------------------------- forward
+    def _sequence_hash(self, length: int) -> Tuple[int, Tuple[int, ...]]:
+        """A whole sequence's length padded to whole chunks, and the bucket factors it hashes with."""
+        padded = -(-length // self.chunk_len) * self.chunk_len
+        return padded, bucket_factors(self.n_buckets, padded, self.chunk_len)
+
     def _forward(self, q, v, mask, buckets, deterministic: bool) -> jax.Array:
         batch, _, length, _ = q.shape
         key_mask = jnp.ones((batch, length), bool) if mask is None else mask.astype(bool)
         if self.std_length is not None and length <= self.std_length:
             return full_shared_qk_attention(q, v, key_mask, causal=self.causal)
-        padded = -(-length // self.chunk_len) * self.chunk_len
-        factors = bucket_factors(self.n_buckets, padded, self.chunk_len)
+        padded, factors = self._sequence_hash(length)
         n_real = math.prod(factors)  # id n_real is the padding bucket
         if buckets is None:
             key = self._rotation_key(deterministic)
@@ -809,7 +813,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             real = prefix_mask.astype(bool)
             by_column = jnp.moveaxis(rotations.value, -1, 1)  # [heads, d, n_hashes, n_buckets / 2]
             prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, by_column, factors), -1)
-            if factors == bucket_factors(self.n_buckets, -(-length // self.chunk_len) * self.chunk_len, self.chunk_len):
+            if factors == self._sequence_hash(length)[1]:
                 # The prefill's own attention hashes with the cache's rotations and factors:
                 # the same buckets, hashed once.
                 own_buckets = prefix_buckets
