@@ -432,10 +432,10 @@ def load(
     step = _step_number(step)
     bindings = [bindings] if isinstance(bindings, str) else list(bindings)
     bindings += _cache_dtype_bindings(cache_dtype)
+    config = run_directory.read_config(model_dir)  # checked as data before gin sees it
+    opening = run_directory.load_bindings(model_dir, config, bindings)
     with _CONFIG_LOCK:
-        gin_utils.parse_gin(
-            [run_config_path(model_dir)], [*run_directory.load_bindings(model_dir), *bindings], finalize=False
-        )
+        gin_utils.parse_gin([config], [*opening, *bindings], finalize=False)
         run = _from_parsed_config(
             lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
         )

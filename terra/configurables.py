@@ -16,11 +16,11 @@ nothing new. ``terra/gin_registry.json`` is written from :func:`registered`.
 """
 
 import inspect
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional
 
 import gin
 
-from terra import layers, models, tensorflow_setup, training
+from terra import gin_registry, layers, models, tensorflow_setup, training
 from terra.parallel import mesh
 
 # Registered here: gin builds them when a config refers to them (``@SparseFeedForward``).
@@ -130,3 +130,9 @@ def registered() -> Dict[str, Callable]:
             for configurable in configurables:
                 out[f"{module}.{configurable.__name__}"] = inspect.unwrap(configurable)
     return dict(sorted(out.items()))
+
+
+def live_registry() -> Dict[str, Optional[List[str]]]:
+    """``{selector: parameter names or None}`` of every configurable registered here: what
+    ``terra/gin_registry.json`` stores (``make gin-registry`` writes it)."""
+    return {selector: gin_registry.parameters(fn) for selector, fn in registered().items()}

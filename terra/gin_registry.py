@@ -4,9 +4,11 @@ checks ``--gin.Configurable.param=VALUE`` overrides before importing anything he
 gin learns terra's configurables when ``terra/configurables.py`` is imported, and that imports
 TensorFlow and JAX (7-30 s). ``gin_registry.json`` beside this module lists every configurable
 that module registers, its selector with its parameter names (``null`` where it takes
-``**kwargs``); a test checks that it equals the live list, another that the list is what gin
-knows, and ``make gin-registry`` (``scripts/write_gin_registry.py``) rewrites it after a
-configurable is added or changed.
+``**kwargs``); a test checks that it equals the live list (``terra.configurables.live_registry``),
+another that the list is what gin knows, and ``make gin-registry``
+(``scripts/write_gin_registry.py``) rewrites it after a configurable is added or changed. This
+module imports nothing of terra's, so the commands' early checks and the run-config check
+(``terra/run_config.py``) read the registry without the library.
 """
 
 import inspect
@@ -17,22 +19,15 @@ from typing import Dict, List, Optional
 REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_registry.json")
 
 
-def live_registry() -> Dict[str, Optional[List[str]]]:
-    """``{selector: parameter names or None}`` of every configurable ``terra/configurables.py``
-    registers (imports the whole library)."""
-    from terra import configurables
-
-    return {selector: _parameters(fn) for selector, fn in configurables.registered().items()}
-
-
-def _parameters(fn) -> Optional[List[str]]:
+def parameters(fn) -> Optional[List[str]]:
+    """The parameter names gin may bind on ``fn`` (sorted); None where it takes ``**kwargs``."""
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        found = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+    if any(p.kind == p.VAR_KEYWORD for p in found):
         return None
-    return sorted(p.name for p in parameters if p.kind != p.VAR_POSITIONAL and p.name != "self")
+    return sorted(p.name for p in found if p.kind != p.VAR_POSITIONAL and p.name != "self")
 
 
 def stored_registry() -> Dict[str, Optional[List[str]]]:
@@ -40,6 +35,6 @@ def stored_registry() -> Dict[str, Optional[List[str]]]:
         return json.load(f)
 
 
-def write_registry() -> None:
+def write_registry(registry: Dict[str, Optional[List[str]]]) -> None:
     with open(REGISTRY_FILE, "w", encoding="utf-8") as f:
-        f.write(json.dumps(live_registry(), indent=1) + "\n")
+        f.write(json.dumps(registry, indent=1) + "\n")

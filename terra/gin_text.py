@@ -26,6 +26,15 @@ class GinConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class GinText:
+    """A config already read from ``path`` (and checked there): gin parses ``text`` as it is and
+    does not read the file again, so what was checked is what is parsed."""
+
+    path: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Reference:
     """``@name`` or ``@name()`` in a value, left unresolved."""
 

@@ -34,6 +34,7 @@ from gin import config_parser
 from terra import files, frozen_configurables
 from terra.gin_text import (
     GinConfigError,
+    GinText,
     MacroUse,
     Reference,
     configurable_target,
@@ -318,11 +319,13 @@ def parse_gin(
     finalize: bool = True,
     search_paths: Sequence[str] = (),
 ) -> None:
-    """Parses files then bindings into the global gin config (clearing any earlier one)."""
+    """Parses files then bindings into the global gin config (clearing any earlier one). An entry
+    of ``gin_files`` may be a :class:`GinText` (a config already read and checked, such as a run's
+    ``config.gin``): its text is parsed, the file not read again."""
     register_terra_configurables()
     gin.clear_config()
     add_search_paths([*search_paths, CONFIGS_DIR])
-    files = [resolve_gin_file(f, search_paths) for f in gin_files]
+    files = [f if isinstance(f, GinText) else resolve_gin_file(f, search_paths) for f in gin_files]
     with _quiet_gin_path_probes():
         _parse_files_and_bindings(files, gin_bindings)
     check_binding_types(gin_bindings)
@@ -349,13 +352,19 @@ def _make_paths_absolute() -> None:
             gin.bind_parameter(name, absolute)
 
 
-def _parse_files_and_bindings(files: Sequence[str], gin_bindings: Sequence[str]) -> None:
+def _parse_files_and_bindings(files: Sequence[Any], gin_bindings: Sequence[str]) -> None:
     for path in files:
+        where = f"file {path.path if isinstance(path, GinText) else path}"
         try:
-            gin.parse_config_file(path)
+            if isinstance(path, GinText):
+                gin.parse_config(path.text)
+            else:
+                gin.parse_config_file(path)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError, IOError) as e:
-            raise _explain_parse_error(e, f"file {path}") from None
+            raise _explain_parse_error(e, where) from None
         except RecursionError:
+            if isinstance(path, GinText):  # checked: no includes, so a value nested too deeply
+                raise GinConfigError(f"Invalid gin configuration ({where}): a value is nested too deeply.") from None
             raise _include_loop_error(path) from None
     for binding in gin_bindings:
         try:

@@ -545,9 +545,9 @@ def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(mo
 
 
 def test_the_stored_gin_registry_is_the_live_one():
-    from terra import gin_registry
+    from terra import configurables, gin_registry
 
-    assert gin_registry.stored_registry() == gin_registry.live_registry(), "run make gin-registry"
+    assert gin_registry.stored_registry() == configurables.live_registry(), "run make gin-registry"
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
-    from terra import api, gin_utils
+    from terra import gin_utils
     from terra.errors import ConfigError
     from terra.evaluation import evaluator
     from terra.training import run_directory
@@ -67,9 +67,10 @@ def run(flag_values: flags.FlagValues, _) -> int:
     gin = flag_groups.gin_arguments(flag_values)
     files, bindings = gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"]
     if flag_values.checkpoint:
-        files = files or [api.run_config_path(flag_values.checkpoint)]
+        config = None if files else run_directory.read_config(flag_values.checkpoint)  # checked as data
+        files = files or [config]
         # The run's own MODEL_DIR and vocabulary copy, then the user's flags (which win).
-        bindings = [*run_directory.load_bindings(flag_values.checkpoint), *bindings]
+        bindings = [*run_directory.load_bindings(flag_values.checkpoint, config, bindings), *bindings]
     if not files:
         raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
     gin_utils.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from absl import flags
 
-from terra import errors
+from terra import errors, run_config
 
 
 def define_gin_flags(flag_values: flags.FlagValues, *, files_help: str = "") -> None:
@@ -91,9 +91,13 @@ def data_bindings(values) -> List[str]:
 def run_config_files(checkpoint: str) -> List[str]:
     """``[<checkpoint>/config.gin]`` where that is a local file, else ``[]``: what a command given
     ``--checkpoint`` parses first, known before the library is imported (the early check of
-    ``--gin`` overrides reads it; a URL is read when the run is loaded)."""
-    config = os.path.join(checkpoint, "config.gin")
-    return [config] if os.path.isfile(config) else []
+    ``--gin`` overrides reads it; a URL is read when the run is loaded). The file is checked as
+    data first (:mod:`terra.run_config`), so a config a run may not hold is refused here, before
+    anything heavy is imported."""
+    config = os.path.join(checkpoint, run_config.CONFIG_FILE)
+    if not os.path.lexists(config):
+        return []
+    return [run_config.read_run_config(os.path.abspath(config)).path]
 
 
 def given_data_flags(flag_values: flags.FlagValues) -> List[str]:

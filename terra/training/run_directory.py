@@ -12,31 +12,30 @@
 Paths go through ``etils.epath`` (orbax's file layer): local folders and URLs alike.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from etils import epath
 from gin import config_parser
 
-from terra import files, gin_text
+from terra import files, gin_text, run_config
 from terra.errors import ConfigError
 
-CONFIG_FILE = "config.gin"
+CONFIG_FILE = run_config.CONFIG_FILE
 VOCABULARY_FILE = "vocabulary/sentencepiece.model"
 # The gin parameter the copied vocabulary is bound to (``terra.data.text_vocabulary``: every
 # natural-text task reads its SentencePiece model through it).
 VOCABULARY_PARAMETER = "terra.data.text_vocabulary.spm_path"
-MAX_CONFIG_BYTES = 16 * 2**20
+VOCABULARY_CONFIGURABLE = "terra.data.text_vocabulary"
 
 
 def _run(model_dir: str) -> epath.Path:
     return epath.Path(files.absolute(model_dir))
 
 
-def config_path(model_dir: str) -> str:
-    """The absolute path (or URL) of a run's ``config.gin``; a clear error when there is none."""
+def _config_file(model_dir: str) -> epath.Path:
     config = _run(model_dir) / CONFIG_FILE
     try:
-        exists = config.exists()
+        exists = files.lexists(str(config))
     except Exception as error:  # the file system's own (a bucket without credentials, no network)
         raise ConfigError(f"cannot read {config}: {' '.join(str(error).split())[:300]}") from None
     if not exists:
@@ -44,34 +43,19 @@ def config_path(model_dir: str) -> str:
             f"{config} does not exist: give a terra model_dir (a training run writes its config.gin there), "
             "or name the run's experiment with --gin_file."
         )
-    _check_config(config)
-    return str(config)
+    return config
 
 
-def _check_config(config: epath.Path) -> None:
-    """A run's ``config.gin`` may come from a stranger, and gin imports every module a config
-    names and reads every file it includes. terra writes only ``import terra...`` lines and no
-    includes, so anything else is refused before gin sees the file (nothing imported or read)."""
-    size = config.stat().length
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(
-            f"{config} is {size:,d} bytes; a run's config.gin is tens of kilobytes (limit {MAX_CONFIG_BYTES:,d})."
-        )
-    try:
-        statements = gin_text.read_statements(config.read_text())
-    except SyntaxError as error:
-        raise gin_text.explain_gin_error(error, f"file {config}") from None
-    for statement in statements:
-        if isinstance(statement, config_parser.ImportStatement) and statement.module.split(".")[0] != "terra":
-            raise ConfigError(
-                f"{config} imports {statement.module}: a run's config.gin imports only terra's own modules, so "
-                "it was not parsed and nothing was imported. Name an experiment you trust with --gin_file instead."
-            )
-        if isinstance(statement, config_parser.IncludeStatement):
-            raise ConfigError(
-                f"{config} includes {statement.filename}: a run's config.gin is complete (terra writes no "
-                "includes), so it was not parsed. Name an experiment you trust with --gin_file instead."
-            )
+def read_config(model_dir: str) -> run_config.RunConfig:
+    """A run's ``config.gin``, read once and checked as data (:mod:`terra.run_config`):
+    parse the returned text (``terra.gin_utils.parse_gin`` takes it as a file), not the file."""
+    return run_config.read_run_config(str(_config_file(model_dir)))
+
+
+def config_path(model_dir: str) -> str:
+    """The absolute path (or URL) of a run's ``config.gin``, after checking it as
+    :func:`read_config` does; a clear error when there is none or it is refused."""
+    return read_config(model_dir).path
 
 
 def write_config(model_dir: str, text: str) -> None:
@@ -109,13 +93,45 @@ def save_vocabulary(model_dir: str, vocabulary) -> Optional[str]:
     return str(target)
 
 
-def load_bindings(model_dir: str) -> List[str]:
+def load_bindings(
+    model_dir: str, config: Optional[run_config.RunConfig] = None, overrides: Sequence[str] = ()
+) -> List[str]:
     """The gin bindings that open a run where it is now: its ``MODEL_DIR`` and, where the run
     holds one, its own copy of the vocabulary. Parse them after the run's ``config.gin`` and
-    before the user's bindings (which win)."""
+    before the user's bindings, ``overrides`` (which win).
+
+    A run whose ``config`` was trained with a SentencePiece model file (it binds
+    ``text_vocabulary.spm_path``) but whose copy is gone is refused unless ``overrides`` name a
+    vocabulary: the copy is what the run's token ids mean, and the path it was trained from may
+    hold another model by now, or nothing. (A run trained with terra's built-in vocabulary opens
+    with the built-in one.)"""
     run = _run(model_dir)
     bindings = [f"MODEL_DIR = {str(run)!r}"]
     vocabulary = run / VOCABULARY_FILE
-    if vocabulary.exists():
+    trained = config.bound_literal(VOCABULARY_CONFIGURABLE, "spm_path") if config is not None else None
+    if files.lexists(str(vocabulary)):
         bindings.append(f"{VOCABULARY_PARAMETER} = {str(vocabulary)!r}")
+    elif isinstance(trained, str) and trained and not _names_vocabulary(overrides):
+        raise ConfigError(
+            f"{vocabulary} is missing: the run keeps a copy of the SentencePiece model its token ids come from "
+            f"(it was trained from {trained}). Put the run's copy back, or name the very file it was trained with "
+            "(--vocabulary=FILE, or the binding terra.data.text_vocabulary.spm_path)."
+        )
     return bindings
+
+
+def _names_vocabulary(bindings: Sequence[str]) -> bool:
+    """Whether ``bindings`` bind the SentencePiece model's path."""
+    for binding in bindings:
+        try:
+            statements = gin_text.read_statements(binding)
+        except SyntaxError:
+            continue
+        for statement in statements:
+            if (
+                isinstance(statement, config_parser.BindingStatement)
+                and statement.arg_name == "spm_path"
+                and run_config.full_selector(statement.selector) == VOCABULARY_CONFIGURABLE
+            ):
+                return True
+    return False
