@@ -10,17 +10,22 @@ list of the model's weight arrays (``fastmath.tree_flatten`` with empty entries 
 :mod:`terra.convert.trax_layout` maps onto terra's parameters.
 
 Nothing the file names is run (:mod:`terra.convert.safe_pickle` allows an exact list of names,
-each bound to a function that builds a numpy array), and nothing is allocated past what the
-model needs: given the model's expected arrays (``leaves``), decompression of the pickle stops
-at three times the model's float32 weight bytes plus 16 MiB (a 2020-format Loop checkpoint
-keeps the weights and up to two optimizer slots inline), and every record of a sibling
-``.weights.npy.gz`` has its shape and dtype checked against the model before its bytes are read.
+each bound to a function that builds a numpy array, and fetches no object twice), and nothing is
+allocated past what the model needs: given the model's expected arrays (``leaves``), the weights
+the pickle keeps may take the model's float64 size plus 16 MiB, and whatever else it holds (the
+state, a predict-mode model's decode caches, a Loop's optimizer slots and history) is read and
+dropped, up to four times the model's float32 size plus 2 GiB; a sibling ``.weights.npy.gz`` has
+every record's shape and dtype checked against the model before its bytes are read. The whole
+stream is read to its end, so gzip checks its CRC and nothing may follow the pickle, and every
+weight is checked to be finite. The weights are returned as stored (views of the bytes read) and
+checked against the model's count and shapes (``trax_layout.to_terra_params``) before any is
+converted to float32, so a file cannot make terra convert or copy more than the model holds.
 """
 
 import gzip
-import io
 import math
 import os
+import re
 import stat
 import zlib
 from typing import Any, List, Optional, Sequence
@@ -28,7 +33,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from terra.convert import safe_pickle
-from terra.convert.limited_reader import LimitedReader
+from terra.convert.limited_reader import LimitedReader, describe_bytes
 from terra.convert.trax_layout import leaf_line
 from terra.errors import CheckpointError
 
@@ -36,13 +41,20 @@ from terra.errors import CheckpointError
 # to this much.
 DEFAULT_MAX_BYTES = 2 << 30
 PICKLE_MARGIN_BYTES = 16 << 20
-# A 2020-format Loop checkpoint holds the weights and the optimizer's slots (Adam: two per
-# weight) inline; later formats and save_to_file hold less.
-PICKLE_WEIGHT_COPIES = 3
+# Bytes of arrays that are not weights (read past and dropped at once): a 2020-format Loop
+# checkpoint's two Adam slots per weight, a predict-mode model's decode caches, the state.
+DROPPED_WEIGHT_COPIES = 4
+DROPPED_MARGIN_BYTES = 2 << 30
 # Pickle opcodes: about 20 per array (weights, state, slots) plus a training history's entries.
 OPS_PER_ARRAY = 64
 OPS_MARGIN = 2_000_000
 NPY_MAX_HEADER = 10_000
+# np.save's header for a numeric array, the only kind a Trax weights file holds: read with this
+# pattern (not numpy's literal parser), so no header can make a parser recurse or build a dtype.
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[biuf][1248])', 'fortran_order': (True|False), "
+    r"'shape': \(((?:\d{1,15}, ?)*\d{1,15},?)?\),? ?\}[ \n]*"
+)
 
 
 def sibling_weights_path(path: str) -> str:
@@ -64,8 +76,8 @@ def _regular_file(path: str, missing: str) -> None:
 
 def _read_npy_header(f: LimitedReader, path: str, index: int):
     """``(shape, fortran, dtype)`` of the next ``np.save`` record, or None at the end of the file.
-    The header's length is checked before it is read; its text is parsed by numpy's own
-    literal parser (``ast.literal_eval``), which runs no code."""
+    The header's length is checked before it is read, and its text must be the header np.save
+    writes for a numeric array (:data:`_NPY_HEADER`)."""
     magic = f.read(8)
     if not magic:
         return None
@@ -78,22 +90,19 @@ def _read_npy_header(f: LimitedReader, path: str, index: int):
     length = int.from_bytes(length_bytes, "little")
     if len(length_bytes) != (2 if major == 1 else 4) or length > NPY_MAX_HEADER:
         raise CheckpointError(f"{path}: record {index} declares a {length}-byte header; np.save writes under 10 KB.")
-    header = f.read(length)
-    reread = io.BytesIO(magic + length_bytes + header)
-    reread.seek(8)
-    try:
-        reader = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = reader(reread, max_header_size=NPY_MAX_HEADER)
-    except (ValueError, SyntaxError, TypeError) as e:
-        raise CheckpointError(f"{path}: record {index} has an unreadable np.save header ({e}).") from None
-    if dtype.hasobject or dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+    header = f.read(length).decode("latin1")
+    match = _NPY_HEADER.fullmatch(header)
+    if match is None:
         raise CheckpointError(
-            f"{path}: record {index} declares dtype {dtype}; a Trax weights file holds numeric arrays only, so it "
-            "was not read."
+            f"{path}: record {index} has a header np.save does not write for a numeric array "
+            f"({safe_pickle.shown(header.strip(), 120)}); a Trax weights file holds numeric arrays only, so it was "
+            "not read."
         )
+    descr, fortran, dims = match.groups()
+    shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d) if dims else ()
     if len(shape) > safe_pickle.MAX_NDIM:
         raise CheckpointError(f"{path}: record {index} declares {len(shape)} dimensions.")
-    return shape, fortran, dtype
+    return shape, fortran == "True", np.dtype(descr)
 
 
 def _read_sibling_arrays(path: str, leaves: Optional[Sequence[Any]]) -> List[np.ndarray]:
@@ -159,19 +168,30 @@ def _flatten(tree: Any, out: List[np.ndarray], depth: int = 0) -> None:
 
 
 def _pickle_budget(leaves: Optional[Sequence[Any]]):
+    """``(bytes kept, why, bytes read past, why, opcodes)`` for a model with the expected arrays
+    ``leaves`` (None: the defaults of a read without a model to check against)."""
     if leaves is None:
-        return DEFAULT_MAX_BYTES, "terra reads without a model to check against", 4 * OPS_MARGIN
+        why = "terra reads without a model to check against"
+        return DEFAULT_MAX_BYTES, why, DEFAULT_MAX_BYTES, why, 4 * OPS_MARGIN
     weights = sum(4 * math.prod(leaf.shape) for leaf in leaves)
-    why = (
-        f"that {PICKLE_WEIGHT_COPIES} float32 copies of the model's weights ({len(leaves)} arrays) plus 16 MiB take "
-        "(weights and two optimizer slots)"
+    kept_why = f"that the model's weights ({len(leaves)} arrays) take in float64, plus 16 MiB"
+    skipped_why = (
+        f"terra reads past for this model: {DROPPED_WEIGHT_COPIES} float32 copies of its weights plus "
+        f"{describe_bytes(DROPPED_MARGIN_BYTES)} of state, decode caches, optimizer slots and history"
     )
-    return PICKLE_WEIGHT_COPIES * weights + PICKLE_MARGIN_BYTES, why, OPS_PER_ARRAY * 4 * len(leaves) + OPS_MARGIN
+    return (
+        2 * weights + PICKLE_MARGIN_BYTES,
+        kept_why,
+        DROPPED_WEIGHT_COPIES * weights + DROPPED_MARGIN_BYTES,
+        skipped_why,
+        OPS_PER_ARRAY * 4 * len(leaves) + OPS_MARGIN,
+    )
 
 
 def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None) -> List[np.ndarray]:
-    """The flat weight list of a Trax weight file or checkpoint (``*.pkl.gz``), as float32
-    numpy arrays in Trax's order.
+    """The flat weight list of a Trax weight file or checkpoint (``*.pkl.gz``), in Trax's order,
+    as floating-point numpy arrays of the type they were stored in (bfloat16 widened to float32
+    exactly; ``trax_layout.to_terra_params`` converts each to float32 once its shape is checked).
 
     Args:
       path: the ``.pkl.gz`` file.
@@ -181,28 +201,37 @@ def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None) -> List
         may inflate to ``DEFAULT_MAX_BYTES``.
 
     Raises:
-      CheckpointError: the file is missing, not gzip, not a pickle of Trax's layout, names
-        anything outside the allowed list, exceeds the limits, holds non-numeric arrays, or
-        needs a missing sibling ``.weights.npy.gz`` file; the message names the file.
+      CheckpointError: the file is missing, not gzip, damaged (a CRC that does not match, data
+        after the pickle), not a pickle of Trax's layout, names anything outside the allowed
+        list, exceeds the limits, holds non-numeric or non-finite arrays, or needs a missing
+        sibling ``.weights.npy.gz`` file; the message names the file.
     """
     _regular_file(
         path,
         f"{path} does not exist: give the Trax weight file (model.pkl.gz, written by Layer.save_to_file or a "
         "training Loop's checkpoint).",
     )
-    budget, why, max_ops = _pickle_budget(leaves)
+    kept, kept_why, skipped, skipped_why, max_ops = _pickle_budget(leaves)
     try:
         with gzip.open(path, "rb") as raw:
-            content = safe_pickle.load(LimitedReader(raw, budget, path, why), max_ops)
+            stream = LimitedReader(raw, kept, path, kept_why, skipped, skipped_why)
+            content = safe_pickle.load(stream, max_ops)
+            if not stream.at_end():  # the reader stops at the pickle's STOP; the gzip stream must end there
+                raise CheckpointError(
+                    f"{path} continues after the end of its pickle; a Trax weight file ends there, so this one is "
+                    "damaged (two files joined, or garbage appended)."
+                )
     except CheckpointError as e:
         message = str(e)
         if not message.startswith(path):
             message = f"{path} {message}" if message.startswith("is not") else f"{path}: {message}"
         raise CheckpointError(message) from None
     except (OSError, EOFError, zlib.error) as e:
-        raise CheckpointError(f"{path} is not a Trax weight file (gzip-compressed pickle): {e}") from None
+        raise CheckpointError(
+            f"{path} is not a Trax weight file (a gzip-compressed pickle), or it is damaged: {str(e)[:200]}"
+        ) from None
     if not isinstance(content, dict) or "flat_weights" not in content:
-        found = sorted(map(str, content)) if isinstance(content, dict) else type(content).__name__
+        found = sorted(map(safe_pickle.shown, content)) if isinstance(content, dict) else type(content).__name__
         raise CheckpointError(f"{path} has no 'flat_weights' entry (found {found}); it is not a Trax weight file.")
     weights = content["flat_weights"]
     if isinstance(weights, int) and not isinstance(weights, bool):
@@ -227,4 +256,18 @@ def read_trax_weights(path: str, leaves: Optional[Sequence[Any]] = None) -> List
                 f"{path}: weight array [{index}] has dtype {array.dtype}; Trax's weights are floating-point, so the "
                 "file is not a weight file of this kind."
             )
-    return [np.asarray(a, dtype=np.float32) for a in flat]
+        _check_finite(path, index, array, leaves)
+    return flat
+
+
+def _check_finite(path: str, index: int, array: np.ndarray, leaves: Optional[Sequence[Any]]) -> None:
+    """A weight with NaN or infinite values makes every output NaN: the file is damaged, or was
+    saved after training diverged. Refused, naming the array."""
+    bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+    if bad:
+        name = leaf_line(index, leaves[index]) if leaves is not None and index < len(leaves) else f"[{index}]"
+        raise CheckpointError(
+            f"{path}: weight array {name} holds {bad:,d} NaN or infinite value(s) of {array.size:,d}; a trained "
+            "model's weights are finite, so the file is damaged or was saved after training diverged. Convert an "
+            "earlier checkpoint."
+        )
