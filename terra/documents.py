@@ -7,10 +7,36 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from terra.errors import InputError
+from terra.files import describe_size
 from terra.text_encoding import clean_article
+
+# The most a document may hold: an arXiv paper is about 60 KB of text, a long book a few MB.
+MAX_DOCUMENT_BYTES = 256 << 20
+# Files people pass by mistake, by their first bytes: what they are and how to get their text.
+_BINARY_KINDS = (
+    (b"%PDF-", "a PDF", "extract its text first, e.g. `pdftotext {name} {name}.txt`"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first, e.g. `gunzip -k {name}`"),
+    (b"PK\x03\x04", "a zip archive (or a .docx/.odt document)", "extract the text first"),
+    (b"\x89PNG", "a PNG image", "give the document's text"),
+    (b"\xff\xd8\xff", "a JPEG image", "give the document's text"),
+)
+
+
+def _binary_kind(data: bytes, name: str) -> Optional[str]:
+    """What a file that is not text is, with how to get its text; None for text. A NUL byte in
+    the first 8 KB marks a binary file (UTF-8 text never holds one)."""
+    for magic, kind, fix in _BINARY_KINDS:
+        if data.startswith(magic):
+            return f"{kind}; {fix.format(name=name)}"
+    if b"\0" in data[:8192]:
+        return "a binary file (it holds NUL bytes); give the document's text"
+    return None
 
 
 def _decode_utf8(data: bytes, name: str) -> str:
+    kind = _binary_kind(data, name)
+    if kind:
+        raise InputError(f"{name} is not text: it is {kind}.")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -88,10 +114,15 @@ def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
         name = "standard input" if path == "-" else path
         try:
             if path == "-":
-                data = (stdin or sys.stdin.buffer).read()
-            else:
+                data = (stdin or sys.stdin.buffer).read(MAX_DOCUMENT_BYTES + 1)
+            else:  # a pipe is fine (<(...) in a shell); a device or a huge file is read only this far
                 with open(path, "rb") as f:
-                    data = f.read()
+                    data = f.read(MAX_DOCUMENT_BYTES + 1)
+            if len(data) > MAX_DOCUMENT_BYTES:
+                raise InputError(
+                    f"{name} holds more than {describe_size(MAX_DOCUMENT_BYTES)}; a document to summarize is text of a "
+                    "few MB at most (the model reads its first tokens), so it was not read further."
+                )
             found = split_documents(_decode_utf8(data, name), name)
             for label, text in found:
                 if not clean_article(text):

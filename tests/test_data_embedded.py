@@ -269,3 +269,23 @@ def test_read_documents_splits_blocks_or_lines(tmp_path):
     path.write_text("one\ntwo\n\n  \nthree\r\n", encoding="utf-8")
     assert vocabulary_training.read_documents(str(path)) == ["one\ntwo", "three"]
     assert vocabulary_training.read_documents(str(path), documents="lines") == ["one", "two", "three"]
+
+
+def test_a_cache_that_cannot_be_written_names_terra_cache_dir(tmp_path, monkeypatch):
+    from terra.errors import StorageError
+
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a folder")
+    with pytest.raises(StorageError) as error:
+        embedded.build_corpus(cache_dir=str(in_the_way / "cache"))
+    message = str(error.value)
+    assert message.startswith(f"cannot write terra's cache {in_the_way}/cache (Not a directory")
+    assert "set TERRA_CACHE_DIR to a writable folder" in message
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "home"))
+
+    monkeypatch.setattr(embedded.os, "makedirs", read_only)
+    with pytest.raises(StorageError, match="Read-only file system: .*set TERRA_CACHE_DIR to a writable folder"):
+        embedded.build_corpus(cache_dir=str(tmp_path / "home" / ".cache" / "terra"))
+    assert not (tmp_path / "home").exists()

@@ -58,3 +58,29 @@ def test_read_documents_names_every_unusable_file(tmp_path):
     assert read_documents(["-"], stdin=io.BytesIO(_paper(3).encode())) == [
         ("standard input [paper3]", "sentence 3 .\nmore .")
     ]
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj", "is not text: it is a PDF; extract its text first, e.g. `pdftotext"),
+        (b"\x1f\x8b\x08\x00" + bytes(20), "is not text: it is gzip-compressed; decompress it first"),
+        (b"ELF\x02\x01\x01\x00\x00\x00\x00", "is not text: it is a binary file (it holds NUL bytes)"),
+        (b"caf\xe9 au lait", "is not UTF-8 text (byte 0xe9 at offset 3); convert it first, e.g. `iconv"),
+    ],
+)
+def test_a_binary_file_is_named_for_what_it_is_and_only_latin1_text_gets_iconv(tmp_path, data, words):
+    path = tmp_path / "paper.pdf"
+    path.write_bytes(data)
+    with pytest.raises(InputError) as error:
+        read_documents([str(path)])
+    assert f"{path} {words}" in str(error.value)
+    assert ("iconv" in str(error.value)) == (b"caf" in data)
+
+
+def test_a_document_past_the_limit_is_read_only_that_far(monkeypatch):
+    import terra.documents as documents
+
+    monkeypatch.setattr(documents, "MAX_DOCUMENT_BYTES", 1000)
+    with pytest.raises(InputError, match="standard input holds more than 1000 bytes; a document to summarize is text"):
+        read_documents(["-"], stdin=io.BytesIO(b"word " * 10_000))

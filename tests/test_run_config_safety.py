@@ -231,3 +231,50 @@ def test_the_commands_refuse_a_hostile_run_in_one_line_and_write_nothing(hostile
     assert len(err) == 1 and err[0].startswith(f"error: {path}/config.gin, line {HOSTILE_LINE}: binds "), err
     assert "terra.data.train_sentencepiece" in err[0]
     assert hostile_run.unchanged()
+
+
+@pytest.fixture(scope="module")
+def saved_params(tmp_path_factory):
+    """A one-step checkpoint of a two-array parameter tree, as terra-convert writes one."""
+    import numpy as np
+
+    from terra.training import checkpointing
+
+    root = tmp_path_factory.mktemp("checkpoint")
+    params = {"dense": {"kernel": np.ones((4, 3), np.float32), "bias": np.zeros(3, np.float32)}}
+    writer = checkpointing.Checkpointer(str(root), save_interval_steps=1, keep_last=None)
+    try:
+        writer.save(0, {"params": params}, force=True)
+    finally:
+        writer.close()
+    return root, params
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "sparse"])
+def test_a_checkpoint_file_that_is_not_a_small_regular_file_is_refused_unread(tmp_path, saved_params, kind):
+    import shutil
+
+    import jax
+
+    from terra.errors import CheckpointError
+    from terra.training import checkpointing
+
+    root, params = saved_params
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    metadata = run / "checkpoints" / "0" / "state" / "_METADATA"
+    metadata.unlink()
+    if kind == "device":
+        os.symlink("/dev/zero", metadata)
+    elif kind == "fifo":
+        os.mkfifo(metadata)
+    else:
+        with open(metadata, "wb") as f:
+            f.truncate(1 << 40)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    with pytest.raises(CheckpointError) as error:
+        checkpointing.restore_params(str(run), abstract)
+    expected = "is 1024.0 GiB, more than the 256.0 MiB" if kind == "sparse" else "is not a regular file"
+    assert str(error.value).startswith(f"checkpoint {run}/checkpoints/0: the metadata file {metadata}")
+    assert expected in str(error.value)
+    assert checkpointing.restore_params(str(root), abstract)["dense"]["kernel"].shape == (4, 3)  # the intact copy

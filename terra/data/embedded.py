@@ -37,7 +37,9 @@ Train/validation membership is a hash of the text, stable across machines and ru
 """
 
 import ast
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import inspect
 import json
@@ -55,6 +57,7 @@ import seqio
 import tensorflow as tf
 
 from terra import files
+from terra.errors import StorageError
 
 # Bump when the extraction or the file layout changes: caches of an older format are
 # then ignored rather than misread.
@@ -297,10 +300,28 @@ def build_corpus(*, cache_dir: Optional[str] = None) -> str:
     target = corpus_dir(cache_dir=cache_dir)
     if os.path.isfile(os.path.join(target, MANIFEST)):
         return target
-    with files.exclusive(target + ".lock"):
-        if not os.path.isfile(os.path.join(target, MANIFEST)):  # built while this process waited
-            _build_into(target)
+    with cache_writes(target):
+        with files.exclusive(target + ".lock"):
+            if not os.path.isfile(os.path.join(target, MANIFEST)):  # built while this process waited
+                _build_into(target)
     return target
+
+
+@contextlib.contextmanager
+def cache_writes(target: str):
+    """Turns a write refused under the cache (a read-only home folder, a full disk, no
+    permission, a file where a folder should be) into a :class:`~terra.errors.StorageError` that names the cache and the
+    variable that moves it, ``TERRA_CACHE_DIR``."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR):
+            raise
+        raise StorageError(
+            f"cannot write terra's cache {os.path.dirname(target)} ({error.strerror}: {error.filename or target}). "
+            "The embedded corpus and its vocabulary are built there once; set TERRA_CACHE_DIR to a writable folder "
+            "(or pass a cache_dir) and run the command again."
+        ) from None
 
 
 def _build_into(target: str) -> None:

@@ -252,8 +252,8 @@ def embedded_vocabulary(
     path = embedded_vocabulary_path(vocab_size=vocab_size, cache_dir=cache_dir)
     if not os.path.isfile(path):
         corpus = embedded.build_corpus(cache_dir=cache_dir)
-        with files.exclusive(f"{corpus}.spm-{vocab_size}.lock"):  # one trainer; the others wait for it
-            if not os.path.isfile(path):
+        with embedded.cache_writes(corpus), files.exclusive(f"{corpus}.spm-{vocab_size}.lock"):
+            if not os.path.isfile(path):  # one trainer; the others wait for it
                 texts = embedded.corpus_texts(split="train", cache_dir=cache_dir)
                 train_sentencepiece(texts, path, vocab_size=vocab_size)
     return sentencepiece_vocabulary(path, extra_ids=extra_ids)

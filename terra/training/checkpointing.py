@@ -62,6 +62,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -121,6 +123,10 @@ CORRUPT_SUBDIR = "corrupt_checkpoints"
 STATE_ITEM = "state"
 INPUT_STATE_ITEM = "input_state"
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+# A checkpoint read from a run someone else made (``_check_step_files``): an orbax step holds a few
+# dozen entries and metadata of kilobytes to a few megabytes.
+MAX_STEP_ENTRIES = 100_000
+MAX_METADATA_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,13 +218,43 @@ def _read_tree_metadata(state_dir: epath.Path) -> Any:
     return ocp.StandardCheckpointHandler().metadata(state_dir).tree
 
 
+def _check_step_files(step_dir: epath.Path) -> None:
+    """A checkpoint may come from a stranger: before orbax and TensorStore open anything in it,
+    every entry of a local step directory must be a folder or a regular file (a FIFO would hang
+    the read, a device would never end it), at most :data:`MAX_STEP_ENTRIES` of them, and the
+    metadata orbax reads whole (JSON, manifests) at most :data:`MAX_METADATA_BYTES` each. Array
+    data is read by the ranges the metadata names, within the model's shapes."""
+    if files.has_scheme(str(step_dir)):  # object stores hold no devices or FIFOs
+        return
+    seen = 0
+    for root, folders, names in os.walk(str(step_dir)):
+        for name in folders + names:
+            seen += 1
+            path = os.path.join(root, name)
+            if seen > MAX_STEP_ENTRIES:
+                raise CheckpointError(
+                    f"checkpoint {step_dir} holds more than {MAX_STEP_ENTRIES:,d} files; an orbax checkpoint holds a "
+                    "few dozen, so it was not read."
+                )
+            if os.path.isdir(path):  # a folder (the walk does not follow a link to one)
+                continue
+            if os.path.basename(root) == "d":  # TensorStore's chunks: read by range, any size
+                files.check_regular_file(path, sys.maxsize, CheckpointError, f"checkpoint {step_dir}: the data file")
+            else:
+                files.check_regular_file(
+                    path, MAX_METADATA_BYTES, CheckpointError, f"checkpoint {step_dir}: the metadata file"
+                )
+
+
 def _check_committed(step_dir: epath.Path) -> None:
     """The step's ``_CHECKPOINT_METADATA`` must exist and carry orbax's commit timestamp."""
     path = step_dir / STEP_METADATA_FILE
     if not path.exists():
         raise CheckpointError(f"{path} is missing (the step was not committed by orbax or was damaged)")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(
+            files.read_regular_file(str(path), MAX_METADATA_BYTES, CheckpointError, "the step's metadata")
+        )
     except ValueError as e:
         raise CheckpointError(f"{path} is unreadable: {e}") from e
     if not isinstance(meta, dict) or not meta.get("commit_timestamp_nsecs"):
@@ -665,6 +701,7 @@ def restore_params(
     step_dir = _resolve_step_dir(checkpoint_dir, step)
     state_dir = step_dir / STATE_ITEM
     where = f"checkpoint {step_dir}"
+    _check_step_files(step_dir)
     try:
         _check_committed(step_dir)
         tree = _read_tree_metadata(state_dir)
