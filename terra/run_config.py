@@ -26,6 +26,7 @@ added later is refused here until it is given a role.
 """
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Sequence
 
 from gin import config_parser
@@ -193,8 +194,13 @@ def full_selector(selector: str) -> Optional[str]:
     """The registry's selector that gin would resolve ``selector`` to (``adafactor`` ->
     ``terra.training.adafactor``); None for a name terra does not have or one it has twice."""
     selector = selector.rsplit("/", 1)[-1]  # a scope (MODEL/TransformerConfig) names the same configurable
-    matches = [full for full in gin_registry.stored_registry() if full == selector or full.endswith("." + selector)]
+    matches = [full for full in _registry_selectors() if full == selector or full.endswith("." + selector)]
     return matches[0] if len(matches) == 1 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _registry_selectors() -> tuple:
+    return tuple(gin_registry.stored_registry())
 
 
 def _check_bound_selector(selector: str) -> None:

@@ -353,6 +353,8 @@ def _nested_shared_lists(levels: int) -> bytes:
         ("lists shared in lists", lambda: _nested_shared_lists(40)),
         ("a dict shared", lambda: pickle.dumps({"flat_weights": [{"w": np.ones(4)}] * 3}, protocol=4)),
         ("a long string shared", lambda: pickle.dumps({"flat_weights": ["x" * 4096] * 3}, protocol=4)),
+        ("long bytes shared", lambda: pickle.dumps({"flat_weights": [b"x" * 1000] * 3}, protocol=4)),
+        ("a long tuple shared", lambda: pickle.dumps({"flat_weights": [tuple(range(100))] * 3}, protocol=4)),
         ("a list in itself", lambda: _self_containing_list()),
     ],
 )
