@@ -372,6 +372,17 @@ def native_kernels_on(monkeypatch):
         native_kernels._library.cache_clear()
 
 
+@pytest.fixture
+def no_tensorflow(monkeypatch):
+    """Past its checks a command imports TensorFlow first: here that fails the test instead."""
+    from terra import tensorflow_setup
+
+    def refuse():
+        raise AssertionError("the command got past its checks and went on to import TensorFlow")
+
+    monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """A tiny dense encoder-decoder and its random parameters, shared by the suite."""

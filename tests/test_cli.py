@@ -322,17 +322,6 @@ def _heavy_modules_after(call: str) -> str:
     )
 
 
-@pytest.fixture
-def no_tensorflow(monkeypatch):
-    """Past its checks a command imports TensorFlow first: here that fails the test instead."""
-    from terra import tensorflow_setup
-
-    def refuse():
-        raise AssertionError("the command got past its checks and went on to import TensorFlow")
-
-    monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", refuse)
-
-
 def test_a_misspelled_macro_is_an_error_with_a_did_you_mean_before_tensorflow_loads(tmp_path):
     argv = [QUICKSTART, "--gin.TRAIN_STEPZ=10", f"--gin.MODEL_DIR='{tmp_path / 'run'}'"]
     start = time.perf_counter()
@@ -567,6 +556,10 @@ def test_the_stored_gin_registry_is_the_live_one():
             "MODEL/TransformerConfg.d_model = 64",
             "--gin.MODEL/TransformerConfg.d_model=64: terra has no configurable named TransformerConfg. "
             "Did you mean TransformerConfig?",
+        ),
+        (
+            "TransformerConfig.d_model = " + "9" * 5000,
+            "--gin.TransformerConfig.d_model: an integer of 5,000 digits is more than gin reads",
         ),
     ],
 )

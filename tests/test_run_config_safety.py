@@ -218,7 +218,9 @@ def test_a_damaged_vocabulary_copy_is_one_error_naming_it(tmp_path, damage):
 
 
 @pytest.mark.parametrize("cli", [summarize_cli, evaluate_cli])
-def test_the_commands_refuse_a_hostile_run_in_one_line_and_write_nothing(hostile_run, capsys, cli, tmp_path):
+def test_the_commands_refuse_a_hostile_run_in_one_line_before_tensorflow_and_write_nothing(
+    hostile_run, capsys, cli, tmp_path, no_tensorflow
+):
     document = tmp_path / "victim" / "doc.txt"
     document.write_text("A document to summarize.\n")
     path = hostile_run.make(

@@ -95,6 +95,11 @@ def as_flag(binding: str) -> str:
 
 def _unparsable(binding: str, error: SyntaxError) -> str:
     name, _, value = (part.strip() for part in binding.partition("="))
+    if value.lstrip("+-").isdigit():  # a number gin's reader (Python's) will not convert
+        return (
+            f"--gin.{name}: an integer of {len(value.lstrip('+-')):,d} digits is more than gin reads (Python converts "
+            "integers of at most 4,300 digits); give a number the parameter can use."
+        )
     if value and not _NOT_A_WORD.search(value):
         # gin reads values as Python literals: runs/x is the expression runs / x, not a path.
         reference = f" (or @{value} for a configurable)" if value.replace(".", "").isidentifier() else ""
