@@ -9,9 +9,12 @@ import pickle
 import shutil
 import sys
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.core import meta
 
 import terra
 from terra import gin_utils
@@ -21,10 +24,12 @@ from terra.convert.trax_arguments import trax_gin
 from terra.convert.trax_file import read_trax_weights
 from terra.convert.trax_layout import to_terra_params, trax_leaves
 from terra.errors import CheckpointError, ConfigError
+from terra.layers.lsh_attention import LSHSelfAttention
 from terra.training import checkpointing
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "trax")
 MODELS = ("dense", "scaling_transformer", "terraformer")
+LSH = "terraformer_lsh"  # its logits depend on Trax's hash rotations: checked with them replayed
 
 
 def fixture(model: str, name: str) -> str:
@@ -36,7 +41,7 @@ def converted(tmp_path_factory):
     """Each fixture converted once through the command line: ``{model: run directory}``."""
     root = tmp_path_factory.mktemp("converted")
     runs = {}
-    for model in MODELS:
+    for model in (*MODELS, LSH):
         out = str(root / model)
         status = convert_cli.call(
             [
@@ -562,3 +567,243 @@ def test_a_symlinked_out_is_one_error_and_nothing_is_written(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not (tmp_path / "nowhere").exists()
+
+
+# ----- LSH attention (the long-document Terraformer) ---------------------------------------------
+
+
+def _trax_lsh_hash_keys():
+    """Each Trax LSHSelfAttention's hash keys as saved in model.pkl.gz's state, in tree order (the
+    encoder's layers, then the decoder's): ``[batch * heads, 2]`` uint32, row example·heads + head.
+    terra's reader drops the state; this fixture is ours, so plain pickle reads it."""
+    with gzip.open(fixture(LSH, "model.pkl.gz")) as f:
+        state = pickle.load(f)["flat_state"]
+    return [np.asarray(s) for s in state if np.asarray(s).dtype == np.uint32]
+
+
+class _TraxHashing:
+    """Hashes each terra LSHSelfAttention call as the Trax layer in its place did in the eval
+    call that made the fixture (an interceptor for ``nn.intercept_methods``).
+
+    Trax's eval-mode LSHSelfAttention (trax/layers/research/efficient_attention.py,
+    ``forward_unbatched`` and ``hash_vecs``) hashes example b, head h with rotations
+    ``R = normal(split(k)[1], [d_head, n_hashes, n_buckets / 2])`` from the key k its state holds
+    for (b, h), and ``bucket = argmax([qR, -qR])`` of the unnormalised shared-QK projection q.
+    terra draws its own rotations (per head, from a seed), so the converted model is compared
+    with Trax's at Trax's hashing decisions, passed in through ``buckets=``.
+    """
+
+    def __init__(self, keys, n_buckets: int, hash_decoder: bool = True):
+        self.keys = {False: keys[:2], True: keys[2:]}  # by causal: encoder layers, decoder layers
+        self.n_buckets, self.hash_decoder = n_buckets, hash_decoder
+        self.buckets = {False: [], True: []}
+
+    def __call__(self, next_fun, args, kwargs, context):
+        module = context.module
+        lsh_call = isinstance(module, LSHSelfAttention) and context.method_name == "__call__"
+        if not lsh_call or (module.causal and not self.hash_decoder):
+            return next_fun(*args, **kwargs)
+        kernel = meta.unbox(module.variables["params"]["qv"]["kernel"])  # [heads, (q, v), d_head, d_model]
+        q = jnp.einsum("bld,hkd->bhlk", args[0], kernel[:, 0])
+        layer_keys = self.keys[module.causal][len(self.buckets[module.causal])]
+        batch, heads, _, d_head = q.shape
+        shape = (d_head, module.n_hashes, self.n_buckets // 2)
+        rotations = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1], shape))(jnp.asarray(layer_keys))
+        rotated = jnp.einsum("bhld,bhdrk->bhrlk", q, rotations.reshape(batch, heads, *shape))
+        buckets = jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1)
+        self.buckets[module.causal].append(buckets)
+        return next_fun(*args, **{**kwargs, "buckets": buckets})
+
+
+def _n_buckets():
+    return _arguments(LSH)[1]["encoder_attention_type"]["partial_kwargs"]["n_buckets"]
+
+
+@pytest.mark.slow
+def test_converted_lsh_terraformer_gives_trax_eval_logits_at_traxs_hashing(converted):
+    """Trax's buckets recomputed from the hash keys in its file equal the ones it used
+    (lsh_buckets.npz); given them, terra's LSH layers compute what Trax's do."""
+    run = terra.load(converted[LSH])
+    encoder_tokens, _, shifted = _inputs(LSH)
+    hashing = _TraxHashing(_trax_lsh_hash_keys(), _n_buckets())
+    with nn.intercept_methods(hashing):
+        logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+    recorded = np.load(fixture(LSH, "lsh_buckets.npz"))
+    replayed = hashing.buckets[False] + hashing.buckets[True]
+    assert len(replayed) == len(recorded.files) == 6
+    real = np.asarray(encoder_tokens != 0)[:, None, None, :]
+    for i, buckets in enumerate(replayed):
+        buckets = np.asarray(buckets)
+        if i < 2:  # the encoder's padding goes to the extra bucket n_buckets, in Trax as in terra
+            buckets = np.where(real, buckets, _n_buckets())
+        np.testing.assert_array_equal(buckets, recorded[f"layer_{i}"])
+    expected = np.load(fixture(LSH, "eval_logits.npz"))["logits"]
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_converted_lsh_terraformer_decodes_token_by_token_as_trax_predicts(converted):
+    """The fixture's decoder LSH holds its sequence in one chunk, so which keys a step sees does
+    not depend on the hash; the encoder is hashed as Trax's was. Row 1 (padded encoder input) is
+    compared with Trax's eval logits: Trax's first predict call concatenates [real encoder
+    vectors, decoder token 0, the encoder's outputs at padding positions, a zero] and its LSH
+    layers mask none of those slots (config.json "decode"; the README shows terra reproducing
+    that too), while terra's decoding masks them as eval never has them."""
+    run = terra.load(converted[LSH])
+    encoder_tokens, _, shifted = _inputs(LSH)
+    predicted = np.load(fixture(LSH, "decode_logits.npz"))
+    teacher_forced = np.load(fixture(LSH, "eval_logits.npz"))["logits"]
+    np.testing.assert_array_equal(predicted["decoder_tokens_fed"], shifted)
+    assert np.abs(predicted["logits"][1] - teacher_forced[1]).max() > 1e-2  # Trax's unmasked padding
+    hashing = _TraxHashing(_trax_lsh_hash_keys(), _n_buckets(), hash_decoder=False)
+    decoder = run.model.decoder(shifted.shape[1])
+    with nn.intercept_methods(hashing):
+        cache = decoder.prefill(run.params, jnp.asarray(encoder_tokens))
+        steps = []
+        for t in range(shifted.shape[1]):
+            logits, cache = decoder.step(run.params, cache, jnp.asarray(shifted[:, t]))
+            steps.append(np.asarray(logits))
+    assert len(hashing.buckets[False]) == 2, "the prefill's encoder ran outside the interceptor"
+    decoded = np.stack(steps, axis=1)
+    np.testing.assert_allclose(decoded[0], predicted["logits"][0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(decoded[1], teacher_forced[1], atol=1e-5, rtol=0)
+
+
+def test_lsh_arguments_map_onto_scoped_terra_bindings():
+    """Every LSHSelfAttention argument that decides what it computes is bound per side; the ones
+    the Terraformer passes itself (causal, both dropouts) follow Trax's blocks, not the partial."""
+    constructor, kwargs = _arguments(LSH)
+    _, bindings = trax_gin(constructor, kwargs)
+    for binding in (
+        "Terraformer.encoder_attention = @encoder/LSHSelfAttention",
+        "Terraformer.decoder_attention = @decoder/LSHSelfAttention",
+        "encoder/LSHSelfAttention.causal = False",
+        "encoder/LSHSelfAttention.chunk_len = 4",
+        "encoder/LSHSelfAttention.n_chunks_after = 1",
+        "encoder/LSHSelfAttention.n_hashes = 2",
+        "decoder/LSHSelfAttention.causal = True",
+        "decoder/LSHSelfAttention.chunk_len = 20",
+        "decoder/LSHSelfAttention.n_hashes = 1",
+        "decoder/LSHSelfAttention.n_buckets = 4",
+        "decoder/LSHSelfAttention.use_bias = False",
+        "Terraformer.attention_output_dropout = True",  # Trax's LSHSelfAttention drops its output
+    ):
+        assert binding in bindings
+    encoder = {"trax_layer": "LSHSelfAttention", "partial_kwargs": {"causal": True, "attention_dropout": 0.5}}
+    _, bindings = trax_gin(constructor, {**kwargs, "encoder_attention_type": encoder, "dropout": 0.1})
+    assert "encoder/LSHSelfAttention.causal = False" in bindings
+    assert "encoder/LSHSelfAttention.attention_dropout = 0.1" in bindings
+    assert "encoder/LSHSelfAttention.n_hashes = 1" in bindings  # Trax's defaults for what is omitted
+    assert "encoder/LSHSelfAttention.chunk_len = 128" in bindings
+    assert "encoder/LSHSelfAttention.n_buckets = None" in bindings
+    factorised = {"trax_layer": "LSHSelfAttention", "partial_kwargs": {"n_buckets": [4, 8]}}
+    _, bindings = trax_gin(constructor, {**kwargs, "encoder_attention_type": factorised})
+    assert "encoder/LSHSelfAttention.n_buckets = [4, 8]" in bindings
+
+
+def _lsh(**options):
+    return {"trax_layer": "LSHSelfAttention", "partial_kwargs": options}
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"encoder_attention_type": _lsh(bias=True)}, "LSHSelfAttention, bias=True): not supported"),
+        ({"encoder_attention_type": _lsh(n_buckets=3)}, "n_buckets=3) must be None, an even positive integer"),
+        ({"encoder_attention_type": _lsh(n_buckets=[2, 3])}, "n_buckets=[2, 3]) must be None"),
+        ({"encoder_attention_type": _lsh(chunk_len=0)}, "encoder_attention_type chunk_len=0) must be a positive"),
+        ({"encoder_attention_type": _lsh(n_hashes_typo=2)}, "LSHSelfAttention options ['n_hashes_typo']"),
+        (
+            {"encoder_attention_type": {"trax_layer": "PureLSHSelfAttention", "partial_kwargs": {}}},
+            "encoder_attention_type=PureLSHSelfAttention): not supported; terra converts Attention or "
+            "LSHSelfAttention here",
+        ),
+        (
+            {"encoder_attention_type": {"trax_layer": "Attention", "partial_kwargs": {}}, "dropout": 0.1},
+            "with LSHSelfAttention on one side only: not supported",
+        ),
+    ],
+)
+def test_lsh_arguments_terra_does_not_implement_are_named(change, named):
+    constructor, kwargs = _arguments(LSH)
+    with pytest.raises(ConfigError) as error:
+        trax_gin(constructor, {**kwargs, **change})
+    assert named in str(error.value)
+
+
+def test_lsh_projections_are_per_head_in_trax_and_fused_in_terra():
+    """Trax's w_q, w_v [heads, d_model, d_head] fill terra's qv [heads, 2, d_head, d_model];
+    w_o [heads, d_head, d_model] is out [d_model, heads, d_head]."""
+    files, bindings = trax_gin(*_arguments(LSH))
+    gin_utils.parse_gin(files, bindings, finalize=False)
+    abstract = gin_utils.build_model().abstract_params()
+    leaves = trax_leaves(abstract)
+    flat = [np.arange(np.prod(leaf.shape), dtype=np.float32).reshape(leaf.shape) for leaf in leaves]
+    at = {name: next(i for i, leaf in enumerate(leaves) if f"LSH {name}" in leaf.describe) for name in ("w_q", "w_v")}
+    at["w_o"] = next(i for i, leaf in enumerate(leaves) if "LSH w_o" in leaf.describe)
+    params = to_terra_params(flat, abstract)
+    layer = params["encoder_stack"]["layer_0"]["layer"]
+    assert set(layer) == {"qv", "out"} and set(layer["qv"]) == {"kernel"}  # Trax's LSH has no biases
+    w_q, w_v, w_o = flat[at["w_q"]], flat[at["w_v"]], flat[at["w_o"]]
+    for h, k, d in [(0, 1, 2), (3, 15, 63)]:
+        assert layer["qv"]["kernel"][h, 0, k, d] == w_q[h, d, k]
+        assert layer["qv"]["kernel"][h, 1, k, d] == w_v[h, d, k]
+        assert layer["out"]["kernel"][d, h, k] == w_o[h, k, d]
+
+
+def test_a_terra_lsh_layer_with_biases_is_refused_by_the_layout():
+    """A terra config of the same architecture but LSHSelfAttention.use_bias = True (the 800M
+    encoder's) has an output bias no Trax LSHSelfAttention stores."""
+    files, bindings = trax_gin(*_arguments(LSH))
+    gin_utils.parse_gin(files, [*bindings, "encoder/LSHSelfAttention.use_bias = True"], finalize=False)
+    with pytest.raises(CheckpointError, match="LSHSelfAttention with use_bias=True: not supported"):
+        trax_leaves(gin_utils.build_model().abstract_params())
+
+
+# ----- what terra does not convert: one line saying so, and what it does convert -----------------
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        (
+            {"trax_constructor": "trax.models.ConfigurableTransformerLM", "constructor_kwargs": {"vocab_size": 64}},
+            "the Trax model ConfigurableTransformerLM is not supported: terra converts "
+            "trax.models.ConfigurableTransformer (encoder-decoder) and trax.models.ConfigurableTerraformer",
+        ),
+        (
+            {
+                "trax_constructor": "trax.models.ConfigurableTerraformer",
+                "constructor_kwargs": {
+                    **_arguments(LSH)[1],
+                    "encoder_decoder_attention_type": [
+                        {"trax_layer": "LSHSelfAttention", "partial_kwargs": {}},
+                        {"trax_layer": "MultiplicativeConvCausalAttention", "partial_kwargs": {}},
+                    ],
+                },
+            },
+            "ConfigurableTerraformer(encoder_decoder_attention_type=[LSHSelfAttention, "
+            "MultiplicativeConvCausalAttention]): a per-layer list of layer types is not supported; terra converts "
+            "one type for every layer: CausalAttention, MultiplicativeConvCausalAttention, LSHSelfAttention",
+        ),
+        (
+            {
+                "trax_constructor": "trax.models.ConfigurableTransformer",
+                "constructor_kwargs": {"input_vocab_size": 64, "encoder_attention_type": _lsh()},
+            },
+            "ConfigurableTransformer(encoder_attention_type=LSHSelfAttention): not supported; terra converts "
+            "Attention here",
+        ),
+    ],
+)
+def test_models_terra_does_not_convert_are_refused_as_not_supported(tmp_path, capsys, arguments, named):
+    config = tmp_path / "args.json"
+    config.write_text(json.dumps(arguments))
+    out = tmp_path / "run"
+    status = convert_cli.main(
+        ["trax", f"--checkpoint={fixture('dense', 'model.pkl.gz')}", f"--trax_config={config}", f"--out={out}"]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    assert named in err[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["args.json"]

@@ -523,3 +523,25 @@ def test_the_fixtures_share_only_what_a_pickler_shares_for_every_array():
             elif isinstance(item, np.ndarray):
                 arrays.append(item)
         assert len({id(a) for a in arrays}) == len(arrays) > 90
+
+
+@pytest.mark.parametrize("kind", ["device", "nested", "sparse"])
+def test_trax_arguments_that_are_not_a_small_json_file_are_one_error(tmp_path, capsys, kind):
+    arguments = tmp_path / "args.json"
+    if kind == "device":
+        os.symlink("/dev/zero", arguments)
+        expected = f"the Trax arguments {arguments} is not a regular file"
+    elif kind == "nested":
+        arguments.write_text("[" * 100_000)
+        expected = f"{arguments} is not JSON: maximum recursion depth exceeded"
+    else:
+        with open(arguments, "wb") as f:
+            f.truncate(1 << 33)
+        expected = f"the Trax arguments {arguments} is 8.0 GiB, more than the 1.0 MiB"
+    out = tmp_path / "run"
+    status = convert_cli.main(
+        ["trax", f"--checkpoint={os.path.join(DENSE, 'model.pkl.gz')}", f"--trax_config={arguments}", f"--out={out}"]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1 and err[0].startswith(f"error: {expected}"), err
+    assert not out.exists()

@@ -11,12 +11,20 @@ sparsity=4)`` is written ``{"trax_layer": "MultiplicativeConvCausalAttention",
 Every argument is either mapped onto a terra binding or checked to have the value terra
 implements; anything else is an error that names the argument (terra never silently converts
 a model it would compute differently). Omitted arguments take Trax's defaults.
+
+``LSHSelfAttention`` (the Terraformer's long-document attention, paper §4) converts with its
+weights and every argument that decides what it computes; its hash rotations are not
+arguments. Trax draws them from the layer's state, one key per example and head, and draws
+new ones at every eval call; terra draws its own per head. A converted model therefore
+computes Trax's function given the same buckets (the tests replay Trax's), and a different
+random approximation of full attention otherwise (docs/coming_from_trax.md).
 """
 
 import json
 import os
 from typing import Any, Dict, List, Tuple
 
+from terra import files
 from terra.errors import ConfigError
 
 TRANSFORMER = "ConfigurableTransformer"
@@ -80,21 +88,50 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
     },
 }
 BASE_CONFIG = {TRANSFORMER: "models/dense_800m.gin", TERRAFORMER: "models/terraformer_800m.gin"}
+# An ARGS.json is a few kilobytes.
+MAX_ARGUMENTS_BYTES = 1 << 20
+# What terra converts, named in every refusal of a model or layer it does not.
+SUPPORTED_MODELS = f"trax.models.{TRANSFORMER} (encoder-decoder) and trax.models.{TERRAFORMER}"
+ENCODER_ATTENTION = {TRANSFORMER: ("Attention",), TERRAFORMER: ("Attention", "LSHSelfAttention")}
+DECODER_ATTENTION = {
+    TRANSFORMER: ("CausalAttention", "MultiplicativeConvCausalAttention"),
+    TERRAFORMER: ("CausalAttention", "MultiplicativeConvCausalAttention", "LSHSelfAttention"),
+}
+_ATTENTION_CHOICES = {"encoder_attention_type": ENCODER_ATTENTION, "encoder_decoder_attention_type": DECODER_ATTENTION}
 # Trax's MultiplicativeConvCausalAttention defaults (sparsity None means the model's n_heads).
 _MULTCONV_DEFAULTS = {"sparsity": None, "length_kernel_size": 3}
 # Trax's SparseFF defaults when ff_sparsity is N or (N, d_lowrank).
 _SPARSE_FF_TEMPERATURE, _SPARSE_FF_QUANT_PROB = 0.1, 0.3
+# Trax's LSHSelfAttention defaults (trax/layers/research/efficient_attention.py) for the
+# arguments that decide what it computes.
+_LSH_DEFAULTS = {"chunk_len": 128, "n_chunks_before": 1, "n_chunks_after": 0, "n_hashes": 1, "n_buckets": None}
+# Passed by the Terraformer's blocks (ApplyAttentionLayer), overriding any value in the partial:
+# n_heads, d_qk = d_v = d_model / n_heads, causal (False in the encoder, True in the decoder),
+# masked (the encoder's padding), attention_dropout = output_dropout = dropout, and the mode.
+_LSH_SET_BY_THE_MODEL = ("n_heads", "d_qk", "d_v", "causal", "masked", "attention_dropout", "output_dropout", "mode")
+# How Trax runs the layer, not what it computes: the predict-mode memory (terra's decode cache
+# holds the whole sequence; the two agree while the sequence fits predict_mem_len), the padding
+# of the buckets kept for the backward pass, the loop over heads, and share_qk ("unused").
+_LSH_SCHEDULE = (
+    "predict_mem_len",
+    "predict_drop_len",
+    "max_length_for_buckets",
+    "n_parallel_heads",
+    "use_python_loop",
+    "use_reference_code",
+    "share_qk",
+)
 
 
 def read_trax_arguments(path: str) -> Tuple[str, Dict[str, Any]]:
     """``(constructor name, keyword arguments)`` from an ``ARGS.json`` file."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ConfigError(f"{path} does not exist: give the JSON file of the Trax model's constructor arguments.")
+    data = files.read_regular_file(path, MAX_ARGUMENTS_BYTES, ConfigError, "the Trax arguments")
     try:
-        with open(path) as f:
-            content = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not JSON: {e}") from e
+        content = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path} is not JSON: {' '.join(str(e).split())[:200]}") from None
     if not isinstance(content, dict):
         raise ConfigError(f"{path} holds a {type(content).__name__}; expected a JSON object of constructor arguments.")
     if "constructor_kwargs" in content:
@@ -103,15 +140,29 @@ def read_trax_arguments(path: str) -> Tuple[str, Dict[str, Any]]:
         kwargs = dict(content)
         name = kwargs.pop("model", "")
     name = str(name).rsplit(".", 1)[-1]
-    if name not in DEFAULTS:
+    if not name:
         raise ConfigError(
-            f'{path}: the Trax model is {name or "not named"}; name it with "trax_constructor" (or "model"): '
-            f"one of {sorted(DEFAULTS)}."
+            f'{path} does not name the Trax model; add "trax_constructor" (or "model"): {SUPPORTED_MODELS}.'
         )
+    if name not in DEFAULTS:
+        raise ConfigError(f"{path}: {_unsupported_model(name)}")
     return name, kwargs
 
 
-def _layer(value: Any, argument: str) -> Tuple[str, Dict[str, Any]]:
+def _unsupported_model(name: str) -> str:
+    return f"the Trax model {name} is not supported: terra converts {SUPPORTED_MODELS}."
+
+
+def _layer(value: Any, argument: str, constructor: str = "") -> Tuple[str, Dict[str, Any]]:
+    if isinstance(value, (list, tuple)):
+        # Trax's Terraformer cycles a list of decoder attention types over the layers.
+        names = [_layer(v, argument)[0] if isinstance(v, (str, dict)) else repr(v) for v in value]
+        supported = _ATTENTION_CHOICES.get(argument, {}).get(constructor)
+        what = f": {', '.join(supported)}" if supported else ""
+        raise ConfigError(
+            f"{constructor}({argument}=[{', '.join(names)}]): a per-layer list of layer types is not supported; "
+            f"terra converts one type for every layer{what}."
+        )
     if isinstance(value, str):
         return value.rsplit(".", 1)[-1], {}
     if isinstance(value, dict) and "trax_layer" in value:
@@ -185,7 +236,7 @@ def _sizes(args: _Arguments) -> List[str]:
         f"TransformerConfig.ff_dropout = {ff_dropout}",
         "TransformerConfig.dtype = 'float32'",
     ]
-    activation, _ = _layer(args.take("ff_activation"), "ff_activation")
+    activation, _ = _layer(args.take("ff_activation"), "ff_activation", args.constructor)
     if activation != "Relu":
         raise ConfigError(f"{args.constructor}(ff_activation={activation}): terra's feed-forward layers use ReLU only.")
     args.require("attention_chunk_size", (0,), "terra has no chunked dense attention; use attention_chunk_size=0.")
@@ -259,46 +310,123 @@ def _logits(args: _Arguments, selector: str) -> List[str]:
     return [f"{selector}.logits_layer = @SparseLossLogits", f"SparseLossLogits.loss_sparsity = {sparsity}"]
 
 
+def _lsh_attention(args: _Arguments, name: str, options: Dict[str, Any], scope: str, causal: bool) -> List[str]:
+    """Trax's ``LSHSelfAttention`` (shared-QK, per-head projections) as terra's, in its 'model'
+    weights format and without biases (Trax's default ``bias=False``). The Terraformer sets
+    causality, masking, both dropouts and the head sizes itself (``_LSH_SET_BY_THE_MODEL``)."""
+    options = {**_LSH_DEFAULTS, **options}
+    if options.pop("bias", False):
+        raise ConfigError(
+            f"{args.constructor}({name}=LSHSelfAttention, bias=True): not supported; Trax adds Q and V biases "
+            "without an output bias, terra's LSHSelfAttention has all three or none: terra converts bias=False "
+            "(Trax's default)."
+        )
+    for key in (*_LSH_SET_BY_THE_MODEL, *_LSH_SCHEDULE):
+        options.pop(key, None)
+    sizes = {key: options.pop(key) for key in _LSH_DEFAULTS}
+    if options:
+        raise ConfigError(f"{name}: LSHSelfAttention options {sorted(options)} have no terra counterpart.")
+    chunk_len = _integer(args.constructor, f"{name} chunk_len", sizes["chunk_len"], 1)
+    n_hashes = _integer(args.constructor, f"{name} n_hashes", sizes["n_hashes"], 1)
+    before = _integer(args.constructor, f"{name} n_chunks_before", sizes["n_chunks_before"])
+    after = _integer(args.constructor, f"{name} n_chunks_after", sizes["n_chunks_after"])
+    n_buckets = _lsh_buckets(args, name, sizes["n_buckets"])
+    layer = f"{scope}/LSHSelfAttention"
+    return [
+        f"{layer}.weights_format = 'model'",
+        f"{layer}.use_bias = False",
+        f"{layer}.causal = {causal}",
+        f"{layer}.chunk_len = {chunk_len}",
+        f"{layer}.n_chunks_before = {before}",
+        f"{layer}.n_chunks_after = {after}",
+        f"{layer}.n_hashes = {n_hashes}",
+        f"{layer}.n_buckets = {n_buckets}",
+        # ApplyAttentionLayer passes the model's dropout, whatever the partial says.
+        f"{layer}.attention_dropout = {args.values['dropout']}",
+        f"{layer}.std_length = None",
+    ]
+
+
+def _lsh_buckets(args: _Arguments, name: str, n_buckets) -> Any:
+    """``None`` (Trax's automatic count), an even int, or a list of even factors (a factorised hash)."""
+    if n_buckets is None:
+        return None
+    factors = list(n_buckets) if isinstance(n_buckets, (list, tuple)) else [n_buckets]
+    if factors and all(isinstance(f, int) and not isinstance(f, bool) and f > 0 and f % 2 == 0 for f in factors):
+        return factors if isinstance(n_buckets, (list, tuple)) else n_buckets
+    raise ConfigError(
+        f"{args.constructor}({name} n_buckets={n_buckets!r}) must be None, an even positive integer or a list of "
+        "them, as Trax's hash_vecs asserts."
+    )
+
+
+def _unsupported_layer(args: _Arguments, name: str, layer: str) -> ConfigError:
+    supported = _ATTENTION_CHOICES[name][args.constructor]
+    return ConfigError(
+        f"{args.constructor}({name}={layer}): not supported; terra converts {' or '.join(supported)} here."
+    )
+
+
 def _decoder_attention(args: _Arguments, name: str, selector: str) -> List[str]:
-    layer, options = _layer(args.take(name), name)
+    layer, options = _layer(args.take(name), name, args.constructor)
+    if layer not in DECODER_ATTENTION[args.constructor]:
+        raise _unsupported_layer(args, name, layer)
+    if layer == "LSHSelfAttention":
+        return [f"{selector} = @decoder/LSHSelfAttention", *_lsh_attention(args, name, options, "decoder", True)]
     options.pop("max_inference_length", None)  # the decode cache length; terra sizes it per call
     if layer == "CausalAttention":
         options.pop("dropout", None)
         if options:
             raise ConfigError(f"{name}: CausalAttention options {sorted(options)} have no terra counterpart.")
         return [f"{selector} = @CausalSelfAttention"]
-    if layer == "MultiplicativeConvCausalAttention":
-        options = {**_MULTCONV_DEFAULTS, **options}
-        options.pop("dropout", None)
-        sparsity, length_kernel = options.pop("sparsity"), options.pop("length_kernel_size")
-        sparsity = args.values["n_heads"] if sparsity is None else sparsity
-        sparsity = _integer(args.constructor, f"{name} sparsity", sparsity, 1)
-        length_kernel = _integer(args.constructor, f"{name} length_kernel_size", length_kernel, 1)
-        if options:
-            raise ConfigError(
-                f"{name}: MultiplicativeConvCausalAttention options {sorted(options)} have no terra counterpart."
-            )
-        return [
-            f"{selector} = @SparseQKVAttention",
-            f"SparseQKVAttention.attention_sparsity = {sparsity}",
-            f"SparseQKVAttention.length_kernel_size = {length_kernel}",
-            "SparseQKVAttention.variant = 'multconv'",
-        ]
-    raise ConfigError(
-        f"{args.constructor}({name}={layer}): terra converts CausalAttention (dense) and "
-        "MultiplicativeConvCausalAttention (Sparse QKV) decoder attention."
-    )
+    # MultiplicativeConvCausalAttention, the last of DECODER_ATTENTION
+    options = {**_MULTCONV_DEFAULTS, **options}
+    options.pop("dropout", None)
+    sparsity, length_kernel = options.pop("sparsity"), options.pop("length_kernel_size")
+    sparsity = args.values["n_heads"] if sparsity is None else sparsity
+    sparsity = _integer(args.constructor, f"{name} sparsity", sparsity, 1)
+    length_kernel = _integer(args.constructor, f"{name} length_kernel_size", length_kernel, 1)
+    if options:
+        raise ConfigError(
+            f"{name}: MultiplicativeConvCausalAttention options {sorted(options)} have no terra counterpart."
+        )
+    return [
+        f"{selector} = @SparseQKVAttention",
+        f"SparseQKVAttention.attention_sparsity = {sparsity}",
+        f"SparseQKVAttention.length_kernel_size = {length_kernel}",
+        "SparseQKVAttention.variant = 'multconv'",
+    ]
 
 
 def _encoder_attention(args: _Arguments, selector: str) -> List[str]:
-    layer, options = _layer(args.take("encoder_attention_type"), "encoder_attention_type")
+    name = "encoder_attention_type"
+    layer, options = _layer(args.take(name), name, args.constructor)
+    if layer not in ENCODER_ATTENTION[args.constructor]:
+        raise _unsupported_layer(args, name, layer)
+    if layer == "LSHSelfAttention":
+        return [f"{selector} = @encoder/LSHSelfAttention", *_lsh_attention(args, name, options, "encoder", False)]
     options.pop("dropout", None)
-    if layer != "Attention" or options:
+    if options:
         raise ConfigError(
-            f"{args.constructor}(encoder_attention_type={layer}{options or ''}): terra converts the dense encoder "
-            "attention tl.Attention (the paper's configs use it)."
+            f"{args.constructor}({name}=Attention{options}): Attention options have no terra counterpart."
         )
     return [f"{selector} = @SelfAttention"]
+
+
+def _attention_output_dropout(args: _Arguments) -> bool:
+    """Trax's LSHSelfAttention drops its output (rate ``dropout``); Attention, CausalAttention and
+    MultiplicativeConvCausalAttention have no output dropout. terra's switch covers both sides."""
+    lsh = [_layer(args.values[name], name)[0] == "LSHSelfAttention" for name in _ATTENTION_CHOICES]
+    if all(lsh):
+        return True
+    if any(lsh) and args.values["dropout"]:
+        raise ConfigError(
+            f"{args.constructor}(dropout={args.values['dropout']}) with LSHSelfAttention on one side only: not "
+            "supported; Trax drops the LSH layer's output but not the other attention's, and terra's "
+            "Terraformer.attention_output_dropout covers both sides. terra converts LSHSelfAttention on both sides, "
+            "or on one side with dropout=0."
+        )
+    return False
 
 
 def _transformer(args: _Arguments) -> List[str]:
@@ -363,8 +491,7 @@ def _terraformer(args: _Arguments) -> List[str]:
         # Trax's center_layernorm reaches the norms inside the blocks and the SRU branch; the norm
         # after a non-reversible encoder and the final norm are centred either way, as in terra.
         f"Terraformer.center_layernorm = {_boolean(args, 'center_layernorm')}",
-        # Trax's Attention, CausalAttention and MultiplicativeConvCausalAttention have no output dropout.
-        "Terraformer.attention_output_dropout = False",
+        f"Terraformer.attention_output_dropout = {_attention_output_dropout(args)}",
     ]
     args.require("n_layers_forget", (0,), "terra's Terraformer has no 'forget' layers; use n_layers_forget=0.")
     args.take("forget_dense")  # only read when n_layers_forget > 0
@@ -387,7 +514,7 @@ def trax_gin(constructor: str, kwargs: Dict[str, Any]) -> Tuple[List[str], List[
       ConfigError: an unknown argument, or a value terra does not implement (named).
     """
     if constructor not in DEFAULTS:
-        raise ConfigError(f"unknown Trax model {constructor!r}; terra converts {sorted(DEFAULTS)}.")
+        raise ConfigError(_unsupported_model(constructor))
     args = _Arguments(constructor, kwargs)
     bindings = _transformer(args) if constructor == TRANSFORMER else _terraformer(args)
     assert not args.unhandled, f"arguments not mapped: {sorted(args.unhandled)}"

@@ -13,6 +13,9 @@ V:
   and the output ``[heads*d_head, d_model]`` is ``out [d_model, heads, d_head]``.
 * Sparse FF: Trax ``w1 [d_model, d_ff/N, N]`` and ``w2 [N, d_ff/N, d_model]`` are both terra
   ``[d_ff/N, N, d_model]``: unit (block b, element j) is ``w1[:, b, j]`` but ``w2[j, b, :]``.
+* LSH attention: Trax's per-head ``w_q``, ``w_v`` ``[heads, d_model, d_head]`` (shared QK)
+  fill ``qv [heads, 2, d_head, d_model]``; ``w_o [heads, d_head, d_model]`` is ``out
+  [d_model, heads, d_head]``. Neither has a bias.
 * The multiplicative layer, the Q/K/V convolutions, norms, embeddings and positional tables
   are stored alike.
 
@@ -128,9 +131,37 @@ class _Builder:
         self.copy(f"{describe} FactoredDense projection [d_in, d_out/S]", [*path, "kernel"])
         self.copy(f"{describe} FactoredDense bias [d_out]", [*path, "bias"])
 
+    def lsh_attention(self, describe: str, path: Sequence[str]) -> None:
+        """Trax ``LSHSelfAttention``: per-head ``w_q`` (the shared QK), ``w_v``, ``w_o``, no
+        biases (``bias=False``; with ``bias=True`` Trax adds Q and V biases but never an output
+        bias, which terra's ``use_bias`` would need)."""
+        node = self.subtree(path)
+        if "bias" in node["qv"] or "bias" in node["out"]:
+            raise CheckpointError(
+                f"the terra layer {'/'.join(path)} is LSHSelfAttention with use_bias=True: not supported; Trax's "
+                "LSHSelfAttention has no output bias, so terra converts it with LSHSelfAttention.use_bias = False."
+            )
+        heads, _, d_head, d_model = node["qv"]["kernel"].shape
+        for label, slot in (("w_q [heads, d_model, d_qk] (shared QK)", 0), ("w_v [heads, d_model, d_v]", 1)):
+            self.add(
+                f"{describe} LSH {label}",
+                (heads, d_model, d_head),
+                [*path, "qv", "kernel"],
+                lambda w: w.transpose(0, 2, 1),
+                (slice(None), slot),
+            )
+        self.add(
+            f"{describe} LSH w_o [heads, d_v, d_model]",
+            (heads, d_head, d_model),
+            [*path, "out", "kernel"],
+            lambda w: w.transpose(2, 0, 1),
+        )
+
     def attention(self, describe: str, path: Sequence[str]) -> None:
         node = self.subtree(path)
-        if "mult" in node and "out_conv" not in node and "out" not in node:
+        if "qv" in node:  # LSH attention's fused shared-QK and value projections ('model' format)
+            self.lsh_attention(describe, path)
+        elif "mult" in node and "out_conv" not in node and "out" not in node:
             # MultiplicativeConvCausalAttention: one FactoredDense, then the Q, K, V
             # LocallyConvDense kernels (HWIO: length, modules, in, out) with biases.
             self.multiplicative(f"{describe} Sparse QKV", [*path, "mult"])
@@ -213,7 +244,7 @@ def _unsupported(path: Sequence[str], node) -> CheckpointError:
     names = sorted(node) if isinstance(node, dict) else type(node).__name__
     return CheckpointError(
         f"the terra layer {'/'.join(path)} (parameters {names}) has no Trax counterpart that terra converts "
-        "(dense and Sparse FF, dense and Sparse QKV attention, dense and sparse-loss logits, the SRU)."
+        "(dense and Sparse FF, dense, Sparse QKV and LSH attention, dense and sparse-loss logits, the SRU)."
     )
 
 
