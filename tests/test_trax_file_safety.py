@@ -509,7 +509,9 @@ def test_an_npy_header_numpy_would_not_write_is_refused_unparsed(tmp_path, heade
 def test_the_fixtures_share_only_what_a_pickler_shares_for_every_array():
     """Trax's files fetch again only allowed functions, dtypes and short constants (the rule the
     loader enforces), and their weights come back as distinct arrays."""
-    for model in ("dense", "scaling_transformer", "terraformer"):
+    models = sorted(m for m in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, m, "model.pkl.gz")))
+    assert models == ["dense", "scaling_transformer", "terraformer", "terraformer_lsh"]
+    for model in models:
         with gzip.open(os.path.join(FIXTURES, model, "model.pkl.gz"), "rb") as f:
             weights = safe_pickle.load(f, max_ops=10**6)["flat_weights"]
         arrays = []
@@ -522,7 +524,7 @@ def test_the_fixtures_share_only_what_a_pickler_shares_for_every_array():
                 stack.extend(item.values())
             elif isinstance(item, np.ndarray):
                 arrays.append(item)
-        assert len({id(a) for a in arrays}) == len(arrays) > 90
+        assert len({id(a) for a in arrays}) == len(arrays) > 60, model
 
 
 @pytest.mark.parametrize("kind", ["device", "nested", "sparse"])
