@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from terra.tensorflow_setup import quiet_tensorflow_logging
 
-# The API is a notebook's way in: TensorFlow (loaded by terra.data below for the tasks) logs
+# The API is a notebook's way in: TensorFlow (loaded with terra.data for a model's task) logs
 # without its C++ warnings unless the user set TF_CPP_MIN_LOG_LEVEL.
 quiet_tensorflow_logging()
 
@@ -41,7 +41,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from terra import files, gin_utils  # noqa: E402
-from terra.data import tasks  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
 from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
@@ -324,7 +323,7 @@ class InteractiveModel:
         """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
         a summarization task (its outputs would be its pretraining objective's, e.g. sentinel
         tokens) unless ``force``."""
-        if not force and (self.task is None or not tasks.is_summarization(self.task)):
+        if not force and (self.task is None or not _tasks().is_summarization(self.task)):
             _summarization_required(self.task)
         return self.generate(texts, **options)
 
@@ -358,8 +357,17 @@ class InteractiveModel:
         return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens, truncate))
 
 
+def _tasks():
+    """``terra.data.tasks``, the data layer registered first (seqio on TensorFlow: loaded only
+    for a model with a task, so a model config alone builds without it)."""
+    gin_utils.register_terra_configurables(data_layer=True)
+    from terra.data import tasks
+
+    return tasks
+
+
 def _summarization_required(task) -> None:
-    objective = tasks.task_objective(task) if task is not None else "no"
+    objective = _tasks().task_objective(task) if task is not None else "no"
     raise ConfigError(
         f"this model was trained on a {objective} task, not summarization: it would not write summaries. "
         "Use a run fine-tuned on a summarization task (e.g. experiments/finetune_arxiv_terraformer.gin), "
@@ -372,6 +380,7 @@ def _from_parsed_config(
 ):
     model = gin_utils.build_model()
     task_name = gin_utils.bound_value("%TASK")
+    tasks = _tasks() if task_name else None
     task = tasks.get_task(task_name) if task_name else None
     if require_summarization and (task is None or not tasks.is_summarization(task)):
         _summarization_required(task)

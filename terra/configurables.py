@@ -11,8 +11,12 @@ their Python callers reach the configured version by calling them
 this module imports them, and :data:`DECORATED` lists them.
 
 Whatever parses a config (``terra.gin_utils.parse_gin``) imports this module first, so gin knows
-every name before its config is locked and importing any terra module afterwards registers
-nothing new. ``terra/gin_registry.json`` is written from :func:`registered`.
+the names of the model core (layers, models, training, parallel) before it reads a config. The
+data layer (``terra.data``, ``terra.evaluation``: seqio on TensorFlow) is registered by
+:func:`register_data_layer`, which ``parse_gin`` calls only when the config names one of its
+configurables (and ``terra.load`` before it builds a task), so a command that reads no data
+(``terra-params``, ``terra-bench decode``, ``terra-convert``) never imports TensorFlow.
+``terra/gin_registry.json`` is written from :func:`registered`, which registers both.
 """
 
 import inspect
@@ -24,6 +28,7 @@ from terra import gin_registry, layers, models, tensorflow_setup, training
 from terra.parallel import mesh
 
 # Registered here: gin builds them when a config refers to them (``@SparseFeedForward``).
+# What terra.data and terra.evaluation add is in register_data_layer.
 REGISTERED = {
     "terra.layers": (
         layers.FeedForward,
@@ -74,12 +79,26 @@ DECORATED = {
     ),
 }
 
-# The data layer (seqio on TensorFlow) and the evaluation built on it, where they are installed:
-# without them the model core's configs (models/*.gin: the benchmarks, decoding) still parse.
-if tensorflow_setup.data_layer_installed():
-    from terra import data, evaluation
+for _module, _configurables in REGISTERED.items():
+    for _configurable in _configurables:
+        gin.register(_configurable, module=_module)
+del _module, _configurables, _configurable
+# The selectors of the data layer's configurables (terra/gin_registry.json names them).
+DATA_LAYER_MODULES = ("terra.data", "terra.evaluation")
 
-    REGISTERED["terra.data"] = (
+
+def register_data_layer() -> None:
+    """Import the data layer and register its configurables with gin, once per process: a
+    command imports TensorFlow quietly first (``tensorflow_setup.before_data_layer``). Does
+    nothing where seqio and TensorFlow are not installed (the model core's configs still parse;
+    a config that needs the data layer then fails naming the configurable)."""
+    if "terra.data" in REGISTERED or not tensorflow_setup.data_layer_installed():
+        return
+    tensorflow_setup.before_data_layer()
+    with gin.unlock_config():  # a config locked without the data layer (a model-only run) takes it now
+        from terra import data, evaluation
+
+    data_registered = (
         data.vocabularies.sentencepiece_vocabulary,
         data.vocabularies.byte_vocabulary,
         data.vocabularies.digit_vocabulary,
@@ -102,6 +121,10 @@ if tensorflow_setup.data_layer_installed():
         data.preprocessors.full_lm,
         data.preprocessors.summarization,
     )
+    with gin.unlock_config():
+        for configurable in data_registered:
+            gin.register(configurable, module="terra.data")
+    REGISTERED["terra.data"] = data_registered
     DECORATED["terra.data"] = (
         data.c4_source,
         data.arxiv_source,
@@ -115,15 +138,12 @@ if tensorflow_setup.data_layer_installed():
     )
     DECORATED["terra.evaluation"] = (evaluation.evaluate, evaluation.RougeEvaluation)
 
-for _module, _configurables in REGISTERED.items():
-    for _configurable in _configurables:
-        gin.register(_configurable, module=_module)
-del _module, _configurables, _configurable
-
 
 def registered() -> Dict[str, Callable]:
-    """``{selector: class or function}`` of every configurable terra registers, the undecorated
-    form (what ``inspect.signature`` reads the parameters of)."""
+    """``{selector: class or function}`` of every configurable terra registers, the data layer's
+    included (registered first), the undecorated form (what ``inspect.signature`` reads the
+    parameters of)."""
+    register_data_layer()
     out = {}
     for group in (REGISTERED, DECORATED):
         for module, configurables in group.items():

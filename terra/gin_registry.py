@@ -11,6 +11,7 @@ module imports nothing of terra's, so the commands' early checks and the run-con
 (``terra/run_config.py``) read the registry without the library.
 """
 
+import functools
 import inspect
 import json
 import os
@@ -38,3 +39,17 @@ def stored_registry() -> Dict[str, Optional[List[str]]]:
 def write_registry(registry: Dict[str, Optional[List[str]]]) -> None:
     with open(REGISTRY_FILE, "w", encoding="utf-8") as f:
         f.write(json.dumps(registry, indent=1) + "\n")
+
+
+@functools.lru_cache(maxsize=1)
+def _stored_selectors() -> tuple:
+    return tuple(stored_registry())
+
+
+def full_selector(selector: str) -> Optional[str]:
+    """The stored registry's selector gin resolves ``selector`` to (``adafactor`` ->
+    ``terra.training.adafactor``; a scope, ``MODEL/TransformerConfig``, names the same
+    configurable); None for a name terra does not have, or has twice."""
+    selector = selector.rsplit("/", 1)[-1]
+    matches = [full for full in _stored_selectors() if full == selector or full.endswith("." + selector)]
+    return matches[0] if len(matches) == 1 else None

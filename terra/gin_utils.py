@@ -148,11 +148,78 @@ def parameter_type(fn, name: str) -> Optional[type]:
     return type(default) if type(default) in _SIMPLE_TYPES.values() else None
 
 
-def register_terra_configurables() -> None:
-    """Register every terra configurable with gin (``terra/configurables.py``, the one place that
-    does), so nothing registers after the config is locked. Imported here, not at the top, so
-    that reading and checking gin text imports neither JAX nor TensorFlow."""
-    from terra import configurables  # noqa: F401  (importing it registers)
+def register_terra_configurables(data_layer: bool = True) -> None:
+    """Register terra's configurables with gin (``terra/configurables.py``, the one place that
+    does): the model core always, the data layer (seqio on TensorFlow) when ``data_layer``.
+    Imported here, not at the top, so that reading and checking gin text imports neither JAX nor
+    TensorFlow."""
+    from terra import configurables  # importing it registers the model core
+
+    if data_layer:
+        configurables.register_data_layer()
+
+
+def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], search_paths: Sequence[str] = ()) -> bool:
+    """Whether the files (following their includes) or bindings import, bind or refer to a
+    configurable of the data layer (``terra.data``, ``terra.evaluation``; by the stored
+    registry, nothing imported). A text this reader cannot follow counts as naming it: the full
+    parse then has every name and reports the problem."""
+    from terra import gin_registry
+
+    def names(statement) -> bool:
+        if isinstance(statement, config_parser.ImportStatement):
+            return statement.module.startswith(_DATA_LAYER_PACKAGES)
+        if isinstance(statement, config_parser.BindingStatement):
+            selectors = [statement.selector] if statement.arg_name else []
+            selectors += [r.name for r in _references(statement.value)]
+            return any((gin_registry.full_selector(s) or "").startswith(_DATA_LAYER_PACKAGES) for s in selectors)
+        return False
+
+    texts, seen, pending = list(gin_bindings), set(), list(gin_files)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, GinText):
+            texts.append(item.text)
+            continue
+        try:
+            path = resolve_gin_file(item, [*search_paths, *sorted(_SEARCH_PATHS_ADDED)])
+        except GinConfigError:
+            return True
+        if files.has_scheme(path):
+            return True  # not followed here
+        if path in seen:
+            continue  # an include loop is the full parse's to report
+        seen.add(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            return True
+        statements = _statements_or_none(text)
+        pending += [s.filename for s in statements if isinstance(s, config_parser.IncludeStatement)]
+        texts.append(text)
+    return any(statement is None or names(statement) for text in texts for statement in _statements_or_none(text))
+
+
+_DATA_LAYER_PACKAGES = ("terra.data", "terra.evaluation")
+
+
+def _statements_or_none(text: str) -> List[Any]:
+    """The statements of ``text``, or ``[None]`` where gin's reader cannot read it."""
+    try:
+        return read_statements(text)
+    except (SyntaxError, ValueError, RecursionError):
+        return [None]
+
+
+def _references(value) -> List[Reference]:
+    if isinstance(value, Reference):
+        return [value]
+    if isinstance(value, dict):
+        return [r for v in [*value.keys(), *value.values()] for r in _references(v)]
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in _references(v)]
+    return []
 
 
 def shipped_configs(folder: str) -> List[str]:
@@ -273,7 +340,7 @@ def _include_loop(path: str, chain: Sequence[str] = ()) -> List[str]:
     return []
 
 
-def _include_loop_error(path: str) -> GinConfigError:
+def include_loop_error(path: str) -> GinConfigError:
     # gin follows includes without remembering where it has been, until Python's stack runs out
     # (its error message is then one 'In file' line per level: not something to print).
     loop = _include_loop(os.path.abspath(path))
@@ -321,8 +388,11 @@ def parse_gin(
 ) -> None:
     """Parses files then bindings into the global gin config (clearing any earlier one). An entry
     of ``gin_files`` may be a :class:`GinText` (a config already read and checked, such as a run's
-    ``config.gin``): its text is parsed, the file not read again."""
-    register_terra_configurables()
+    ``config.gin``): its text is parsed, the file not read again. The data layer is registered
+    (TensorFlow imported) only when the config names it, or when the config is to be locked
+    (``finalize``: gin takes no new configurable afterwards, so everything terra has is registered
+    first). The model-only commands (``terra-params``, ``terra-bench decode``) parse unlocked."""
+    register_terra_configurables(finalize or names_data_layer(gin_files, gin_bindings, search_paths))
     gin.clear_config()
     add_search_paths([*search_paths, CONFIGS_DIR])
     files = [f if isinstance(f, GinText) else resolve_gin_file(f, search_paths) for f in gin_files]
@@ -365,7 +435,7 @@ def _parse_files_and_bindings(files: Sequence[Any], gin_bindings: Sequence[str])
         except RecursionError:
             if isinstance(path, GinText):  # checked: no includes, so a value nested too deeply
                 raise GinConfigError(f"Invalid gin configuration ({where}): a value is nested too deeply.") from None
-            raise _include_loop_error(path) from None
+            raise include_loop_error(path) from None
     for binding in gin_bindings:
         try:
             gin.parse_config(binding)

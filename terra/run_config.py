@@ -26,8 +26,7 @@ added later is refused here until it is given a role.
 """
 
 import dataclasses
-import functools
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 from gin import config_parser
 
@@ -111,7 +110,7 @@ class RunConfig(gin_text.GinText):
             if (
                 isinstance(statement, config_parser.BindingStatement)
                 and statement.arg_name == parameter
-                and full_selector(statement.selector) == selector
+                and gin_registry.full_selector(statement.selector) == selector
             ):
                 value = statement.value
         return value
@@ -190,21 +189,8 @@ def _check_import(statement) -> None:
         raise _Refusal(f"imports {module} (a run's config imports only terra's configurable packages)")
 
 
-def full_selector(selector: str) -> Optional[str]:
-    """The registry's selector that gin would resolve ``selector`` to (``adafactor`` ->
-    ``terra.training.adafactor``); None for a name terra does not have or one it has twice."""
-    selector = selector.rsplit("/", 1)[-1]  # a scope (MODEL/TransformerConfig) names the same configurable
-    matches = [full for full in _registry_selectors() if full == selector or full.endswith("." + selector)]
-    return matches[0] if len(matches) == 1 else None
-
-
-@functools.lru_cache(maxsize=1)
-def _registry_selectors() -> tuple:
-    return tuple(gin_registry.stored_registry())
-
-
 def _check_bound_selector(selector: str) -> None:
-    full = full_selector(selector)
+    full = gin_registry.full_selector(selector)
     if full is None:
         raise _Refusal(f"binds {selector}, which is not one of terra's configurables")
     if role(full) == REFUSED:
@@ -227,7 +213,7 @@ def _check_value(value, name: str, depth: int) -> None:
             _check_value(item, name, depth + 1)
         return
     if isinstance(value, gin_text.Reference):
-        full = full_selector(value.name)
+        full = gin_registry.full_selector(value.name)
         if full is None:
             raise _Refusal(f"{name} refers to @{value.name}, which is not one of terra's configurables")
         if role(full) != REFERABLE:

@@ -1,7 +1,8 @@
 """How the command-line tools load TensorFlow, which terra uses for its input pipelines only.
 
-Called by the entry points before anything imports ``terra.data``; importing a terra module
-never does it for you (a library import must not redirect file descriptors or change
+Called before the data layer is first imported (:func:`before_data_layer`: by the registration
+of the data configurables, and by the commands that read data, before they run); importing a
+terra module never does it for you (a library import must not redirect file descriptors or change
 TensorFlow's device configuration behind a notebook's back). TensorFlow is optional below the
 data layer: on a host without it (an accelerator host with jax, flax, optax and orbax only) the
 models, decoding, the train step and ``terra-bench train``/``decode`` run, and only a command
@@ -46,6 +47,28 @@ def import_tensorflow_quietly() -> None:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# Set by the command runner (terra/cli/app.py): a command imports TensorFlow quietly when the
+# data layer is first needed; a notebook's import only gets the log level (see the module).
+_COMMAND_PROCESS = False
+
+
+def quiet_imports_in_this_process() -> None:
+    """Mark the process as a terra command: :func:`before_data_layer` then imports TensorFlow
+    quietly (:func:`import_tensorflow_quietly`)."""
+    global _COMMAND_PROCESS
+    _COMMAND_PROCESS = True
+
+
+def before_data_layer() -> None:
+    """What runs before the data layer (seqio, TensorFlow) is first imported: in a command, the
+    quiet import of TensorFlow; anywhere else, only its log level. Commands that read no data
+    never reach it, so they never load TensorFlow."""
+    if _COMMAND_PROCESS:
+        import_tensorflow_quietly()
+    else:
+        quiet_tensorflow_logging()
 
 
 # What ``terra.data`` imports when it loads.

@@ -530,7 +530,17 @@ def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(mo
     quieted = lines.index("quiet_tensorflow_logging()")
     heavy = ("jax", "tensorflow ", "tensorflow\n", "terra.data", "seqio", "flax", "terra.training")
     assert not any(h in line + "\n" for line in lines[:quieted] for h in heavy)
-    assert any(line.startswith("from terra.data import") for line in lines[quieted:])
+    # The API reaches the data layer (which loads TensorFlow) only through its registration, which
+    # quiets TensorFlow first, in a notebook as in a command.
+    (tasks,) = [node for node in body if isinstance(node, ast.FunctionDef) and node.name == "_tasks"]
+    calls = [ast.unparse(node) for node in tasks.body]
+    assert calls.index("gin_utils.register_terra_configurables(data_layer=True)") < calls.index(
+        "from terra.data import tasks"
+    )
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    monkeypatch.setattr(tensorflow_setup, "_COMMAND_PROCESS", False)
+    tensorflow_setup.before_data_layer()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"
 
 
 def test_the_stored_gin_registry_is_the_live_one():
@@ -583,3 +593,22 @@ def test_a_syntax_error_in_a_gin_file_is_reported_before_tensorflow_loads(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"error: Invalid gin configuration (file {bad}):") and "line 2" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command, argv, message",
+    [
+        (evaluate, [], "error: name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT"),
+        (train, [QUICKSTART], "error: MODEL_DIR must be set: experiments/quickstart.gin leaves it %gin.REQUIRED"),
+        (train, ["--gin_file={loop}"], "error: Invalid gin configuration (file {loop}): its includes form a loop"),
+    ],
+    ids=["evaluate with no run", "train without MODEL_DIR", "an include loop"],
+)
+def test_flag_and_config_errors_are_reported_before_tensorflow_loads(
+    tmp_path, no_tensorflow, capsys, command, argv, message
+):
+    loop = tmp_path / "loop.gin"
+    loop.write_text(f"include '{loop}'\n")
+    assert command.main([a.format(loop=loop) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(loop=loop)) and err.count("\n") == 1, err

@@ -9,7 +9,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from terra import configurables  # noqa: F401  (registers terra.data.span_corruption with gin)
+from terra import configurables
 from terra.data import preprocessors as prep
 from terra.errors import ConfigError
 
@@ -238,6 +238,7 @@ def test_same_seed_gives_the_same_corruption():
 
 
 def test_gin_bindings_reach_span_corruption_when_seqio_calls_it():
+    configurables.register_data_layer()  # registers terra.data.span_corruption with gin
     gin.parse_config(
         """
         terra.data.span_corruption.noise_density = 0.25

@@ -135,7 +135,7 @@ def train_row(name: str, gin_file: str, size: CheckSize, peak: Optional[float]) 
 
 def decode_row(name: str, gin_file: str, size: CheckSize) -> dict:
     """One row's batch-1 greedy decode on random weights held in bfloat16."""
-    gin_utils.parse_gin([gin_file], list(size.bindings))
+    gin_utils.parse_gin([gin_file], list(size.bindings), finalize=False)  # a model alone
     model = gin_utils.build_model()
     # Plain bfloat16 arrays: what an accelerator reads (terra.quantization's narrow storage
     # serves the CPU kernels).

@@ -458,7 +458,7 @@ def random_params(model, seed: int, weights_dtype: str = "float32"):
 
 
 def _build(gin_files, bindings):
-    gin_utils.parse_gin(gin_files, bindings)
+    gin_utils.parse_gin(gin_files, bindings, finalize=False)  # a model alone: no data layer
     return gin_utils.build_model()
 
 
@@ -703,7 +703,7 @@ def _preflight(config, lengths: Sequence[int]) -> None:
         if key in seen:
             continue
         seen.add(key)
-        gin_utils.parse_gin(row.gin_files, bindings)
+        gin_utils.parse_gin(row.gin_files, bindings, finalize=False)
         try:
             import gin
 

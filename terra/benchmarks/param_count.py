@@ -15,7 +15,7 @@ from terra.models.param_count import closed_form_param_count
 def model_counts(gin_files: Sequence[str], bindings: Sequence[str] = (), search_paths: Sequence[str] = ()) -> Dict:
     """``{"params": {group: count, "total"}, "read_per_token": {part: count, "total"},
     "closed_form": the dense closed form of the same sizes}`` of the model the files build."""
-    gin_utils.parse_gin(list(gin_files), list(bindings), search_paths=search_paths)
+    gin_utils.parse_gin(list(gin_files), list(bindings), finalize=False, search_paths=search_paths)
     model = gin_utils.build_model()
     return {
         "params": model.param_count(),

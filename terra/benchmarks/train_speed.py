@@ -38,7 +38,7 @@ def measure(
     targets: int,
     steps: int,
 ) -> dict:
-    gin_utils.parse_gin(list(gin_files), list(size) + list(bindings))
+    gin_utils.parse_gin(list(gin_files), list(size) + list(bindings), finalize=False)  # a model alone
     model = gin_utils.build_model()
     tx = optimizers.adafactor().transform
     params = model.init_params(jax.random.key(0))

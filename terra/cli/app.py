@@ -72,7 +72,9 @@ class Command:
     the parsed command and returns its exit status (``None`` is 0). ``gin_files(flag_values)``
     names the gin files ``run`` will parse before the ``--gin`` bindings (``None``: not known
     before it runs), so that a binding to a macro they do not declare is reported before
-    anything heavy is imported. A command with ``subcommands`` dispatches on its first argument
+    anything heavy is imported. ``reads_data``: the command imports the data layer itself
+    (TensorFlow is then loaded quietly before it runs); other commands load it only if their
+    config names the data layer. A command with ``subcommands`` dispatches on its first argument
     instead."""
 
     name: str
@@ -82,6 +84,8 @@ class Command:
     run: Optional[Run] = None
     positional: str = ""  # e.g. "FILE..."; empty: the command takes no positional arguments
     gin_files: Optional[GinFiles] = None
+    reads_data: bool = False  # imports the data layer itself (TensorFlow is loaded before it runs)
+    complete_config: bool = False  # its gin files and --gin flags are the whole config (terra-train)
     subcommands: Mapping[str, "Command"] = dataclasses.field(default_factory=dict)
 
     @property
@@ -126,9 +130,13 @@ class Command:
         # Large buffers back to the system when freed: a long document's prefill otherwise leaves
         # the process larger each time (terra/process_memory.py).
         process_memory.return_large_buffers_to_system()
-        from terra.tensorflow_setup import import_tensorflow_quietly  # before anything imports terra.data
+        from terra import tensorflow_setup
 
-        import_tensorflow_quietly()
+        # TensorFlow loads quietly where the data layer is first needed; a command that reads data
+        # directly loads it now, before anything imports terra.data.
+        tensorflow_setup.quiet_imports_in_this_process()
+        if self.reads_data:
+            tensorflow_setup.import_tensorflow_quietly()
         return self.run(flag_values, rest) or 0
 
     @contextlib.contextmanager
@@ -155,7 +163,7 @@ class Command:
             return
         files = self.gin_files(flag_values) if self.gin_files else None
         search_paths = flag_values["gin_search_paths"].value if "gin_search_paths" in flag_values else []
-        gin_checks.check_overrides(flag_values.gin_bindings, files, search_paths)
+        gin_checks.check_overrides(flag_values.gin_bindings, files, search_paths, complete=self.complete_config)
 
     def _dispatch(self, argv: List[str]) -> int:
         """The subcommand is the first argument: ``terra-bench decode --preset tiny``."""

@@ -257,7 +257,7 @@ COMMAND = app.group(
     {
         "decode": _sub("decode", DECODE_DOC, define_decode_flags, run_decode, gin_files=lambda f: f.gin_file or None),
         "train": _sub("train", TRAIN_DOC, define_train_flags, run_train),
-        "input": _sub("input", INPUT_DOC, define_input_flags, run_input),
+        "input": _sub("input", INPUT_DOC, define_input_flags, run_input, reads_data=True),
         "memory": _sub("memory", MEMORY_DOC, define_memory_flags, run_memory),
         "products": _sub("products", PRODUCTS_DOC, define_products_flags, run_products),
         "accelerator": _sub("accelerator", ACCELERATOR_DOC, define_accelerator_flags, run_accelerator),

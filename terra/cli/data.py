@@ -115,6 +115,7 @@ COMMAND = app.group(
             define_flags=define_show_flags,
             run=run_show,
             gin_files=lambda f: f.gin_file,
+            reads_data=True,
         ),
         "prepare-arxiv": app.command(
             "terra-data prepare-arxiv",
@@ -122,6 +123,7 @@ COMMAND = app.group(
             PREPARE_DOC,
             define_flags=define_prepare_flags,
             run=run_prepare,
+            reads_data=True,
         ),
     },
 )

@@ -12,6 +12,7 @@ metrics.json to MODEL_DIR/eval/<split>_step<step>/ (or --output_dir). Decoding i
 
 from absl import flags
 
+from terra import errors
 from terra.cli import app, flag_groups
 
 # Flags passed on to terra.evaluation.evaluate when given.
@@ -56,11 +57,18 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
         "force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values
     )
     flag_groups.define_weights_dtype_flag(flag_values, default=None)
+    flags.register_multi_flags_validator(["checkpoint", "gin_file"], _check_run_named, flag_values=flag_values)
+
+
+def _check_run_named(values) -> bool:
+    """The run is named (a flag error, reported before anything heavy is imported)."""
+    if not values["checkpoint"] and not values["gin_file"]:
+        raise errors.UsageError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
+    return True
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
     from terra import gin_utils
-    from terra.errors import ConfigError
     from terra.evaluation import evaluator
     from terra.training import run_directory
 
@@ -71,8 +79,6 @@ def run(flag_values: flags.FlagValues, _) -> int:
         files = files or [config]
         # The run's own MODEL_DIR and vocabulary copy, then the user's flags (which win).
         bindings = [*run_directory.load_bindings(flag_values.checkpoint, config, bindings), *bindings]
-    if not files:
-        raise ConfigError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
     gin_utils.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])
     overrides = {k: flag_values[k].value for k in OVERRIDES if flag_values[k].value is not None}
     try:
@@ -94,7 +100,13 @@ def gin_files(flag_values: flags.FlagValues):
 
 
 COMMAND = app.command(
-    "terra-evaluate", "terra.cli.evaluate", __doc__, define_flags=define_flags, run=run, gin_files=gin_files
+    "terra-evaluate",
+    "terra.cli.evaluate",
+    __doc__,
+    define_flags=define_flags,
+    run=run,
+    gin_files=gin_files,
+    reads_data=True,
 )
 main, call = COMMAND.main, COMMAND.call
 

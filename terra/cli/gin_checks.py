@@ -57,12 +57,17 @@ class Macros:
 
 
 def check_overrides(
-    bindings: Sequence[str], gin_files: Optional[Sequence[str]], search_paths: Sequence[str] = ()
+    bindings: Sequence[str],
+    gin_files: Optional[Sequence[str]],
+    search_paths: Sequence[str] = (),
+    complete: bool = False,
 ) -> None:
     """Raises ``GinConfigError`` for the first binding (``NAME = VALUE``, as ``--gin.NAME=VALUE``
     becomes) that cannot parse, sets an unknown macro or gives a macro a value of the wrong
-    type. ``gin_files`` are the files the command parses before the bindings; without them
-    (``None`` or empty: not known before the command runs) only the values are checked."""
+    type, and for files whose includes form a loop. ``gin_files`` are the files the command
+    parses before the bindings; without them (``None`` or empty: not known before the command
+    runs) only the values are checked. ``complete``: the files and bindings are the whole config
+    (``terra-train``), so a macro they leave ``%gin.REQUIRED`` is an error too."""
     parsed = [(binding, _parse(binding)) for binding in bindings]
     parameters = [(b, s) for b, statements in parsed for s in statements if s.arg_name]
     if parameters:
@@ -73,10 +78,29 @@ def check_overrides(
         return
     macros = declared_macros(gin_files, search_paths)  # a syntax error in a file is reported here
     overrides = [(b, s) for b, statements in parsed for s in statements if not s.arg_name and not s.scope]
-    if not overrides or macros is None:
+    if macros is None:
         return
     for binding, statement in overrides:
         _check_macro(binding, statement, macros)
+    if complete:
+        _check_required(macros, {s.selector for _, s in overrides})
+
+
+def _check_required(macros: Macros, overridden: Set[str]) -> None:
+    """A macro the files leave ``%gin.REQUIRED`` and no ``--gin`` flag sets: gin would report it
+    only when the config is locked, after the heavy imports."""
+    missing = [
+        name
+        for name, (value, _) in macros.declared.items()
+        if isinstance(value, gin_utils.MacroUse) and value.name == "gin.REQUIRED" and name not in overridden
+    ]
+    if missing:
+        examples = " ".join(f"--gin.{name}=..." for name in missing)
+        raise GinConfigError(
+            f"{', '.join(missing)} must be set: {', '.join(macros.files)} "
+            f"{'leaves' if len(macros.files) == 1 else 'leave'} {'them' if len(missing) > 1 else 'it'} "
+            f"%gin.REQUIRED; give {examples} (MODEL_DIR is the run's folder, e.g. --gin.MODEL_DIR=\"'runs/x'\")."
+        )
 
 
 def _parse(binding: str) -> list:
@@ -196,7 +220,9 @@ def declared_macros(gin_files: Sequence[str], search_paths: Sequence[str] = ()) 
 
 
 def _read(path: str, search_paths: Sequence[str], macros: Macros, including: tuple) -> None:
-    if path in including or len(including) > 32:  # an include loop: gin would recurse forever
+    if path in including:  # gin would recurse until Python's stack runs out
+        raise gin_utils.include_loop_error(including[0])
+    if len(including) > 32:
         raise _Unreadable(path)
     try:
         with open(path, encoding="utf-8") as f:

@@ -170,7 +170,12 @@ def run_quantization(flag_values: flags.FlagValues, _) -> int:
 
 def _study(name, doc, study_presets, run):
     return app.command(
-        f"terra-reproduce {name}", "terra.cli.reproduce", doc, define_flags=_define(study_presets, name), run=run
+        f"terra-reproduce {name}",
+        "terra.cli.reproduce",
+        doc,
+        define_flags=_define(study_presets, name),
+        run=run,
+        reads_data=True,
     )
 
 
@@ -188,6 +193,7 @@ COMMAND = app.group(
             define_flags=define_layouts_flags,
             run=run_layouts,
             gin_files=lambda f: f.gin_file or ["experiments/quickstart.gin"],
+            reads_data=True,
         ),
         "quantization": app.command(
             "terra-reproduce quantization",
@@ -195,6 +201,7 @@ COMMAND = app.group(
             QUANTIZATION_DOC,
             define_flags=define_quantization_flags,
             run=run_quantization,
+            reads_data=True,
         ),
     },
 )

@@ -62,7 +62,14 @@ def run(flag_values: flags.FlagValues, _) -> int:
 
 
 COMMAND = app.command(
-    "terra-train", "terra.cli.train", __doc__, define_flags=define_flags, run=run, gin_files=lambda f: f.gin_file
+    "terra-train",
+    "terra.cli.train",
+    __doc__,
+    define_flags=define_flags,
+    run=run,
+    gin_files=lambda f: f.gin_file,
+    reads_data=True,
+    complete_config=True,
 )
 main, call = COMMAND.main, COMMAND.call
 

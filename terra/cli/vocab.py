@@ -115,7 +115,7 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.command("terra-vocab", "terra.cli.vocab", __doc__, define_flags=define_flags, run=run)
+COMMAND = app.command("terra-vocab", "terra.cli.vocab", __doc__, define_flags=define_flags, run=run, reads_data=True)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 from etils import epath
 from gin import config_parser
 
-from terra import files, gin_text, run_config
+from terra import files, gin_registry, gin_text, run_config
 from terra.errors import ConfigError
 
 CONFIG_FILE = run_config.CONFIG_FILE
@@ -131,7 +131,7 @@ def _names_vocabulary(bindings: Sequence[str]) -> bool:
             if (
                 isinstance(statement, config_parser.BindingStatement)
                 and statement.arg_name == "spm_path"
-                and run_config.full_selector(statement.selector) == VOCABULARY_CONFIGURABLE
+                and gin_registry.full_selector(statement.selector) == VOCABULARY_CONFIGURABLE
             ):
                 return True
     return False
