@@ -36,7 +36,8 @@ def _cpu() -> str:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
+    widest = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+    isa = next((name for flag, name in widest if flag in flags), "")
     return f"{model}, {os.cpu_count()} cores, {isa or 'no AVX2'}"
 
 
@@ -79,7 +80,11 @@ def commands(paths: Dict[str, str]) -> List[Dict]:
             "module": "train",
             "args": ["--gin_file=experiments/quickstart.gin"],
         },
-        {"label": "terra-train, a gin include loop (an error)", "module": "train", "args": [f"--gin_file={paths['loop']}"]},
+        {
+            "label": "terra-train, a gin include loop (an error)",
+            "module": "train",
+            "args": [f"--gin_file={paths['loop']}"],
+        },
         {"label": "terra-params, 800M dense", "module": "params", "args": ["--gin_file=models/dense_800m.gin"]},
         {
             "label": "terra-convert trax, the dense fixture",
