@@ -41,6 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from terra import files, gin_utils  # noqa: E402
+from terra.data import catalog  # noqa: E402  (no seqio: the tasks' names and objectives)
+from terra.data.python_vocabulary import PythonSentencePieceVocabulary  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
 from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
@@ -66,8 +68,12 @@ class InteractiveModel:
     Attributes:
       model: the ``terra.models.Model`` (network, config, decode contract).
       params: its parameters (a pytree of arrays).
-      vocabulary: the task's seqio vocabulary (None when the config names no task: token arrays only).
-      task: the seqio task (or mixture) the run trained on, or None.
+      vocabulary: the task's vocabulary (None when the config names no task: token arrays only): a
+        seqio vocabulary, or for a summarization run a ``PythonSentencePieceVocabulary`` with the same
+        ids (opened without seqio and TensorFlow).
+      task_name: the name of the task (or mixture) the run trained on, or None.
+      task (property): the seqio task itself, built on first use (for a summarization run, from
+        the run's own config, with the data layer loaded then).
       feature_lengths: ``{"inputs": ..., "targets": ...}``: texts are truncated to these.
       step: the checkpoint step (None for a fresh model).
       model_dir: the run's directory (None for a fresh model).
@@ -78,11 +84,14 @@ class InteractiveModel:
     model: Model
     params: Any
     vocabulary: Any = None
-    task: Any = None
+    task_name: Optional[str] = None
     feature_lengths: Dict[str, int] = dataclasses.field(default_factory=dict)
     step: Optional[int] = None
     model_dir: Optional[str] = None
     weights_dtype: str = "float32"
+    # The seqio task, or what builds it on first use (a run opened without the data layer).
+    _task: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _build_task: Optional[Callable[[], Any]] = dataclasses.field(default=None, repr=False, compare=False)
     _warned_truncation: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
     # (max_new_tokens, input shape) -> the compiled prefill and generation loop of timed generation
     _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -90,6 +99,14 @@ class InteractiveModel:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def task(self):
+        """The seqio task (or mixture) the run trained on, or None; built on first use where
+        the run was opened without the data layer."""
+        if self._task is None and self._build_task is not None:
+            self._task = self._build_task()
+        return self._task
 
     def quantized(self, weights_dtype: str) -> "InteractiveModel":
         """The same model with its float32 weights stored as ``weights_dtype`` ('int8',
@@ -105,9 +122,8 @@ class InteractiveModel:
 
     def __repr__(self) -> str:
         where = f"{self.model_dir} step {self.step}" if self.model_dir else "fresh parameters"
-        task = getattr(self.task, "name", None)
         narrow = "" if self.weights_dtype == "float32" else f", {self.weights_dtype} weights"
-        return f"InteractiveModel({self.model!r}, task={task}, {where}{narrow})"
+        return f"InteractiveModel({self.model!r}, task={self.task_name}, {where}{narrow})"
 
     # ----- inputs ----------------------------------------------------------------------------
     def _length(self, feature: str) -> int:
@@ -323,8 +339,8 @@ class InteractiveModel:
         """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
         a summarization task (its outputs would be its pretraining objective's, e.g. sentinel
         tokens) unless ``force``."""
-        if not force and (self.task is None or not _tasks().is_summarization(self.task)):
-            _summarization_required(self.task)
+        if not force and (self.task_name is None or catalog.objective(self.task_name) != catalog.SUMMARIZATION):
+            _summarization_required(self.task_name)
         return self.generate(texts, **options)
 
     # ----- teacher forcing -------------------------------------------------------------------
@@ -366,8 +382,8 @@ def _tasks():
     return tasks
 
 
-def _summarization_required(task) -> None:
-    objective = _tasks().task_objective(task) if task is not None else "no"
+def _summarization_required(task_name: Optional[str]) -> None:
+    objective = catalog.objective(task_name) if task_name is not None else "no"
     raise ConfigError(
         f"this model was trained on a {objective} task, not summarization: it would not write summaries. "
         "Use a run fine-tuned on a summarization task (e.g. experiments/finetune_arxiv_terraformer.gin), "
@@ -376,31 +392,89 @@ def _summarization_required(task) -> None:
 
 
 def _from_parsed_config(
-    params_from, model_dir: Optional[str] = None, require_summarization: bool = False, weights_dtype: str = "float32"
+    params_from,
+    model_dir: Optional[str] = None,
+    require_summarization: bool = False,
+    weights_dtype: str = "float32",
+    text_vocabulary: Optional[Tuple[str, int]] = None,
+    build_task: Optional[Callable[[], Any]] = None,
 ):
+    """The model the parsed config builds, its task and vocabulary, and ``params_from(model)``.
+    ``text_vocabulary``: ``(SentencePiece model file, extra_ids)`` of a summarization run opened
+    without the data layer; its task is then built by ``build_task`` on first use."""
     model = gin_utils.build_model()
     task_name = gin_utils.bound_value("%TASK")
-    tasks = _tasks() if task_name else None
-    task = tasks.get_task(task_name) if task_name else None
-    if require_summarization and (task is None or not tasks.is_summarization(task)):
-        _summarization_required(task)
+    if require_summarization and (task_name is None or catalog.objective(task_name) != catalog.SUMMARIZATION):
+        _summarization_required(task_name)
     lengths = dict(gin_utils.bound_value("%TASK_FEATURE_LENGTHS", {}) or {})
-    vocabulary = task.output_features["targets"].vocabulary if task is not None else None
-    if task is not None and lengths:
-        tasks.check_vocabulary_and_lengths(
-            task, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
-        )
+    task = None
+    if text_vocabulary is not None:
+        vocabulary = PythonSentencePieceVocabulary(*text_vocabulary)
+        sizes = {"inputs": vocabulary.vocab_size, "targets": vocabulary.vocab_size}
+        catalog.check_fits(sizes, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
+    elif task_name:
+        tasks = _tasks()
+        task = tasks.get_task(task_name)
+        vocabulary = task.output_features["targets"].vocabulary
+        if lengths:
+            tasks.check_vocabulary_and_lengths(
+                task, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len
+            )
+    else:
+        vocabulary = None
     params, step = params_from(model)
     return InteractiveModel(
         model=model,
         params=params,
         vocabulary=vocabulary,
-        task=task,
+        task_name=task_name,
         feature_lengths=lengths,
         step=step,
         model_dir=files.absolute(model_dir) if model_dir else None,
         weights_dtype=weights_dtype,
+        _task=task,
+        _build_task=build_task if text_vocabulary is not None else None,
     )
+
+
+def _text_vocabulary(statements: Sequence[Any]) -> Optional[Tuple[str, int]]:
+    """``(SentencePiece model file, extra_ids)`` when ``statements`` (a run's config, then the
+    bindings that open it, then the user's; the last binding wins) train a summarization task
+    whose texts go through ``text_vocabulary`` with a model file: what is needed to read and
+    write its texts without building the task (or loading seqio and TensorFlow). None otherwise."""
+    from gin import config_parser
+
+    from terra import gin_registry
+
+    values = {}
+    for statement in statements:
+        if isinstance(statement, config_parser.BindingStatement) and not statement.scope:
+            selector = gin_registry.full_selector(statement.selector) if statement.arg_name else statement.selector
+            values[(selector, statement.arg_name)] = statement.value
+    vocabulary = "terra.data.text_vocabulary"
+    task, path = values.get(("TASK", "")), values.get((vocabulary, "spm_path"))
+    extra_ids = values.get((vocabulary, "extra_ids"), catalog.EXTRA_IDS)
+    if (
+        task in catalog.TEXT_VOCABULARY_TASKS
+        and isinstance(path, str)
+        and path
+        and type(extra_ids) is int
+        and values.get((vocabulary, "embedded_vocab_size")) is None
+    ):
+        return files.absolute(path), extra_ids
+    return None
+
+
+def _binding_statements(bindings: Sequence[str]) -> List[Any]:
+    from terra.gin_text import read_statements
+
+    statements = []
+    for binding in bindings:
+        try:
+            statements += read_statements(binding)
+        except SyntaxError:  # gin reports it when the bindings are parsed
+            pass
+    return statements
 
 
 def _step_number(step: Union[int, str, None]) -> Optional[int]:
@@ -442,11 +516,24 @@ def load(
     bindings = [bindings] if isinstance(bindings, str) else list(bindings)
     bindings += _cache_dtype_bindings(cache_dtype)
     config = run_directory.read_config(model_dir)  # checked as data before gin sees it
-    opening = run_directory.load_bindings(model_dir, config, bindings)
+    opening = [*run_directory.load_bindings(model_dir, config, bindings), *bindings]
+    # A summarization run's texts need only its SentencePiece model: it opens without the data
+    # layer (seqio and TensorFlow), and its task is built from its own config when first asked for.
+    text_vocabulary = _text_vocabulary([*config.statements, *_binding_statements(opening)])
+
+    def build_task():
+        with _CONFIG_LOCK:
+            gin_utils.parse_gin([config], opening, finalize=False)
+            return _tasks().get_task(gin_utils.bound_value("%TASK"))
+
     with _CONFIG_LOCK:
-        gin_utils.parse_gin([config], [*opening, *bindings], finalize=False)
+        gin_utils.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)
         run = _from_parsed_config(
-            lambda model: checkpointing.load_params(model, model_dir, step), model_dir, require_summarization
+            lambda model: checkpointing.load_params(model, model_dir, step),
+            model_dir,
+            require_summarization,
+            text_vocabulary=text_vocabulary,
+            build_task=build_task,
         )
     return run.quantized(weights_dtype)
 

@@ -97,29 +97,30 @@ def register_data_layer() -> None:
     tensorflow_setup.before_data_layer()
     with gin.unlock_config():  # a config locked without the data layer (a model-only run) takes it now
         from terra import data, evaluation
+        from terra.data import embedded, feature_converters, preprocessors, vocabularies
 
     data_registered = (
-        data.vocabularies.sentencepiece_vocabulary,
-        data.vocabularies.byte_vocabulary,
-        data.vocabularies.digit_vocabulary,
-        data.vocabularies.train_sentencepiece,
-        data.vocabularies.embedded_vocabulary,
-        data.feature_converters.encoder_decoder_converter,
-        data.feature_converters.prefix_lm_converter,
-        data.feature_converters.length_concat_converter,
-        data.feature_converters.language_model_converter,
-        data.embedded.build_corpus,
-        data.embedded.lm_source,
-        data.embedded.summarization_source,
-        data.embedded.corpus_texts,
-        data.preprocessors.random_spans_noise_mask,
-        data.preprocessors.span_corruption,
-        data.preprocessors.single_word_masking,
-        data.preprocessors.split_tokens,
-        data.preprocessors.concatenate_and_split,
-        data.preprocessors.prefix_lm,
-        data.preprocessors.full_lm,
-        data.preprocessors.summarization,
+        vocabularies.sentencepiece_vocabulary,
+        vocabularies.byte_vocabulary,
+        vocabularies.digit_vocabulary,
+        vocabularies.train_sentencepiece,
+        vocabularies.embedded_vocabulary,
+        feature_converters.encoder_decoder_converter,
+        feature_converters.prefix_lm_converter,
+        feature_converters.length_concat_converter,
+        feature_converters.language_model_converter,
+        embedded.build_corpus,
+        embedded.lm_source,
+        embedded.summarization_source,
+        embedded.corpus_texts,
+        preprocessors.random_spans_noise_mask,
+        preprocessors.span_corruption,
+        preprocessors.single_word_masking,
+        preprocessors.split_tokens,
+        preprocessors.concatenate_and_split,
+        preprocessors.prefix_lm,
+        preprocessors.full_lm,
+        preprocessors.summarization,
     )
     with gin.unlock_config():
         for configurable in data_registered:

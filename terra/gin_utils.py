@@ -18,6 +18,7 @@ What :func:`build_macro` builds is frozen to the config it was built under
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import logging
@@ -204,6 +205,35 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
 _DATA_LAYER_PACKAGES = ("terra.data", "terra.evaluation")
 
 
+def _data_layer_names(texts: Sequence[str]) -> List[str]:
+    """The names, as written in ``texts``, of bindings and references to the data layer's
+    configurables (what gin is told to skip when it parses without them)."""
+    from terra import gin_registry
+
+    names = set()
+    for text in texts:
+        for statement in _statements_or_none(text):
+            if not isinstance(statement, config_parser.BindingStatement):
+                continue
+            written = ([statement.selector] if statement.arg_name else []) + [
+                r.name for r in _references(statement.value)
+            ]
+            for name in written:
+                if (gin_registry.full_selector(name) or "").startswith(_DATA_LAYER_PACKAGES):
+                    names.add(name)
+                    names.add(name.rsplit("/", 1)[-1])
+    return sorted(names)
+
+
+def _without_data_layer_imports(config: GinText) -> GinText:
+    """``config`` with its imports of the data layer's modules blanked (line numbers kept)."""
+    lines = config.text.split("\n")
+    for statement in _statements_or_none(config.text):
+        if isinstance(statement, config_parser.ImportStatement) and statement.module.startswith(_DATA_LAYER_PACKAGES):
+            lines[statement.location.line_num - 1] = ""
+    return dataclasses.replace(config, text="\n".join(lines))
+
+
 def _statements_or_none(text: str) -> List[Any]:
     """The statements of ``text``, or ``[None]`` where gin's reader cannot read it."""
     try:
@@ -385,19 +415,31 @@ def parse_gin(
     *,
     finalize: bool = True,
     search_paths: Sequence[str] = (),
+    data_layer: Optional[bool] = None,
 ) -> None:
     """Parses files then bindings into the global gin config (clearing any earlier one). An entry
     of ``gin_files`` may be a :class:`GinText` (a config already read and checked, such as a run's
     ``config.gin``): its text is parsed, the file not read again. The data layer is registered
     (TensorFlow imported) only when the config names it, or when the config is to be locked
     (``finalize``: gin takes no new configurable afterwards, so everything terra has is registered
-    first). The model-only commands (``terra-params``, ``terra-bench decode``) parse unlocked."""
-    register_terra_configurables(finalize or names_data_layer(gin_files, gin_bindings, search_paths))
+    first). The model-only commands (``terra-params``, ``terra-bench decode``) parse unlocked.
+
+    ``data_layer=False`` (unlocked only) parses without the data layer even where the config names
+    it: its bindings and references are left out (gin's ``skip_unknown``) and a :class:`GinText`'s
+    imports of it are not run, for a caller that reads what it needs of them itself
+    (``terra.load`` of a summarization run reads its vocabulary's file and sentinel count)."""
+    if data_layer is None:
+        data_layer = finalize or names_data_layer(gin_files, gin_bindings, search_paths)
+    register_terra_configurables(data_layer)
     gin.clear_config()
     add_search_paths([*search_paths, CONFIGS_DIR])
     files = [f if isinstance(f, GinText) else resolve_gin_file(f, search_paths) for f in gin_files]
+    skipped = ()
+    if not data_layer:
+        files = [_without_data_layer_imports(f) if isinstance(f, GinText) else f for f in files]
+        skipped = _data_layer_names([f.text for f in files if isinstance(f, GinText)] + list(gin_bindings))
     with _quiet_gin_path_probes():
-        _parse_files_and_bindings(files, gin_bindings)
+        _parse_files_and_bindings(files, gin_bindings, skipped)
     check_binding_types(gin_bindings)
     _make_paths_absolute()
     if finalize:
@@ -422,14 +464,15 @@ def _make_paths_absolute() -> None:
             gin.bind_parameter(name, absolute)
 
 
-def _parse_files_and_bindings(files: Sequence[Any], gin_bindings: Sequence[str]) -> None:
+def _parse_files_and_bindings(files: Sequence[Any], gin_bindings: Sequence[str], skipped: Sequence[str] = ()) -> None:
+    skip = list(skipped) or False
     for path in files:
         where = f"file {path.path if isinstance(path, GinText) else path}"
         try:
             if isinstance(path, GinText):
-                gin.parse_config(path.text)
+                gin.parse_config(path.text, skip_unknown=skip)
             else:
-                gin.parse_config_file(path)
+                gin.parse_config_file(path, skip_unknown=skip)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError, IOError) as e:
             raise _explain_parse_error(e, where) from None
         except RecursionError:
@@ -438,7 +481,7 @@ def _parse_files_and_bindings(files: Sequence[Any], gin_bindings: Sequence[str])
             raise include_loop_error(path) from None
     for binding in gin_bindings:
         try:
-            gin.parse_config(binding)
+            gin.parse_config(binding, skip_unknown=skip)
         except (ValueError, KeyError, TypeError, SyntaxError, ImportError, tokenize.TokenError) as e:
             raise _explain_parse_error(e, f"binding {binding!r}") from None
 

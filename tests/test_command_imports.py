@@ -1,9 +1,10 @@
 """Commands and API calls that read no data never import TensorFlow, seqio or TensorFlow
 Datasets (their import is most of a command's start-up): ``terra-params``, ``terra-convert trax``
-without a task, ``terra-bench decode``, ``terra.build`` of a model config and ``terra.load`` of a
-run without a task. One process runs them in turn, as commands do (``main``), and after each one
-reports which of those packages are loaded: the first command that loads one fails the test,
-named. A command whose config names the data layer still loads it (the last check)."""
+without a task, ``terra-bench decode``, ``terra.build`` of a model config, ``terra.load`` of a
+run without a task or of a summarization run, and ``terra-summarize`` of a document. One process
+runs them in turn, as commands do (``main``), and after each one reports which of those packages
+are loaded: the first command that loads one fails the test, named. Asking a summarization run
+for its seqio task, or building a config with a task, still loads them (the last checks)."""
 
 import json
 import os
@@ -27,7 +28,7 @@ def step(name, fn):
     status = fn()
     report.append({{"step": name, "status": status, "loaded": loaded()}})
 
-from terra.cli import bench, convert, params
+from terra.cli import bench, convert, params, summarize
 step("terra-params", lambda: params.main(["--gin_file=models/tiny.gin"]))
 step(
     "terra-convert trax",
@@ -47,15 +48,61 @@ tokens = np.ones((1, 4), np.int32)
 generates = lambda run: int(run.generate(tokens, max_new_tokens=2).shape != (1, 2))
 step("terra.build", lambda: generates(terra.build("models/tiny.gin")))
 step("terra.load without a task", lambda: generates(terra.load("{out}")))
+summary = terra.load("{summarization_run}")
+step("terra.load of a summarization run", lambda: int(not summary.generate("Some words.", max_new_tokens=2)))
+summarize_argv = ["--checkpoint={summarization_run}", "--max_decode_length=2", "{document}"]
+step("terra-summarize", lambda: summarize.main(summarize_argv))
+step("the run's task, asked for", lambda: int(summary.task.name != "embedded_summarization"))
 with_task = ["models/tiny.gin", "tasks/synthetic_copy.gin"]
 step("terra.build with a task config", lambda: int(terra.build(with_task).task is None))
 print("REPORT " + json.dumps(report))
 """
 
 
+def _summarization_run(run) -> str:
+    """A run directory as training writes one (config.gin, vocabulary copy, a checkpoint) of the
+    tiny model on the embedded summarization task, with a small SentencePiece model of its own."""
+    import shutil
+
+    import gin
+    import jax
+
+    from terra import gin_utils
+    from terra.data import vocabularies
+    from terra.training import checkpointing, run_directory
+
+    texts = [f"A summary line {i} of a document about operating systems, files and paths." for i in range(50)]
+    model_file = vocabularies.train_sentencepiece(texts, str(run.parent / "tiny.model"), vocab_size=300)
+    bindings = [
+        "TransformerConfig.vocab_size = 512",
+        f"terra.data.text_vocabulary.spm_path = {model_file!r}",
+        "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
+    ]
+    gin_utils.parse_gin(["models/tiny.gin", "tasks/embedded_summarization.gin"], bindings, finalize=False)
+    model = gin_utils.build_model()
+    run_directory.write_config(str(run), gin.config_str())
+    (run / "vocabulary").mkdir()
+    shutil.copy(model_file, run / "vocabulary" / "sentencepiece.model")
+    writer = checkpointing.Checkpointer(str(run), save_interval_steps=1, keep_last=None)
+    try:
+        writer.save(0, {"params": model.init_params(jax.random.key(0))}, force=True)
+    finally:
+        writer.close()
+    return str(run)
+
+
 @pytest.mark.slow
 def test_commands_that_read_no_data_never_import_tensorflow(tmp_path):
-    script = SCRIPT.format(packages=DATA_PACKAGES, dense=DENSE, out=tmp_path / "converted", bench=tmp_path / "bench")
+    document = tmp_path / "doc.txt"
+    document.write_text("The os module provides a portable way of using operating system dependent functionality.\n")
+    script = SCRIPT.format(
+        packages=DATA_PACKAGES,
+        dense=DENSE,
+        out=tmp_path / "converted",
+        bench=tmp_path / "bench",
+        summarization_run=_summarization_run(tmp_path / "summarization"),
+        document=document,
+    )
     env = dict(os.environ, JAX_PLATFORMS="cpu", TERRA_HUGE_PAGES_RESTARTED="1")
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
@@ -63,9 +110,9 @@ def test_commands_that_read_no_data_never_import_tensorflow(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(lines[-1][len("REPORT ") :])
-    for entry in report[:-1]:
+    for entry in report[:-2]:
         assert entry["status"] == 0, entry
         assert entry["loaded"] == [], f"{entry['step']} imported {entry['loaded']}"
-    last = report[-1]
-    assert last["step"] == "terra.build with a task config" and last["status"] == 0
-    assert "seqio" in last["loaded"] and "tensorflow" in last["loaded"]
+    assert [entry["step"] for entry in report[-2:]] == ["the run's task, asked for", "terra.build with a task config"]
+    for entry in report[-2:]:
+        assert entry["status"] == 0 and "seqio" in entry["loaded"] and "tensorflow" in entry["loaded"], entry

@@ -2,54 +2,11 @@
 
 Every gin-configurable data function is re-exported here under the name gin knows it by
 (``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...); ``terra.configurables``
-registers them with gin before any config is parsed. Command-line tools load TensorFlow through
-``terra.tensorflow_setup`` first.
+registers them with gin (``register_data_layer``) before a config that names them is parsed.
+The re-exports load on first use, with seqio and TensorFlow (command-line tools load TensorFlow
+through ``terra.tensorflow_setup`` first), so the submodules that need neither
+(``terra.data.catalog``, ``terra.data.python_vocabulary``) import without them.
 """
-
-from terra.data import (  # noqa: F401
-    embedded,
-    feature_converters,
-    pipeline,
-    preprocessors,
-    sources,
-    synthetic,
-    tasks,
-    vocabularies,
-)
-from terra.data.embedded import build_corpus, corpus_texts, lm_source, summarization_source
-from terra.data.feature_converters import (
-    encoder_decoder_converter,
-    language_model_converter,
-    length_concat_converter,
-    prefix_lm_converter,
-)
-from terra.data.pipeline import get_dataset
-from terra.data.preprocessors import (
-    concatenate_and_split,
-    full_lm,
-    prefix_lm,
-    random_spans_noise_mask,
-    single_word_masking,
-    span_corruption,
-    split_tokens,
-    summarization,
-)
-from terra.data.synthetic import addition_dataset, copy_dataset
-from terra.data.tasks import (
-    arxiv_source,
-    c4_source,
-    c4_span_corruption_paper,
-    pretraining_preprocessors,
-    synthetic_vocabulary,
-    text_vocabulary,
-)
-from terra.data.vocabularies import (
-    byte_vocabulary,
-    digit_vocabulary,
-    embedded_vocabulary,
-    sentencepiece_vocabulary,
-    train_sentencepiece,
-)
 
 __all__ = [
     "addition_dataset",
@@ -83,3 +40,27 @@ __all__ = [
     "text_vocabulary",
     "train_sentencepiece",
 ]
+
+
+def __getattr__(name):
+    """A re-exported function, its module imported on first use. A submodule is not an attribute
+    until it is imported (``from terra.data import tasks`` imports it)."""
+    if name not in __all__:
+        raise AttributeError(f"module 'terra.data' has no attribute {name!r}")
+    import sys
+
+    # Read from sys.modules below: mid-way through a circular import a submodule is there before
+    # it is an attribute of the package.
+    import terra.data.embedded  # noqa: F401
+    import terra.data.feature_converters  # noqa: F401
+    import terra.data.pipeline  # noqa: F401
+    import terra.data.preprocessors  # noqa: F401
+    import terra.data.synthetic  # noqa: F401
+    import terra.data.tasks  # noqa: F401
+    import terra.data.vocabularies  # noqa: F401
+
+    for home in ("embedded", "feature_converters", "pipeline", "preprocessors", "synthetic", "tasks", "vocabularies"):
+        module = sys.modules[f"terra.data.{home}"]
+        if name in vars(module):
+            return vars(module)[name]
+    raise AttributeError(f"module 'terra.data' has no attribute {name!r}")

@@ -23,8 +23,9 @@ always reaches the source. Nothing touches the disk until a dataset is read, and
 | ``embedded_summarization`` | the embedded stdlib corpus | docstring (or module) -> summary line |
 | mixture ``synthetic`` | copy + addition, equal rates | |
 
-Each task's objective is also recorded in :data:`TASK_OBJECTIVES` (:func:`task_objective`,
-:func:`is_summarization`), so tools can tell what a task trains without building it.
+Each task's objective is also recorded in :data:`TASK_OBJECTIVES` (``terra.data.catalog``;
+:func:`task_objective`, :func:`is_summarization`), so tools can tell what a task trains without
+building it.
 Summarization tasks keep their source's document ``id`` as a string feature next to the
 ``*_pretokenized`` texts, for evaluation output; the feature converters drop it.
 """
@@ -40,10 +41,20 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 import gin
 import seqio
 
-from terra.data import embedded, preprocessors, sources, synthetic, vocabularies
+from terra.data import catalog, embedded, preprocessors, sources, synthetic, vocabularies
+from terra.data.catalog import (  # noqa: F401  (re-exported: the tasks' objectives and mixtures)
+    MIXTURE_OBJECTIVE,
+    MIXTURES,
+    OBJECTIVES,
+    PREFIX_LM,
+    SPAN_CORRUPTION,
+    SUMMARIZATION,
+    SYNTHETIC,
+    TASK_OBJECTIVES,
+)
 from terra.errors import ConfigError
 
-EXTRA_IDS = 100  # T5's sentinel count (<extra_id_0> is the top id)
+EXTRA_IDS = catalog.EXTRA_IDS
 
 
 # --- sources and vocabularies, chosen by gin -------------------------------------------------
@@ -225,31 +236,10 @@ TASK_BUILDERS: Dict[str, Callable[[], dict]] = {
     "embedded_lm": lambda: _pretraining(embedded.lm_source, "prefix_lm"),
     "embedded_summarization": lambda: _summarization(embedded.summarization_source),
 }
-MIXTURES: Dict[str, Sequence[str]] = {"synthetic": ("synthetic_copy", "synthetic_addition")}
-
-# What each entry of TASK_BUILDERS trains (keep the two in step: a task without an objective
-# fails task_objective). One of OBJECTIVES.
-SUMMARIZATION, SPAN_CORRUPTION, PREFIX_LM, SYNTHETIC = "summarization", "span_corruption", "prefix_lm", "synthetic"
-OBJECTIVES = (SUMMARIZATION, SPAN_CORRUPTION, PREFIX_LM, SYNTHETIC)
-MIXTURE_OBJECTIVE = "mixture"
-TASK_OBJECTIVES: Dict[str, str] = {
-    "c4_span_corruption": SPAN_CORRUPTION,
-    "c4_span_corruption_paper": SPAN_CORRUPTION,
-    "c4_single_word_masking": SPAN_CORRUPTION,
-    "c4_lm": PREFIX_LM,
-    "arxiv_summarization": SUMMARIZATION,
-    "synthetic_copy": SYNTHETIC,
-    "synthetic_addition": SYNTHETIC,
-    "synthetic_copy_digits": SYNTHETIC,
-    "synthetic_copy_digits_lm": SYNTHETIC,
-    "synthetic_addition_digits": SYNTHETIC,
-    "synthetic_addition_digits_lm": SYNTHETIC,
-    "embedded_span_corruption": SPAN_CORRUPTION,
-    "embedded_lm": PREFIX_LM,
-    "embedded_summarization": SUMMARIZATION,
-}
 
 
+# The objectives, the mixtures and the objective of every task (keep TASK_BUILDERS in step) live
+# in terra.data.catalog, which reads without seqio.
 def task_names() -> list:
     return sorted(TASK_BUILDERS) + sorted(MIXTURES)
 
@@ -410,19 +400,8 @@ def check_vocabulary_and_lengths(
     ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
     ``inputs + targets``. Call it before anything is built or written."""
     provider = get_task(provider) if isinstance(provider, str) else provider
-    for name, feature in provider.output_features.items():
-        if feature.vocabulary.vocab_size > vocab_size:
-            raise ConfigError(
-                f"the task's '{name}' vocabulary has {feature.vocabulary.vocab_size} ids but the model's "
-                f"vocab_size is {vocab_size}; bind TransformerConfig.vocab_size = {feature.vocabulary.vocab_size} "
-                f"(or a multiple of 128 above it)."
-            )
-    too_long = {k: v for k, v in feature_lengths.items() if v > max_len}
-    if too_long:
-        raise ConfigError(
-            f"feature lengths {too_long} exceed the model's max_len={max_len}; "
-            f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features."
-        )
+    sizes = {name: feature.vocabulary.vocab_size for name, feature in provider.output_features.items()}
+    catalog.check_fits(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
     if feature_converter is None:
         return
     model_lengths = feature_converter.get_model_feature_lengths(dict(feature_lengths))

@@ -21,12 +21,10 @@ from typing import Iterable, Iterator, Optional
 import sentencepiece as spm
 import seqio
 import tensorflow as tf
-from google.protobuf.message import DecodeError
-from sentencepiece import sentencepiece_model_pb2
 
 from terra import files
-from terra.data import embedded
-from terra.errors import DataNotFoundError, InputError
+from terra.data import embedded, python_vocabulary
+from terra.errors import DataNotFoundError
 
 # T5's layout: the model's own ids, with seqio appending sentinel <extra_id_*> ids on top.
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, -1
@@ -35,15 +33,14 @@ DEFAULT_EXTRA_IDS = 100
 # One document is one SentencePiece "sentence" (so its newlines reach the trainer); the
 # default limit of 4,192 bytes would silently drop every longer document.
 MAX_DOCUMENT_BYTES = 1 << 20
-# A SentencePiece model file: T5's 32k model is 0.8 MB, a 256k-piece model about 4 MB.
-MAX_MODEL_BYTES = 64 << 20
 
 
 def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -> seqio.SentencePieceVocabulary:
     """A seqio vocabulary over the SentencePiece model at ``path``, with ``extra_ids`` sentinels.
 
     Raises DataNotFoundError (a FileNotFoundError) naming the path when there is no model
-    there, and InputError when the file there is not one (:func:`check_sentencepiece_model`):
+    there, and InputError when the file there is not one
+    (:func:`terra.data.python_vocabulary.read_sentencepiece_model`):
     seqio would only fail later, deep inside a tf.data pipeline or with a protobuf traceback; the
     commands report either in one line with exit status 2.
     """
@@ -55,28 +52,8 @@ def sentencepiece_vocabulary(path: str, *, extra_ids: int = DEFAULT_EXTRA_IDS) -
             f"new run, train one with `terra-vocab --embedded --out {resolved}` (or `--input FILE` for your "
             "own text), or use terra.data.vocabularies.embedded_vocabulary() for the built-in one."
         )
-    check_sentencepiece_model(resolved)
+    python_vocabulary.read_sentencepiece_model(resolved)  # a regular file holding a model, or one error
     return seqio.SentencePieceVocabulary(resolved, extra_ids=extra_ids)
-
-
-def check_sentencepiece_model(path: str) -> None:
-    """Raises InputError unless ``path`` is a regular file of at most :data:`MAX_MODEL_BYTES`
-    holding a SentencePiece model with at least T5's three special pieces (pad, eos, unk). A
-    model is a protobuf message: reading it runs nothing, and the size is checked first, so a
-    device, a FIFO or a sparse multi-gigabyte file is refused without being read."""
-    what = "the SentencePiece model"
-    data = files.read_regular_file(path, MAX_MODEL_BYTES, InputError, what)
-    try:
-        pieces = len(sentencepiece_model_pb2.ModelProto.FromString(data).pieces)
-    except (DecodeError, ValueError, RuntimeError):
-        pieces = None
-    if pieces is None or pieces < 3:
-        found = "no model" if pieces is None else f"a model of {pieces} pieces"
-        raise InputError(
-            f"{what} {path} is not a SentencePiece model ({found}; a damaged or truncated file, or another "
-            "kind of file). Give the .model file the vocabulary was trained into (terra-vocab writes one; runs "
-            "keep a copy in vocabulary/sentencepiece.model)."
-        )
 
 
 def byte_vocabulary(*, extra_ids: int = 0) -> seqio.ByteVocabulary:
