@@ -124,6 +124,7 @@ def pytest_addoption(parser):
         action="store_true",
         help="write the seconds each test took to tests/durations.json (the suite's schedule)",
     )
+    parser.addoption("--cpu-report", default=None, help="write every test's CPU seconds (and the suite's) to this JSON")
 
 
 def _measured_durations() -> dict:
@@ -263,11 +264,76 @@ def pytest_runtest_protocol(item, nextitem):
     return True
 
 
+# ----- the suite's CPU time: per test (its process and the subprocesses it waited for) and in all --
+
+_SUITE_START = time.perf_counter()
+_TEST_CPU = {}  # nodeid -> CPU seconds, as the workers report them
+
+
+def _cpu_seconds() -> float:
+    """User and system seconds of this process and of the children it has waited for."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    start = _cpu_seconds()
+    yield
+    item.cpu_seconds = _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = _cpu_seconds()
+    yield
+    item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    start = _cpu_seconds()
+    yield
+    item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown":  # the test's whole CPU time travels to the controller with its last report
+        outcome.get_result().user_properties.append(("cpu_seconds", round(getattr(item, "cpu_seconds", 0.0), 3)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The suite's CPU time (what docs/contributing.md budgets): every process's user and system
+    seconds, the workers and the subprocesses tests start included, and the tests that took most."""
+    if hasattr(config, "workerinput") or not _TEST_CPU:
+        return
+    total = _cpu_seconds()
+    wall = time.perf_counter() - _SUITE_START
+    tests = sum(_TEST_CPU.values())
+    write = terminalreporter.write_line
+    write(
+        f"suite CPU time: {total / 60:.1f} CPU-minutes in {wall / 60:.1f} minutes of wall time "
+        f"({tests / 60:.1f} of them in the {len(_TEST_CPU)} tests themselves, the rest start-up and collection)"
+    )
+    for nodeid, seconds in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:10]:
+        write(f"  {seconds:7.1f} CPU-s  {nodeid}")
+    if config.getoption("cpu_report"):
+        with open(config.getoption("cpu_report"), "w") as f:
+            json.dump({"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": _TEST_CPU}, f)
+
+
 _CHILD_REPORTS = {}
 
 
 def pytest_runtest_logreport(report):
     _record_duration(report)
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            _TEST_CPU[report.nodeid] = value
     if "TERRA_TEST_RESULTS" in os.environ and DEVICES >= MULTI_DEVICE_COUNT:
         text = report.longreprtext if report.outcome != "skipped" else str(report.longrepr[-1])
         _CHILD_REPORTS.setdefault(report.nodeid, []).append((report.when, report.outcome, text))
