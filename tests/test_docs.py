@@ -114,7 +114,7 @@ def test_the_readme_is_a_short_front_door():
 
 # The benchmarks' stored outputs that are not a decode preset's: terra-bench's other commands,
 # the install, the quick start and the test suite.
-OTHER_BENCHMARKS = {"setup", "quickstart", "test_suite", "train_speed", "quantized_products"}
+OTHER_BENCHMARKS = {"setup", "quickstart", "test_suite", "train_speed", "quantized_products", "command_startup"}
 # A second run of one benchmark stored beside the first: NAME_run2, NAME_a, NAME_beside.
 SECOND_RUN = re.compile(r"_(?:run\d+|[a-z]|beside|old|new|before|after)$")
 
@@ -159,3 +159,21 @@ def test_every_timing_the_readme_states_cites_the_stored_output_it_comes_from():
         if not stored:
             uncited.append(paragraph.strip().splitlines()[0][:100])
     assert not uncited, f"README paragraphs with timings but no stored output under docs/benchmarks/: {uncited}"
+
+
+# "(10 min on 2 cores: docs/benchmarks/test_suite/make_test.txt)": a figure and the `time` output it is from.
+_CITED_RUN_TIME = re.compile(r"\(([\d.]+) min[^():]*: (docs/benchmarks/[\w./-]*\.txt)\)")
+_REAL = re.compile(r"^real\s+(\d+)m([\d.]+)s$", re.MULTILINE)
+
+
+def test_the_readmes_run_times_are_the_times_in_the_outputs_they_cite():
+    readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+    cited = _CITED_RUN_TIME.findall(readme)
+    assert len(cited) >= 2, cited  # make run and make test
+    for figure, path in cited:
+        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+            (minutes, seconds), *_ = _REAL.findall(f.read())[-1:] or [(None, None)]
+        assert minutes is not None, f"{path} holds no `real` line of `time`"
+        measured = int(minutes) + float(seconds) / 60
+        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        assert float(figure) == round(measured, decimals), f"the README says {figure} min, {path} says {measured:.2f}"
