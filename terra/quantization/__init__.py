@@ -9,6 +9,7 @@ from terra.quantization.quantized import (
     dequantize,
     dequantize_params,
     quantize,
+    quantize_concrete,
     quantize_leaf,
     quantize_params,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "dequantize",
     "dequantize_params",
     "quantize",
+    "quantize_concrete",
     "quantize_leaf",
     "quantize_params",
 ]
