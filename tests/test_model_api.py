@@ -72,3 +72,23 @@ def test_every_parameter_gets_a_finite_gradient(tiny_model):
     for path, g in flat:
         assert np.all(np.isfinite(g)), path
         assert np.any(g != 0), f"no gradient reaches {jax.tree_util.keystr(path)}"
+
+
+def test_init_params_computes_what_the_initializer_traced_at_build_computes(tiny_model):
+    # The model traces its initializer once, when it is built: the abstract tree is that trace's
+    # output, and init_params compiles the same trace (without XLA's optimization passes at this
+    # size: the same values up to float32 rounding), for any key type and inside a caller's trace.
+    from flax import linen as nn
+
+    from terra.layers import initializers
+
+    model, params = tiny_model
+    reference = nn.unbox(jax.jit(model.init_variables)(jax.random.key(0)))["params"]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params, reference)
+    assert jax.eval_shape(model.init_variables, jax.random.key(0)) == model.abstract_variables()
+    assert jax.tree.structure(model.init_params(jax.random.PRNGKey(1))) == jax.tree.structure(params)
+    traced = jax.eval_shape(model.init_params, jax.random.key(0))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), traced) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    assert sum(x.size for x in jax.tree.leaves(params)) <= initializers.INITIALIZER_UNOPTIMIZED_PARAMETERS
+    compiled = initializers.compile_initializer(jax.jit(model.init_variables).trace(jax.random.key(0)))
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(compiled(jax.random.key(0)))["params"], params)

@@ -5,6 +5,8 @@ Kernels here are stored output-major or stacked (see ``terra.layers.dense``), so
 shape-derived fans would be wrong; these take the fans of the matrix the reference draws.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,3 +29,20 @@ def stacked_glorot_uniform():
     stacked projections (Q, K, V) is initialised as its own ``[d_model -> heads * d_head]``
     matrix."""
     return nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=(3,), out_axis=(0, 2), batch_axis=(1,))
+
+
+# XLA:CPU compiles the threefry hash behind every random draw (20 unrolled rounds) once per
+# parameter, and its optimization passes make each copy about 3x costlier to compile, while the
+# initializer runs once: up to INITIALIZER_UNOPTIMIZED_PARAMETERS the optimizations cost far more
+# compile time than they save run time, at the paper's 800M widths the two are about even
+# (docs/architecture.md, "Decisions taken from measurements"). Without them, values differ from an
+# optimized compile's in their last bits (float32 rounding of the scaling).
+INITIALIZER_UNOPTIMIZED_PARAMETERS = 50_000_000
+UNOPTIMIZED = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def compile_initializer(traced: jax.stages.Traced) -> jax.stages.Compiled:
+    """An initializer's trace (``jax.jit(init).trace(rng)``) compiled, without XLA's optimization
+    passes for a tree of at most :data:`INITIALIZER_UNOPTIMIZED_PARAMETERS` values."""
+    size = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(traced.out_info))
+    return traced.lower().compile(compiler_options=UNOPTIMIZED if size <= INITIALIZER_UNOPTIMIZED_PARAMETERS else None)

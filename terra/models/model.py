@@ -27,6 +27,7 @@ from terra.decoding.beam_search import beam_search
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.decoding.generate import Generation, generate
 from terra.errors import ConfigError
+from terra.layers.initializers import compile_initializer
 from terra.models import losses
 from terra.models.config import TransformerConfig
 from terra.models.encoder_decoder import EncoderDecoderTransformer
@@ -83,7 +84,14 @@ class Seq2SeqModel(abc.ABC):
         # Build the whole variable tree abstractly now (nothing is allocated), so that
         # incompatible sizes in any injected layer (d_ff % N, d_model % S, vocab % S) fail
         # when the model is configured, not in the middle of a training job.
-        self._abstract = jax.eval_shape(self.init_variables, jax.random.key(0))
+        # The initializer is traced once, here: its output shapes are the abstract tree, and the
+        # same trace is compiled when parameters are first asked for (init_params).
+        key = jax.random.key(0)
+        self._initializer, self._initializer_key_type = jax.jit(self.init_variables).trace(key), jax.typeof(key)
+        self._abstract = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), self._initializer.out_info
+        )
+        self._compiled_initializer = None
         # The layers gin injected (``feed_forward = @SparseFeedForward``) would read gin's
         # bindings whenever Flax constructs them (init, apply, tracing), i.e. from whatever
         # config is parsed then: freeze them to this build's config and scope (``MODEL``), the
@@ -107,13 +115,19 @@ class Seq2SeqModel(abc.ABC):
         return self.module.init({"params": rng, "dropout": rng}, inputs, targets)
 
     def abstract_variables(self) -> Dict:
-        """Shapes and logical axes of every variable (``LogicallyPartitioned`` boxes), computed
-        with ``jax.eval_shape``: nothing is allocated, so any size works."""
+        """Shapes and logical axes of every variable (``LogicallyPartitioned`` boxes), from the
+        initializer's trace: nothing is allocated, so any size works."""
         return self._abstract
 
     def init_params(self, rng: jax.Array) -> Params:
         """Random parameters as a plain (unboxed) pytree."""
-        return nn.unbox(jax.jit(self.init_variables)(rng))["params"]
+        if isinstance(rng, jax.core.Tracer):  # inside the caller's trace: part of its program
+            return nn.unbox(self.init_variables(rng))["params"]
+        if jax.typeof(rng) != self._initializer_key_type:  # a raw uint32 key, another PRNG
+            return nn.unbox(compile_initializer(jax.jit(self.init_variables).trace(rng))(rng))["params"]
+        if self._compiled_initializer is None:
+            self._compiled_initializer = compile_initializer(self._initializer)
+        return nn.unbox(self._compiled_initializer(rng))["params"]
 
     def abstract_params(self) -> Params:
         """``jax.ShapeDtypeStruct`` of every parameter, unboxed."""

@@ -25,6 +25,7 @@ Two more things the rules alone do not guarantee:
   model larger than one device's memory is never materialised on one device.
 """
 
+import contextlib
 import logging
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -39,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from terra.errors import ConfigError
 from terra.layers.axes import DATA_AXIS, default_axis_rules
+from terra.layers.initializers import compile_initializer
 
 logger = logging.getLogger(__name__)
 
@@ -332,8 +334,9 @@ def _mesh_of(shardings: PyTree) -> Optional[Mesh]:
 
 
 def sharded_init(init_fn: Callable[[jax.Array], PyTree], rng: jax.Array, out_shardings: PyTree) -> PyTree:
-    """``jax.jit(init_fn, out_shardings=out_shardings)(rng)``: every array is created on the
-    devices that own it, never gathered on one.
+    """``jax.jit(init_fn, out_shardings=out_shardings)(rng)``, compiled as an initializer
+    (``terra.layers.initializers.compile_initializer``): every array is created on the devices
+    that own it, never gathered on one.
 
     The mesh of the shardings is entered with ``jax.set_mesh`` while tracing, so logical
     activation constraints inside ``init_fn`` (active under ``nn.logical_axis_rules``) resolve.
@@ -349,10 +352,8 @@ def sharded_init(init_fn: Callable[[jax.Array], PyTree], rng: jax.Array, out_sha
     """
     jitted = jax.jit(init_fn, out_shardings=out_shardings)
     mesh = _mesh_of(out_shardings)
-    if mesh is None:
-        return jitted(rng)
-    with jax.set_mesh(mesh):
-        return jitted(rng)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return compile_initializer(jitted.trace(rng))(rng)
 
 
 def describe_shardings(params: PyTree, shardings: PyTree, *, limit: int = 8) -> str:
