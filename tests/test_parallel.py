@@ -59,8 +59,9 @@ def _abstract(params):
 
 # XLA's optimisation passes dominate this file's time and do not change what it proves; every
 # array compared below is computed under the same setting, so values match exactly.
-# Meshes over eight devices: these tests run in the multi_device child session (conftest).
-pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.multi_device]
+# Meshes over eight devices: these tests run in the multi_device child session (conftest), a
+# process of its own, hence slow.
+pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.multi_device, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
