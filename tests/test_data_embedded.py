@@ -1,21 +1,28 @@
 """The embedded corpus and the vocabularies: what lets terra train and test with no network.
 
-The corpus and its vocabulary are built once per module into a temporary cache (a few
-seconds each); the checks on newlines matter because ROUGE-Lsum splits summaries on them.
+The corpus and its vocabulary are the test session's (conftest's TERRA_CACHE_DIR, a temporary
+cache every task of the embedded corpus reads, built once per session: a few seconds each); one
+test builds a second copy to compare. The checks on newlines matter because ROUGE-Lsum splits
+summaries on them.
 """
 
 import ast
 import concurrent.futures
+import functools
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import sentencepiece as spm
 
+from terra import process_memory
+from terra.cli import app
 from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
 from terra.errors import DataNotFoundError
@@ -27,8 +34,10 @@ UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("terra-cache"))
+def cache_root():
+    """The session's cache (conftest sets TERRA_CACHE_DIR to a temporary folder): the corpus
+    and vocabulary the tasks read, built once per test session by whichever test needs them first."""
+    root = os.environ["TERRA_CACHE_DIR"]
     embedded.build_corpus(cache_dir=root)
     return root
 
@@ -202,39 +211,53 @@ def _write_paragraphs(path, n=50):
     return paragraphs
 
 
-@pytest.mark.parametrize(
-    "command",
-    [[os.path.join(os.path.dirname(sys.executable), "terra-vocab")], [sys.executable, "-m", "terra.cli.vocab"]],
-    ids=["console", "module"],
-)
-@pytest.mark.slow
-def test_train_vocab_runs_as_a_console_command_and_as_a_module(command, tmp_path):
+def _run_vocab_command(form, args, *, cache_dir, monkeypatch, capsys):
+    """``terra-vocab ARGS`` as a console command, in a process of its own (the entry point
+    setup.cfg installs), or ``python -m terra.cli.vocab ARGS`` in this process (runpy runs the
+    module as ``__main__``, as ``python -m`` does): its exit status, standard output and error."""
+    if form == "console":
+        result = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "terra-vocab"), *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, "TERRA_CACHE_DIR": cache_dir},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return result.returncode, result.stdout, result.stderr
+    with monkeypatch.context() as patch:
+        patch.chdir(REPO_ROOT)
+        patch.setenv("TERRA_CACHE_DIR", cache_dir)
+        patch.setenv(process_memory.NO_RESTART_VARIABLE, "1")  # no restart: this process is pytest
+        # A failed command ends its process at once (os._exit): here it raises SystemExit instead.
+        patch.setattr(app, "_leave", sys.exit)
+        patch.setattr(sys, "argv", [vocab_cli.__file__, *args])
+        capsys.readouterr()
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as exited:
+            warnings.filterwarnings("ignore", "'terra.cli.vocab' found in sys.modules", RuntimeWarning)
+            runpy.run_module("terra.cli.vocab", run_name="__main__", alter_sys=True)
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+@pytest.mark.parametrize("form", [pytest.param("console", marks=pytest.mark.slow), "module"])
+def test_train_vocab_runs_as_a_console_command_and_as_a_module(form, tmp_path, monkeypatch, capsys):
     corpus = tmp_path / "docs.txt"
     paragraphs = _write_paragraphs(corpus)
     out = tmp_path / "v.model"
-    env = {**os.environ, "TERRA_CACHE_DIR": str(tmp_path / "cache")}
-    result = subprocess.run(
-        [*command, "--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--nohard_vocab_limit"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = functools.partial(
+        _run_vocab_command, form, cache_dir=str(tmp_path / "cache"), monkeypatch=monkeypatch, capsys=capsys
     )
-    assert result.returncode == 0, result.stderr
-    assert f"wrote {out}" in result.stdout and "round trip ok" in result.stdout
+    status, stdout, stderr = run(
+        ["--input", str(corpus), "--out", str(out), "--vocab_size", "300", "--nohard_vocab_limit"]
+    )
+    assert status == 0, stderr
+    assert f"wrote {out}" in stdout and "round trip ok" in stdout
     vocab = vocabularies.sentencepiece_vocabulary(str(out))
     assert vocab.decode(vocab.encode(paragraphs[7])) == paragraphs[7]
-    missing = subprocess.run(
-        [*command, "--input", str(tmp_path / "absent.txt"), "--out", str(out)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert missing.returncode == 2 and "error: input file not found" in missing.stderr
-    assert "Traceback" not in missing.stderr
+    status, _, stderr = run(["--input", str(tmp_path / "absent.txt"), "--out", str(out)])
+    assert status == 2 and "error: input file not found" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_the_vocabulary_library_has_no_command_line_and_no_task_import():

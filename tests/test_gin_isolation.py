@@ -61,6 +61,16 @@ def assert_same_outputs(before: dict, after: dict) -> None:
     assert after["init_ff_shapes"] == before["init_ff_shapes"]
 
 
+def build(bindings, seed=0):
+    """``terra.build`` of the tiny sparse model with ``bindings``, as a user calls it. Its weights are
+    random (``random_weights``: drawn leaf by leaf from the built model's abstract tree, compiling
+    nothing, where the model's own initialiser compiles for seconds): what these tests compare is
+    what a built model computes with the parameters it holds, before and after another config is
+    built, whatever their values; ``outputs`` still traces a fresh initialisation each time. (A test
+    that compares the parameters with the build's abstract tree uses the model's own initialiser.)"""
+    return terra.build(SPARSE_FF, TINY + bindings, seed=seed, random_weights=True)
+
+
 def build_model(bindings):
     """Another model, as ``terra.build`` and ``terra.load`` make it before its parameters."""
     gin_utils.parse_gin(SPARSE_FF, TINY + bindings, finalize=False)
@@ -69,10 +79,10 @@ def build_model(bindings):
 
 @pytest.mark.slow
 def test_a_model_keeps_its_layer_sizes_when_another_config_is_built():
-    a = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.ff_sparsity = 8"], seed=1)
+    a = build(["SparseFeedForward.ff_sparsity = 8"], seed=1)
     before = outputs(a)
     assert before["init_ff_shapes"] == ff_shapes(a.params)
-    b = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.ff_sparsity = 16"], seed=1)
+    b = build(["SparseFeedForward.ff_sparsity = 16"], seed=1)
     assert ff_shapes(b.params) != ff_shapes(a.params)  # the two configs do build different layers
     assert_same_outputs(before, outputs(a))  # not a shape error: a's layers keep ff_sparsity 8
 
@@ -81,7 +91,7 @@ def test_a_model_keeps_its_layer_sizes_when_another_config_is_built():
 def test_a_model_keeps_its_behaviour_settings_when_another_config_is_built():
     # temperature and quant_prob change no shape, only what a training step computes: the
     # other model's settings would be used silently.
-    a = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.temperature = 0.0", "SparseFeedForward.quant_prob = 1.0"])
+    a = build(["SparseFeedForward.temperature = 0.0", "SparseFeedForward.quant_prob = 1.0"])
     before = outputs(a)
     b = build_model(["SparseFeedForward.temperature = 5.0", "SparseFeedForward.quant_prob = 0.0"])
     b_loss, _ = b.loss_fn(a.params, BATCH, jax.random.key(7))
@@ -93,6 +103,8 @@ def test_a_model_keeps_its_behaviour_settings_when_another_config_is_built():
 def test_scoped_model_bindings_reach_the_layers_when_they_are_applied():
     # The model is built in gin's scope MODEL; a binding scoped to it overrides the unscoped
     # one for the model's checks and for its layers alike, whatever is parsed later.
+    # The model's own initialiser (not random weights): its parameters are the layers applied
+    # outside the scope the model was built in, compared with the build's own check.
     a = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.ff_sparsity = 16", "MODEL/SparseFeedForward.ff_sparsity = 8"])
     by_scope = ff_shapes(a.params)
     assert by_scope == ff_shapes(a.model.abstract_params())
@@ -107,7 +119,7 @@ def test_a_scoped_reference_keeps_its_scope_and_bindings():
     # ``@ff/SparseFeedForward`` constructs the layer in scope ``ff`` (gin's scoped reference):
     # its ``ff/`` bindings apply, then the unscoped ones, whatever is parsed later.
     scoped = ["EncoderDecoderTransformer.feed_forward = @ff/SparseFeedForward", "ff/SparseFeedForward.quant_prob = 1.0"]
-    a = terra.build(
+    a = terra.build(  # the model's own initialiser, as in the test above
         SPARSE_FF, TINY + scoped + ["ff/SparseFeedForward.ff_sparsity = 8", "SparseFeedForward.temperature = 0.0"]
     )
     assert ff_shapes(a.params)["controller_up"] == (8, 8, 8)
@@ -118,7 +130,7 @@ def test_a_scoped_reference_keeps_its_scope_and_bindings():
 
 
 def test_frozen_layers_stand_where_the_gin_classes_stood():
-    a = terra.build(SPARSE_FF, TINY + ["SparseFeedForward.ff_sparsity = 8"])
+    a = build(["SparseFeedForward.ff_sparsity = 8"])
     factory = a.model.module.feed_forward
     assert factory.__name__ == "SparseFeedForward" and "ff_sparsity=8" in repr(factory)
     assert factory.params_read_per_token is SparseFeedForward.params_read_per_token

@@ -56,6 +56,20 @@ def converted(tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def loaded(converted):
+    """``loaded(model)``: the converted run opened with ``terra.load``, once per module (each open
+    builds and checks the model and restores its parameters); the tests only read it."""
+    runs = {}
+
+    def load(model):
+        if model not in runs:
+            runs[model] = terra.load(converted[model])
+        return runs[model]
+
+    return load
+
+
 def _inputs(model):
     inputs = np.load(fixture(model, "inputs.npz"))
     return inputs["encoder_tokens"], inputs["decoder_tokens"], inputs["decoder_tokens_shifted"]
@@ -63,18 +77,19 @@ def _inputs(model):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.slow
-def test_converted_checkpoint_gives_trax_eval_logits(converted, model):
-    run = terra.load(converted[model])
+def test_converted_checkpoint_gives_trax_eval_logits(loaded, model):
+    run = loaded(model)
     encoder_tokens, _, shifted = _inputs(model)
-    logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+    # Jitted: one program, where op by op each of the model's operations compiles on its own.
+    logits = jax.jit(run.model.module.apply)({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
     expected = np.load(fixture(model, "eval_logits.npz"))["logits"]
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.slow
-def test_converted_checkpoint_gives_trax_decode_logits_token_by_token(converted, model):
-    run = terra.load(converted[model])
+def test_converted_checkpoint_gives_trax_decode_logits_token_by_token(loaded, model):
+    run = loaded(model)
     encoder_tokens, _, shifted = _inputs(model)
     expected = np.load(fixture(model, "decode_logits.npz"))
     np.testing.assert_array_equal(expected["decoder_tokens_fed"], shifted)
@@ -88,9 +103,9 @@ def test_converted_checkpoint_gives_trax_decode_logits_token_by_token(converted,
 
 
 @pytest.mark.slow
-def test_converted_run_is_a_fine_tuning_starting_point(converted):
+def test_converted_run_is_a_fine_tuning_starting_point(converted, loaded):
     """INIT_FROM reads the parameters with restore_params onto the configured model's tree."""
-    run = terra.load(converted["scaling_transformer"])
+    run = loaded("scaling_transformer")
     params = checkpointing.restore_params(converted["scaling_transformer"], run.model.abstract_params())
     np.testing.assert_array_equal(
         np.asarray(params["decoder_0"]["feed_forward"]["wo"]), np.asarray(run.params["decoder_0"]["feed_forward"]["wo"])
@@ -119,12 +134,12 @@ def test_sparse_ff_units_are_columns_of_w1_but_rows_of_w2_in_trax_order():
         np.testing.assert_array_equal(wo[b, j], flat[w2_at][j, b, :])
 
 
-def test_a_terra_gin_config_of_the_same_architecture_converts_alike(converted, tmp_path):
+def test_a_terra_gin_config_of_the_same_architecture_converts_alike(loaded, tmp_path):
     files, bindings = trax_gin(*_arguments("terraformer"))
     out = convert_trax_checkpoint(
         fixture("terraformer", "model.pkl.gz"), str(tmp_path / "from_gin"), gin_files=files, gin_bindings=bindings
     )
-    a, b = terra.load(out).params, terra.load(converted["terraformer"]).params
+    a, b = terra.load(out).params, loaded("terraformer").params
     np.testing.assert_array_equal(a["logits"]["multiplicative"]["gate"], b["logits"]["multiplicative"]["gate"])
 
 
@@ -451,7 +466,8 @@ def test_a_loop_checkpoint_saved_under_jax_converts_to_traxs_logits(tmp_path, ca
     assert status == 0, capsys.readouterr().err
     run = terra.load(str(out))
     encoder_tokens, _, shifted = _inputs("scaling_transformer")
-    logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+    # Jitted, as in test_converted_checkpoint_gives_trax_eval_logits (the same program).
+    logits = jax.jit(run.model.module.apply)({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
     expected = np.load(fixture("scaling_transformer", "eval_logits.npz"))["logits"]
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5, rtol=0)
 
@@ -620,11 +636,12 @@ def _n_buckets():
 
 
 @pytest.mark.slow
-def test_converted_lsh_terraformer_gives_trax_eval_logits_at_traxs_hashing(converted):
+def test_converted_lsh_terraformer_gives_trax_eval_logits_at_traxs_hashing(loaded):
     """Trax's buckets recomputed from the hash keys in its file equal the ones it used
     (lsh_buckets.npz); given them, terra's LSH layers compute what Trax's do."""
-    run = terra.load(converted[LSH])
+    run = loaded(LSH)
     encoder_tokens, _, shifted = _inputs(LSH)
+
     hashing = _TraxHashing(_trax_lsh_hash_keys(), _n_buckets())
     with nn.intercept_methods(hashing):
         logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
@@ -642,14 +659,14 @@ def test_converted_lsh_terraformer_gives_trax_eval_logits_at_traxs_hashing(conve
 
 
 @pytest.mark.slow
-def test_converted_lsh_terraformer_decodes_token_by_token_as_trax_predicts(converted):
+def test_converted_lsh_terraformer_decodes_token_by_token_as_trax_predicts(loaded):
     """The fixture's decoder LSH holds its sequence in one chunk, so which keys a step sees does
     not depend on the hash; the encoder is hashed as Trax's was. Row 1 (padded encoder input) is
     compared with Trax's eval logits: Trax's first predict call concatenates [real encoder
     vectors, decoder token 0, the encoder's outputs at padding positions, a zero] and its LSH
     layers mask none of those slots (config.json "decode"; the README shows terra reproducing
     that too), while terra's decoding masks them as eval never has them."""
-    run = terra.load(converted[LSH])
+    run = loaded(LSH)
     encoder_tokens, _, shifted = _inputs(LSH)
     predicted = np.load(fixture(LSH, "decode_logits.npz"))
     teacher_forced = np.load(fixture(LSH, "eval_logits.npz"))["logits"]
