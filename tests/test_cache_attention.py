@@ -143,13 +143,20 @@ def test_cached_attention_step_writes_the_same_cache_with_either_read():
     np.testing.assert_allclose(direct[0], reference[0], atol=2e-6, rtol=2e-5)
 
 
+@pytest.fixture(scope="module")
+def narrow_params(tiny_model):
+    """The suite's tiny encoder-decoder's parameters (``cache_dtype`` changes no parameter) as the
+    int8 decode tree, quantized in one compiled call."""
+    return jax.jit(quantize_params, static_argnums=1)(tiny_model[1], "int8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_dense_decode_step_runs_the_native_cache_attention(cache_dtype):
+def test_dense_decode_step_runs_the_native_cache_attention(cache_dtype, narrow_params):
     """An encoder-decoder's step (self- and cross-attention over caches of ``cache_dtype``) lowers
     to the kernel, and decodes as with it switched off (XLA's reads) within float32 rounding."""
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(cache_dtype=cache_dtype)))
-    params = quantize_params(model.init_params(jax.random.key(0)), "int8")
+    params = narrow_params
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(2, 61, (2, 9)), jnp.int32).at[1, 6:].set(0)
     tokens = jnp.asarray(rng.integers(2, 61, (2, 4)), jnp.int32)

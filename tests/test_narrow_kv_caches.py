@@ -124,7 +124,10 @@ def _leaves(cache) -> dict:
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def float32_decode(request):
     make = MODELS[request.param]
-    params = make().init_params(jax.random.key(0))
+    if request.param == "encoder_decoder":  # the suite's shared tiny model: the same config and key
+        params = request.getfixturevalue("tiny_model")[1]
+    else:
+        params = make().init_params(jax.random.key(0))
     return make, params, _decode(make(), params)
 
 
@@ -167,7 +170,8 @@ def test_a_bad_cache_dtype_is_one_config_error_naming_the_allowed_values():
 
 
 def test_the_setting_is_a_gin_binding():
-    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.cache_dtype = 'int8'"])
+    # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
+    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.cache_dtype = 'int8'"], finalize=False)
     try:
         assert gin_utils.build_model().module.config.cache_dtype == "int8"
     finally:
@@ -178,14 +182,15 @@ def test_the_setting_is_a_gin_binding():
 @pytest.mark.skipif(not native_kernels.fused_available(), reason="native kernels not built")
 def test_narrow_caches_keep_the_native_projections_of_sparse_qkv():
     """The fused native step reads float32 caches only: over narrow caches the backend runs the
-    native projections and XLA's attention (one custom call per layer either way)."""
+    native projections and XLA's attention (one custom call per layer either way). The program's
+    calls depend on shapes and dtypes alone: it is lowered from abstract parameters and cache."""
     targets = {}
     for cache_dtype in ("float32", "int8"):
         model = _sparse_encoder_decoder(cache_dtype)
-        params = quantize_params(model.init_params(jax.random.key(0)), "int8")
+        params = jax.eval_shape(lambda p: quantize_params(p, "int8"), model.abstract_params())
         decoder = model.decoder(4)
-        cache = decoder.prefill(params, jnp.ones((1, 5), jnp.int32))
-        text = decoder.step.lower(params, cache, jnp.zeros((1,), jnp.int32)).as_text()
+        cache = jax.eval_shape(decoder.prefill, params, jax.ShapeDtypeStruct((1, 5), jnp.int32))
+        text = decoder.step.lower(params, cache, jax.ShapeDtypeStruct((1,), jnp.int32)).as_text()
         targets[cache_dtype] = set(re.findall(r"terra_sparse_attention_[a-z0-9]+_int8", text))
     assert targets["float32"] == {"terra_sparse_attention_self_int8", "terra_sparse_attention_cross_int8"}
     assert targets["int8"] == {"terra_sparse_attention_projections3_int8", "terra_sparse_attention_projections1_int8"}

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cheap_init_prng import init_key
 
 from terra import gin_utils
 from terra.backends import native_kernels
+from terra.decoding.decode_step import IncrementalDecoder
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
-from terra.quantization import quantize, quantize_params
+from terra.quantization import quantize_concrete, quantize_params
 
 from conftest import xla_optimizations
 
@@ -26,6 +28,13 @@ from conftest import xla_optimizations
 pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
+
+
+def _quantize(w, kind, transposed=False):
+    """Set-up, not under test (conftest.optimized_compile): ``quantize`` in one compiled call per
+    shape, without XLA's optimizations (op by op it compiles each of its operations per shape)."""
+    with xla_optimizations(False):
+        return quantize_concrete(w, kind, transposed=transposed)
 
 
 def _use_isa(isa):
@@ -51,15 +60,27 @@ def _targets(fn, *args) -> str:
 FEED_FORWARD_SHAPES = [(40, 120, 8), (17, 96, 32), (1024, 2048, 32)]
 
 
+# Set-up, not under test (conftest.optimized_compile): a whole tree quantized in one compiled call.
+_quantize_params = jax.jit(quantize_params, static_argnums=1)
+
+
 @functools.cache
-def _feed_forward(d_model, d_ff, n_units, kind):
+def _float_feed_forward(d_model, d_ff, n_units):
+    """The layer and its float32 parameters, shared by both stores."""
     layer = SparseFeedForward(d_model=d_model, d_ff=d_ff, ff_sparsity=n_units)
     x = jnp.ones((1, 1, d_model))
     with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
-        params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x)["params"])
+        params = nn.unbox(jax.jit(layer.init)(init_key(0), x)["params"])
         # A controller bias large enough that the choice depends on it as well.
         params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
-        return layer, quantize_params(params, kind)
+        return layer, params
+
+
+@functools.cache
+def _feed_forward(d_model, d_ff, n_units, kind):
+    layer, params = _float_feed_forward(d_model, d_ff, n_units)
+    with xla_optimizations(False):
+        return layer, _quantize_params(params, kind)
 
 
 def _feed_forward_step(layer, narrow, x):
@@ -94,8 +115,7 @@ def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, sha
 def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
     layer, narrow = _feed_forward(40, 120, 8, "int8")
     x = jnp.ones((2, 1, 40))
-    with xla_optimizations(False):
-        float_params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x)["params"])
+    float_params = _float_feed_forward(40, 120, 8)[1]
     assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), float_params, x)
     masked = SparseFeedForward(d_model=40, d_ff=120, ff_sparsity=8, gathered_inference=False)
     assert "terra_sparse_feed_forward" not in _targets(jax.jit(lambda p, x: masked.apply({"params": p}, x)), narrow, x)
@@ -127,10 +147,10 @@ def test_a_long_deterministic_call_runs_the_fused_step_over_chunks_with_the_mask
 
 
 def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():
-    q = quantize(jnp.ones((12, 40)), "int8")
-    up = quantize(jnp.ones((96, 12)), "int8")
-    rows = quantize(jnp.ones((96, 40)), "int8")
-    wrong = quantize(jnp.ones((95, 40)), "int8")
+    q = _quantize(jnp.ones((12, 40)), "int8")
+    up = _quantize(jnp.ones((96, 12)), "int8")
+    rows = _quantize(jnp.ones((96, 40)), "int8")
+    wrong = _quantize(jnp.ones((95, 40)), "int8")
     with pytest.raises(Exception, match="sparse feed-forward"):
         native_kernels.sparse_feed_forward(
             jnp.ones((1, 40)),
@@ -153,22 +173,54 @@ ATTENTION_SHAPES = [(40, 5), (96, 4), (512, 16), (576, 32)]
 
 
 @functools.cache
-def _attention(layer_class, d_model, heads, kind):
-    layer = layer_class(d_model=d_model, n_heads=heads)
-    x = jnp.ones((2, 3, d_model))
-    args = (jnp.ones((2, 5, d_model)), jnp.ones((2, 5))) if layer_class is SparseQueryCrossAttention else ()
+def _float_attentions():
+    """``{(layer class, d_model, heads): (layer, float32 parameters, the cross-attention's encoder
+    arguments)}`` for every case, shared by both stores; the layers initialised (each from the same
+    key) in one compiled call, a fraction of what they cost one by one."""
+    layers = {}
+    for layer_class in (SparseQKVAttention, SparseQueryCrossAttention):
+        for d_model, heads in ATTENTION_SHAPES:
+            args = (jnp.ones((2, 5, d_model)), jnp.ones((2, 5))) if layer_class is SparseQueryCrossAttention else ()
+            layers[layer_class, d_model, heads] = layer_class(d_model=d_model, n_heads=heads), args
+
+    def init(key):
+        return [
+            nn.unbox(layer.init(key, jnp.ones((2, 3, d_model)), *args))["params"]
+            for (_, d_model, _), (layer, args) in layers.items()
+        ]
+
     with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
-        variables = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x, *args))
-        params = jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, variables["params"])  # biases that count
-        return layer, quantize_params(params, kind), args
+        params = jax.jit(init)(init_key(0))
+        return {
+            # Biases that count.
+            case: (layer, jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, case_params), args)
+            for (case, (layer, args)), case_params in zip(layers.items(), params)
+        }
 
 
-def _decode_outputs(layer, narrow, args, xs):
-    """The layer's decode outputs for each position of ``xs`` after a cache-creating first call."""
+@functools.cache
+def _attention(layer_class, d_model, heads, kind):
+    layer, params, args = _float_attentions()[layer_class, d_model, heads]
+    with xla_optimizations(False):
+        return layer, _quantize_params(params, kind), args
+
+
+def _decoding(layer, args):
+    """The layer's cache-creating first call and its decode step, each jitted anew: the fused or
+    unfused path is chosen when they are traced (at their first call), the instruction set when
+    they run."""
     first = {} if args else {"max_decode_length": 8}
-    _, cache = layer.apply({"params": narrow}, xs[:, :1], *args, decode=True, mutable=["cache"], **first)
     step_args = (None, None) if args else ()
+    create = jax.jit(lambda p, x: layer.apply({"params": p}, x, *args, decode=True, mutable=["cache"], **first)[1])
     step = jax.jit(lambda p, c, x: layer.apply({"params": p, **c}, x, *step_args, decode=True, mutable=["cache"]))
+    return create, step
+
+
+def _decode_outputs(decoding, narrow, xs):
+    """The layer's decode outputs for each position of ``xs`` after a cache-creating first call,
+    and the step's program."""
+    create, step = decoding
+    cache = create(narrow, xs[:, :1])
     outs = []
     for t in range(xs.shape[1]):
         out, cache = step(narrow, cache, xs[:, t : t + 1])
@@ -184,18 +236,19 @@ def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape,
     layer, narrow, args = _attention(layer_class, *shape, kind)
     xs = jax.random.normal(jax.random.key(3), (2, 5, shape[0]))  # 5 steps: the window fills and slides
     with native_kernels.unfused():
-        want, jaxpr = _decode_outputs(layer, narrow, args, xs)
+        want, jaxpr = _decode_outputs(_decoding(layer, args), narrow, xs)
     assert "terra_sparse_attention" not in jaxpr
+    fused = _decoding(layer, args)  # traced once: the instruction set is read at run time
     for isa in native_kernels.ISAS:
         _use_isa(isa)
-        got, jaxpr = _decode_outputs(layer, narrow, args, xs)
+        got, jaxpr = _decode_outputs(fused, narrow, xs)
         assert "terra_sparse_attention" in jaxpr
         _assert_close(got, want)
 
 
 def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
-    gate, kernel = quantize(jnp.ones((4, 40)), "int8"), quantize(jnp.ones((40, 10)), "int8")
-    conv = quantize(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
+    gate, kernel = _quantize(jnp.ones((4, 40)), "int8"), _quantize(jnp.ones((40, 10)), "int8")
+    conv = _quantize(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
     with pytest.raises(Exception, match="sparse attention"):
         outs, _ = native_kernels.sparse_attention(
             jnp.ones((1, 40)),
@@ -218,7 +271,7 @@ def _ffi_results(function, *args):
 
 
 def test_the_fused_calls_return_only_what_the_layer_uses():
-    q, up, rows = (quantize(jnp.ones(shape), "int8") for shape in ((12, 40), (96, 12), (96, 40)))
+    q, up, rows = (_quantize(jnp.ones(shape), "int8") for shape in ((12, 40), (96, 12), (96, 40)))
     feed_forward = _ffi_results(
         lambda x: native_kernels.sparse_feed_forward(
             x,
@@ -233,8 +286,8 @@ def test_the_fused_calls_return_only_what_the_layer_uses():
         jnp.ones((2, 40)),
     )
     assert feed_forward == {native_kernels.TARGETS["sparse_feed_forward", "int8"]: [(2, 40), (2, 12)]}
-    gate, kernel = quantize(jnp.ones((4, 40)), "int8"), quantize(jnp.ones((40, 10)), "int8")
-    conv = quantize(jnp.ones((3, 1, 10, 10)), "int8")
+    gate, kernel = _quantize(jnp.ones((4, 40)), "int8"), _quantize(jnp.ones((40, 10)), "int8")
+    conv = _quantize(jnp.ones((3, 1, 10, 10)), "int8")
     cache = jnp.zeros((2, 4, 6, 10))
     attention = _ffi_results(
         lambda x: native_kernels.sparse_attention(
@@ -256,14 +309,26 @@ def test_the_fused_calls_return_only_what_the_layer_uses():
 # --- in a model ----------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def fully_sparse():
+    """A tiny fully sparse model (one layer in each stack: each has every fused layer kind) and its
+    float32 parameters, shared by both stores; the model is frozen when built, so gin's later
+    configs do not reach it."""
+    # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
+    bindings = ["vocab_size = 96", "n_encoder_layers = 1", "n_decoder_layers = 1"]
+    gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], [f"TransformerConfig.{b}" for b in bindings], finalize=False)
+    model = gin_utils.build_model()
+    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
+        return model, model.init_params(init_key(0))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.slow
-def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, clean_gin):
-    gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], ["TransformerConfig.vocab_size = 96"])
-    model = gin_utils.build_model()
+def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, fully_sparse):
+    model, params = fully_sparse
     with xla_optimizations(False):
-        narrow = quantize_params(model.init_params(jax.random.key(0)), kind)
-    decoder = model.decoder(37)  # a length no other array in the step has
+        narrow = _quantize_params(params, kind)
+    decoder = IncrementalDecoder(model.module, 37)  # a length no other array in the step has
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
     start = jnp.zeros((2,), jnp.int32)
 
@@ -285,5 +350,9 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     assert not copies, "a donated cache is copied inside the step:\n" + "\n".join(copies)
     fused = generate()
     with native_kernels.unfused():
-        decoder = model.decoder(37)  # traced afresh: the choice is made when tracing
+        # A decoder of its own, traced afresh: the choice is made when tracing (model.decoder(37)
+        # would hand back the fused one, its programs already compiled).
+        decoder = IncrementalDecoder(model.module, 37)
         np.testing.assert_array_equal(generate(), fused)
+        unfused_step = str(jax.make_jaxpr(decoder.step)(narrow, decoder.prefill(narrow, inputs), start))
+    assert "terra_sparse_feed_forward" not in unfused_step and "terra_sparse_attention" not in unfused_step

@@ -79,8 +79,10 @@ def test_sparse_qkv_token_by_token_decode_matches_the_full_pass(variant):
     variables = layer.init(jax.random.key(1), x)
     full = layer.apply(variables, x)
     _, cache = layer.apply(variables, x[:, :1], decode=True, max_decode_length=9, mutable=["cache"])
+    # One compiled step for every position (op by op, each step dispatches its operations alone).
+    step = jax.jit(lambda c, x: layer.apply({**variables, **c}, x, decode=True, mutable=["cache"]))
     for t in range(x.shape[1]):
-        out, cache = layer.apply({**variables, **cache}, x[:, t : t + 1], decode=True, mutable=["cache"])
+        out, cache = step(cache, x[:, t : t + 1])
         np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
 
 
@@ -97,7 +99,7 @@ def test_sparse_qkv_is_causal(variant):
 
 def test_sparse_qkv_shares_one_multiplicative_layer_and_has_no_output_projection():
     layer = SparseQKVAttention(d_model=D, n_heads=H)
-    variables = layer.init(jax.random.key(0), jnp.ones((1, 3, D)))
+    variables = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((1, 3, D)))  # shapes are checked
     p = nn.unbox(variables)["params"]
     assert set(p) == {"mult", "q_conv", "k_conv", "v_conv"}
     m = D // H
@@ -124,8 +126,9 @@ def test_sparse_query_cross_attention_decode_matches_the_full_pass():
     variables = layer.init(jax.random.key(2), x, encoded, mask)
     full = layer.apply(variables, x, encoded, mask)
     _, cache = layer.apply(variables, x[:, :1], encoded, mask, decode=True, mutable=["cache"])
+    step = jax.jit(lambda c, x: layer.apply({**variables, **c}, x, None, None, decode=True, mutable=["cache"]))
     for t in range(x.shape[1]):
-        out, cache = layer.apply({**variables, **cache}, x[:, t : t + 1], None, None, decode=True, mutable=["cache"])
+        out, cache = step(cache, x[:, t : t + 1])
         np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
     assert "out" not in nn.unbox(variables)["params"]  # no output projection
     # Padded encoder positions are ignored.
