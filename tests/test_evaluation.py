@@ -1,5 +1,6 @@
 """ROUGE through rouge-score, self-consistent decoding, terra-evaluate and terra-summarize end to end."""
 
+import contextlib
 import io
 import json
 import os
@@ -142,23 +143,23 @@ def test_fine_tuning_logs_rouge_and_keeps_the_best_checkpoint_by_it(finetuned):
         assert ckpt.metrics(4)["eval/rougeLsum"] == scored[-1]["eval/rougeLsum"]
 
 
-@pytest.mark.slow
-def test_evaluate_writes_predictions_and_all_four_rouge_scores(finetuned, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def evaluated(finetuned, tmp_path_factory):
+    """``(terra-evaluate's flags, its output folder, what it wrote to stderr)``: one float32
+    evaluation of the fine-tuned run, shared by the module."""
     model_dir, cohan = finetuned
-    out = tmp_path / "eval"
-    argv = [
-        "--checkpoint",
-        model_dir,
-        "--output_dir",
-        str(out),
-        "--batch_size",
-        "2",
-        "--max_decode_length",
-        "6",
-        f"--arxiv_cohan={cohan}",
-    ]
-    assert evaluate_cli.call(argv) == 0
-    err = capsys.readouterr().err
+    out = tmp_path_factory.mktemp("evaluated") / "eval"
+    common = ["--checkpoint", model_dir, "--batch_size", "2", "--max_decode_length", "6", f"--arxiv_cohan={cohan}"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert evaluate_cli.call([*common, "--output_dir", str(out)]) == 0
+    return common, out, err.getvalue()
+
+
+@pytest.mark.slow
+def test_evaluate_writes_predictions_and_all_four_rouge_scores(evaluated, tmp_path):
+    common, out, err = evaluated
+    argv = [*common, "--output_dir", str(out)]
     assert "summaries: 100%" in err and "5/5" in err  # the progress bar over the examples, on stderr
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 5 and {"id", "input", "target", "prediction"} <= set(predictions[0])
@@ -185,12 +186,11 @@ def test_evaluate_stops_before_decoding_when_it_cannot_write_its_results(finetun
 
 
 @pytest.mark.slow
-def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(finetuned, tmp_path, capsys):
-    model_dir, cohan = finetuned
-    common = ["--checkpoint", model_dir, "--batch_size", "5", "--max_decode_length", "4", f"--arxiv_cohan={cohan}"]
-    assert evaluate_cli.call(common + ["--output_dir", str(tmp_path / "float32")]) == 0
+def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(finetuned, evaluated, tmp_path, capsys):
+    model_dir, _ = finetuned
+    common, float32_out, _ = evaluated  # the module's float32 evaluation, with these flags
     assert evaluate_cli.call(common + ["--weights_dtype", "int8"]) == 0
-    wide = json.loads((tmp_path / "float32" / "metrics.json").read_text())
+    wide = json.loads((float32_out / "metrics.json").read_text())
     with open(os.path.join(model_dir, "eval", "validation_step4_int8", "metrics.json")) as f:
         narrow = json.load(f)  # the default output folder is named by the weights, beside float32's
     assert wide["weights_dtype"] == "float32" and narrow["weights_dtype"] == "int8"
