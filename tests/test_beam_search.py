@@ -1,6 +1,7 @@
 """Beam search over the decode contract: one beam is greedy, enough beams is exhaustive search,
 rows are independent, and the length penalty ranks as defined."""
 
+import functools
 import itertools
 
 import jax
@@ -28,7 +29,8 @@ def tiny(request):
         vocab_size=VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_len=16
     )
     module = FAMILIES[request.param](cfg)
-    params = module.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32))["params"]
+    # Jitted: run op by op, init compiles each of its operations as its own program.
+    params = jax.jit(module.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32))["params"]
     return module, params, IncrementalDecoder(module, 6)
 
 
@@ -40,6 +42,7 @@ def _inputs(seed=0, rows=3, length=6):
     return jnp.asarray(tokens, jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program for every row of a family
 def _teacher_forced_log_probs(module, params, encoder_row, sequences):
     """``[n, length]`` per-token log-probabilities of ``sequences`` (``[n, length]``, padded with
     0 after their end) given one encoder row, from the teacher-forced forward pass. Positions
@@ -95,7 +98,8 @@ def test_enough_beams_find_the_exhaustive_best_and_fewer_score_what_they_return(
             )
             assert result.tokens[0, : result.lengths[0]].tolist() == sequences[best[0]]
             np.testing.assert_allclose(result.scores[0], scores[best[0]], atol=1e-5)
-        result = beam_search(decoder, params, inputs[row : row + 1], num_beams=2, max_new_tokens=new_tokens, eos_id=EOS)
+        # 3 beams of 64: the program test_rows_are_independent_of_the_rest_of_the_batch runs alone.
+        result = beam_search(decoder, params, inputs[row : row + 1], num_beams=3, max_new_tokens=new_tokens, eos_id=EOS)
         returned = tuple(result.tokens[0, : result.lengths[0]].tolist())
         assert result.scores[0] <= log_probs.max() + 1e-5
         np.testing.assert_allclose(result.scores[0], by_sequence[returned], atol=1e-5)

@@ -3,6 +3,7 @@ each input length with its prefill, cache reads, floors and peak memory; rows th
 skipped with the reason; the decoder cache sized from the tokens decoded, not the input; the
 cache bytes an LSH step really reads. Tiny models only; timings are printed, never asserted."""
 
+import gc
 import json
 
 import jax
@@ -36,8 +37,28 @@ LONG_KEYS = {
 }
 
 
+# One encoder and one decoder layer instead of the tiny configs' two: what these tests check (the
+# rows and lengths run, their keys, which cache bytes grow with the input, the LSH step's kept rows,
+# skips, the cache's length) is per layer, and each (row, length) traces and compiles its model
+# several times (build, memory estimate, prefill, loops, cache reads).
+ONE_LAYER = ["TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1"]
+
+
+@pytest.fixture
+def frozen_gc():
+    """The benchmark collects garbage two or three times per row (so that each row's peak memory is
+    its own); with JAX loaded (TensorFlow too, in a suite) a full collection walks some 10^6
+    objects, 0.25-0.8 CPU-s.
+    Frozen, the objects from before the test are skipped: each collection walks only what the run
+    made, which is all it could free."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 def _long_config(rows, lengths, **overrides):
     config = presets.tiny()
+    config.common_bindings = list(ONE_LAYER)
     config.rows = rows
     config.input_lengths = tuple(lengths)
     config.tokens, config.warmup, config.repeats, config.bandwidth_buffer_mb = 4, 1, 1, 16
@@ -47,7 +68,7 @@ def _long_config(rows, lengths, **overrides):
 
 
 @pytest.mark.slow
-def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
+def test_the_long_document_path_times_each_row_at_each_length(tmp_path, frozen_gc):
     dense = presets.tiny().rows[0]
     lsh = presets.make_row("Terraformer LSH · int8", "models/tiny_terraformer_lsh.gin", weights_dtype="int8")
     # 80 input positions: more than the 63 rows an LSH step keeps (2 hashes x chunks of 16 x 2 - 1).
@@ -91,8 +112,11 @@ def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_row_that_does_not_fit_the_memory_is_skipped_with_the_reason_and_the_run_goes_on(tmp_path, monkeypatch):
-    gin_utils.parse_gin(["models/tiny.gin"], [])
+def test_a_row_that_does_not_fit_the_memory_is_skipped_with_the_reason_and_the_run_goes_on(
+    tmp_path, monkeypatch, frozen_gc
+):
+    # The rows' model, as _long_config binds it and the benchmark builds it (no data layer).
+    gin_utils.parse_gin(["models/tiny.gin"], ONE_LAYER, finalize=False)
     model = gin_utils.build_model()
     decoder = IncrementalDecoder(model.module, 6)
     small, large = (decode_speed.estimate_memory(model, decoder, n)["total"] for n in (8, 200))
@@ -135,12 +159,12 @@ def test_other_errors_of_a_row_are_not_taken_for_running_out_of_memory():
 
 
 @pytest.mark.slow
-def test_an_input_longer_than_twice_the_decoder_table_decodes_and_one_longer_than_the_table_is_one_error():
+def test_an_input_longer_than_twice_the_decoder_table_decodes_and_one_longer_than_the_table_is_one_error(frozen_gc):
     # Issue 40: the decoder cache was sized max(2 * input_length, tokens), 48 rows past a 32-row
     # table here; now 32, the reference's (decoder_cache_length).
     config = presets.tiny()
     config.rows = [config.rows[0]]
-    config.common_bindings = ["TransformerConfig.max_len = 32"]
+    config.common_bindings = ["TransformerConfig.max_len = 32", *ONE_LAYER]
     config.input_length, config.tokens, config.warmup, config.repeats, config.bandwidth_buffer_mb = 24, 4, 1, 1, 16
     (row,) = decode_speed.run_preset(config, None, "bug", log=lambda *a: None)
     assert row["input_length"] == 24 and row["seconds_per_token_median"] > 0
@@ -211,7 +235,7 @@ def test_cache_reads_count_an_lsh_layers_kept_rows_and_narrow_caches_at_their_it
 
 
 def test_the_lsh_layers_a_step_runs_are_found_with_their_settings():
-    gin_utils.parse_gin(["models/tiny_terraformer_lsh.gin"], [])
+    gin_utils.parse_gin(["models/tiny_terraformer_lsh.gin"], [], finalize=False)  # as the benchmark builds it
     model = gin_utils.build_model()
     decoder = IncrementalDecoder(model.module, 6)
     params = model.abstract_params()

@@ -131,11 +131,11 @@ def test_decode_rejects_more_tokens_than_the_positional_table():
 
 
 @pytest.mark.slow
-def test_dropout_is_active_only_with_a_dropout_rng():
+def test_dropout_is_active_only_with_a_dropout_rng(tiny_model):
     from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(dropout=0.3, attention_dropout=0.3)))
-    params = model.init_params(jax.random.key(0))
+    _, params = tiny_model  # dropout adds no parameters: the shared tiny model's tree
     inputs, targets = _padded_batch(2, 6, 5, model.config.vocab_size)
     batch = {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
     logits = jax.jit(model.logits)

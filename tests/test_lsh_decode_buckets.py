@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cheap_init_prng import init_key
 
 from terra.backends import native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
@@ -38,7 +39,7 @@ def _layer(**kw):
 
 @functools.lru_cache(maxsize=None)
 def _params():
-    return jax.jit(_layer().init)(jax.random.key(0), jnp.zeros((1, 4, D)))["params"]
+    return jax.jit(_layer().init)(init_key(0), jnp.zeros((1, 4, D)))["params"]  # cheap_init_prng
 
 
 def _decode(layer, x, prefix_mask, step_mask):
@@ -173,7 +174,9 @@ def test_native_bucket_attention_equals_its_xla_form(cache_dtype, n_buckets, see
     caches: wrapping lists, padded prefixes and a padded decode token."""
     x, prefix_mask, step_mask = _inputs(seed, padded)
     layer = _layer(n_buckets=n_buckets, cache_dtype=cache_dtype)
-    step = _fresh_decode()
+    # The module's jit, traced with the native kernels on (as every other test here), so a layer an
+    # earlier test decoded is not compiled again; the lowered text proves which form it holds.
+    step = _compiled_decode
     lowered = step.lower(layer, _params(), x, prefix_mask, step_mask).as_text()
     assert (
         native_kernels.TARGETS["lsh_decode_attention", jnp.dtype(kv_cache.storage_dtype(cache_dtype)).name] in lowered
@@ -208,16 +211,21 @@ def test_terraformer_decode_with_bucket_lists_equals_whole_cache_selection():
     """Through a Terraformer's decoder, whose LSH cache is prefilled with ``[encoder, padding,
     decoder]`` (padding inside the prefix): chunk_len 2 keeps 7 of up to 17 past keys."""
 
-    def decode(candidates):
+    def model(candidates):
         attention = functools.partial(
             LSHSelfAttention, chunk_len=2, n_buckets=4, n_hashes=2, decode_candidates=candidates
         )
-        model = TerraformerModel(
+        return TerraformerModel(
             Terraformer(tiny_config(vocab_size=32, n_encoder_layers=1, n_decoder_layers=1), decoder_attention=attention)
         )
-        params = model.init_params(jax.random.key(1))
+
+    models = {candidates: model(candidates) for candidates in ("buckets", "all")}
+    # decode_candidates only changes how a step chooses its keys: one parameter tree for both.
+    params = models["buckets"].init_params(init_key(1))
+
+    def decode(candidates):
         encoder = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
-        decoder = IncrementalDecoder(model.module, 8)
+        decoder = IncrementalDecoder(models[candidates].module, 8)
         cache = decoder.prefill(params, encoder)
         steps = []
         for token in [1, 7, 9, 11, 2, 4, 6, 8]:

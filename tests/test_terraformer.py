@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cheap_init_prng import init_key
 
 from terra import gin_utils
 from terra.benchmarks import reversible_memory
@@ -43,8 +44,23 @@ VARIANTS = {
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def _model(**kwargs):
-    return TerraformerModel(Terraformer(tiny_config(vocab_size=VOCAB), **kwargs))
+def _model(config=None, **kwargs):
+    return TerraformerModel(Terraformer(config or tiny_config(vocab_size=VOCAB), **kwargs))
+
+
+@pytest.fixture(scope="module")
+def built():
+    """``variant -> (model, params)``, each built and initialised once for the module (the tests
+    only read the parameters), from a key whose initializer compiles cheaply (cheap_init_prng)."""
+    cache = {}
+
+    def build(variant):
+        if variant not in cache:
+            model = _model(**VARIANTS[variant])
+            cache[variant] = model, model.init_params(init_key(1))
+        return cache[variant]
+
+    return build
 
 
 def _batch(batch=2, inputs=7, targets=6, seed=0):
@@ -56,6 +72,17 @@ def _batch(batch=2, inputs=7, targets=6, seed=0):
         "encoder_input_tokens": jnp.asarray(enc, jnp.int32),
         "decoder_target_tokens": jnp.asarray(rng.randint(2, VOCAB, (batch, targets)), jnp.int32),
     }
+
+
+def test_cheap_init_keys_draw_independent_standard_normals():
+    """The parameters here come from cheap_init_prng's keys: its bits make standard normals,
+    and split and folded-in keys draw other values."""
+    key = init_key(0)
+    x = np.asarray(jax.random.normal(key, (20000,)))
+    assert abs(x.mean()) < 0.03 and abs(x.std() - 1) < 0.03 and abs(np.corrcoef(x[1:], x[:-1])[0, 1]) < 0.03
+    keys = [*jax.random.split(key), jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)]
+    draws = [jax.random.normal(k, (8,)) for k in keys]
+    assert all(not np.allclose(draws[i], draws[j]) for i in range(4) for j in range(i))
 
 
 def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
@@ -70,9 +97,8 @@ def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.slow
-def test_incremental_decode_matches_teacher_forced_forward(variant):
-    model = _model(**VARIANTS[variant])
-    params = model.init_params(jax.random.key(1))
+def test_incremental_decode_matches_teacher_forced_forward(built, variant):
+    model, params = built(variant)
     batch = _batch()
     teacher_forced = jax.jit(model.logits)(params, batch)
     decoder = IncrementalDecoder(model.module, 8)
@@ -92,9 +118,8 @@ def test_incremental_decode_matches_teacher_forced_forward(variant):
 
 
 @pytest.mark.slow
-def test_outputs_ignore_encoder_padding_and_future_decoder_tokens():
-    model = _model(**SPARSE)
-    params = model.init_params(jax.random.key(2))
+def test_outputs_ignore_encoder_padding_and_future_decoder_tokens(built):
+    model, params = built("fully_sparse")
     batch = _batch()
     mask = batch["encoder_input_tokens"] != 0
     forward = jax.jit(model.logits)  # one compilation: the three batches have the same shapes
@@ -126,13 +151,18 @@ def test_reversible_gradients_equal_plain_autodiff():
     layers = REPLAYING
     batch = _batch()
     key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, hashes, same keys
-    reversible = _model(**layers)
-    plain = _model(reversible=False, **layers)
-    params = reversible.init_params(jax.random.key(4))
+    # One block each: the encoder stack still inverts an attention half and a feed-forward half,
+    # the decoder stack two attention halves and a feed-forward, each kind replaying its own
+    # decisions; a second block repeats those halves and doubles the two gradients' compile time.
+    config = tiny_config(vocab_size=VOCAB, n_encoder_layers=1, n_decoder_layers=1)
+    reversible = _model(config, **layers)
+    plain = _model(config, reversible=False, **layers)
+    params = reversible.init_params(init_key(4))
     loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: reversible.loss_fn(p, batch, key)[0]))(params)
     loss_p, grads_p = jax.jit(jax.value_and_grad(lambda p: plain.loss_fn(p, batch, key)[0]))(params)
     np.testing.assert_allclose(loss_r, loss_p, rtol=1e-6)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_p))
+    grads_r, grads_p = jax.device_get((grads_r, grads_p))  # NumPy: no program per leaf shape
+    scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads_p))
     for (path, g_r), g_p in zip(jax.tree_util.tree_leaves_with_path(grads_r), jax.tree.leaves(grads_p)):
         # 1e-4 relative to the gradient's scale (a few leaves, e.g. key biases, are ~0 exactly).
         np.testing.assert_allclose(g_r, g_p, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
@@ -151,16 +181,16 @@ def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
 
 
 @pytest.mark.slow
-def test_terraformer_has_no_attention_output_dropout_by_default():
+def test_terraformer_has_no_attention_output_dropout_by_default(built):
     # Residual dropout 0.5, attention-probability dropout 0: an attention half-residual is
     # random in training only through an output dropout.
     config = tiny_config(vocab_size=VOCAB, dropout=0.5)
     x = jax.random.normal(jax.random.key(0), (2, 5, config.d_model))
     mask = jnp.ones((2, 5), bool)
+    _, params = built("fully_sparse")  # dropout adds no parameters: the same tree
 
     def attention_halves(**kwargs):
         module = Terraformer(config, **SPARSE, **kwargs)
-        params = TerraformerModel(module).init_params(jax.random.key(1))
         bound = module.bind({"params": params}, rngs={"dropout": jax.random.key(2)})
         return [(bound.encoder_stack.layers[0], (x, mask)), (bound.decoder_stack.layers[0], (x,))]
 
@@ -207,8 +237,11 @@ def test_bad_block_counts_fail_when_the_model_is_configured():
 def test_dense_attention_checkpoint_maps_onto_lsh_encoder_attention():
     dense = _model()
     lsh = _model(encoder_attention=LSH["encoder_attention"])
-    dense_params = dense.init_params(jax.random.key(5))
-    mapped = shared_qk_from_dense_attention(jax.tree.map(np.asarray, dense_params))
+    # The mapping only reshapes and averages arrays: random values of the checkpoint's shapes
+    # (no initializer to compile).
+    rng = np.random.default_rng(5)
+    dense_params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), dense.abstract_params())
+    mapped = shared_qk_from_dense_attention(dense_params)
     expected = jax.tree.map(lambda x: x.shape, lsh.abstract_params())
     assert jax.tree.map(lambda x: x.shape, mapped) == expected
     qkv = dense_params["encoder_stack"]["layer_0"]["layer"]["qkv"]["kernel"]
