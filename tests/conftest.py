@@ -190,6 +190,21 @@ def _store_durations(config):
 # ----- the multi_device tests: one child session with its own device count ------------------------
 
 _RESULTS = "results.json"
+_CHILD = None  # the child session, in the process that started it
+
+
+def _reap_child(timeout: float = 1800.0):
+    """Waits for the child session where this process started it: its CPU time then counts in the
+    suite's total, not in the test whose own subprocess would otherwise reap it. A child still
+    running after ``timeout`` (hung: its tests report that they got no results) is killed."""
+    global _CHILD
+    if _CHILD is not None:
+        try:
+            _CHILD.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _CHILD.kill()
+            _CHILD.wait()
+        _CHILD = None
 
 
 def _start_multi_device_session(config, nodeids):
@@ -207,15 +222,16 @@ def _start_multi_device_session(config, nodeids):
             "TERRA_TEST_RESULTS": os.path.join(MULTI_DEVICE_DIR, _RESULTS),
         },
     )
+    global _CHILD
     with open(os.path.join(MULTI_DEVICE_DIR, "log"), "wb") as log:
-        child = subprocess.Popen(
+        _CHILD = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *nodeids],
             cwd=str(config.rootpath),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    os.write(marker, str(child.pid).encode())
+    os.write(marker, str(_CHILD.pid).encode())
     os.close(marker)
 
 
@@ -227,7 +243,9 @@ def _multi_device_results(timeout: float = 1800.0):
     while not os.path.exists(path):
         pid = open(started).read().strip() if os.path.exists(started) else ""
         alive = True
-        if pid:
+        if _CHILD is not None:  # this process's child: a finished one is a zombie until waited for
+            alive = _CHILD.poll() is None or os.path.exists(path)
+        elif pid:
             try:
                 os.kill(int(pid), 0)
             except ProcessLookupError:
@@ -236,6 +254,7 @@ def _multi_device_results(timeout: float = 1800.0):
             log = open(os.path.join(MULTI_DEVICE_DIR, "log"), errors="replace").read()[-4000:]
             return {"error": f"the multi_device child session ended without results:\n{log}"}
         time.sleep(0.2)
+    _reap_child()
     with open(path) as f:
         return json.load(f)
 
@@ -278,25 +297,26 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
+def _counted(item):
+    """A hook wrapper's body: adds the CPU seconds of the phase it wraps to the test's."""
     start = _cpu_seconds()
     yield
-    item.cpu_seconds = _cpu_seconds() - start
+    item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _counted(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    start = _cpu_seconds()
-    yield
-    item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+    yield from _counted(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    start = _cpu_seconds()
-    yield
-    item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+    yield from _counted(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -340,6 +360,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    _reap_child()
     _store_durations(session.config)
     path = os.environ.get("TERRA_TEST_RESULTS")
     if path and DEVICES >= MULTI_DEVICE_COUNT:
@@ -397,6 +418,15 @@ def xla_optimizations(enabled: bool):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def quantize_for_setup(w, kind: str, transposed: bool = False):
+    """Narrow weights for a test's set-up, not under test (a module under ``optimized_compile``):
+    ``quantize`` as one program per shape, compiled without XLA's optimizations."""
+    from terra.quantization import quantize_compiled
+
+    with xla_optimizations(False):
+        return quantize_compiled(w, kind, transposed=transposed)
 
 
 @pytest.fixture(scope="module")

@@ -17,24 +17,16 @@ from cheap_init_prng import init_key
 
 from terra import gin_utils
 from terra.backends import native_kernels
-from terra.decoding.decode_step import IncrementalDecoder
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
-from terra.quantization import quantize_concrete, quantize_params
+from terra.quantization import quantize_params
 
-from conftest import xla_optimizations
+from conftest import quantize_for_setup, xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
 pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
-
-
-def _quantize(w, kind, transposed=False):
-    """Set-up, not under test (conftest.optimized_compile): ``quantize`` in one compiled call per
-    shape, without XLA's optimizations (op by op it compiles each of its operations per shape)."""
-    with xla_optimizations(False):
-        return quantize_concrete(w, kind, transposed=transposed)
 
 
 def _use_isa(isa):
@@ -147,10 +139,10 @@ def test_a_long_deterministic_call_runs_the_fused_step_over_chunks_with_the_mask
 
 
 def test_the_fused_feed_forward_rejects_operands_whose_shapes_disagree():
-    q = _quantize(jnp.ones((12, 40)), "int8")
-    up = _quantize(jnp.ones((96, 12)), "int8")
-    rows = _quantize(jnp.ones((96, 40)), "int8")
-    wrong = _quantize(jnp.ones((95, 40)), "int8")
+    q = quantize_for_setup(jnp.ones((12, 40)), "int8")
+    up = quantize_for_setup(jnp.ones((96, 12)), "int8")
+    rows = quantize_for_setup(jnp.ones((96, 40)), "int8")
+    wrong = quantize_for_setup(jnp.ones((95, 40)), "int8")
     with pytest.raises(Exception, match="sparse feed-forward"):
         native_kernels.sparse_feed_forward(
             jnp.ones((1, 40)),
@@ -247,8 +239,8 @@ def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape,
 
 
 def test_the_fused_attention_rejects_operands_whose_shapes_disagree():
-    gate, kernel = _quantize(jnp.ones((4, 40)), "int8"), _quantize(jnp.ones((40, 10)), "int8")
-    conv = _quantize(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
+    gate, kernel = quantize_for_setup(jnp.ones((4, 40)), "int8"), quantize_for_setup(jnp.ones((40, 10)), "int8")
+    conv = quantize_for_setup(jnp.ones((3, 3, 9, 10)), "int8")  # M_in 9, not the multiplicative layer's 10
     with pytest.raises(Exception, match="sparse attention"):
         outs, _ = native_kernels.sparse_attention(
             jnp.ones((1, 40)),
@@ -271,7 +263,7 @@ def _ffi_results(function, *args):
 
 
 def test_the_fused_calls_return_only_what_the_layer_uses():
-    q, up, rows = (_quantize(jnp.ones(shape), "int8") for shape in ((12, 40), (96, 12), (96, 40)))
+    q, up, rows = (quantize_for_setup(jnp.ones(shape), "int8") for shape in ((12, 40), (96, 12), (96, 40)))
     feed_forward = _ffi_results(
         lambda x: native_kernels.sparse_feed_forward(
             x,
@@ -286,8 +278,8 @@ def test_the_fused_calls_return_only_what_the_layer_uses():
         jnp.ones((2, 40)),
     )
     assert feed_forward == {native_kernels.TARGETS["sparse_feed_forward", "int8"]: [(2, 40), (2, 12)]}
-    gate, kernel = _quantize(jnp.ones((4, 40)), "int8"), _quantize(jnp.ones((40, 10)), "int8")
-    conv = _quantize(jnp.ones((3, 1, 10, 10)), "int8")
+    gate, kernel = quantize_for_setup(jnp.ones((4, 40)), "int8"), quantize_for_setup(jnp.ones((40, 10)), "int8")
+    conv = quantize_for_setup(jnp.ones((3, 1, 10, 10)), "int8")
     cache = jnp.zeros((2, 4, 6, 10))
     attention = _ffi_results(
         lambda x: native_kernels.sparse_attention(
@@ -328,7 +320,7 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     model, params = fully_sparse
     with xla_optimizations(False):
         narrow = _quantize_params(params, kind)
-    decoder = IncrementalDecoder(model.module, 37)  # a length no other array in the step has
+    decoder = model.decoder(37)  # a length no other array in the step has
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
     start = jnp.zeros((2,), jnp.int32)
 
@@ -350,9 +342,8 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     assert not copies, "a donated cache is copied inside the step:\n" + "\n".join(copies)
     fused = generate()
     with native_kernels.unfused():
-        # A decoder of its own, traced afresh: the choice is made when tracing (model.decoder(37)
-        # would hand back the fused one, its programs already compiled).
-        decoder = IncrementalDecoder(model.module, 37)
+        # Another decoder: the choice is made when tracing, so the model keeps one per choice.
+        decoder = model.decoder(37)
         np.testing.assert_array_equal(generate(), fused)
         unfused_step = str(jax.make_jaxpr(decoder.step)(narrow, decoder.prefill(narrow, inputs), start))
     assert "terra_sparse_feed_forward" not in unfused_step and "terra_sparse_attention" not in unfused_step

@@ -17,22 +17,15 @@ from jax import lax
 
 from terra import backends
 from terra.backends import native_kernels, xla
-from terra.quantization import dequantize, quantize, quantize_concrete
+from terra.quantization import dequantize, quantize
 
-from conftest import xla_optimizations
+from conftest import quantize_for_setup, xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
 pytestmark = pytest.mark.usefixtures("optimized_compile")
 
 KINDS = ("int8", "bfloat16")
-
-
-def _quantize(w, kind, transposed=False):
-    """Set-up, not under test (conftest.optimized_compile): ``quantize`` in one compiled call per
-    shape, without XLA's optimizations (op by op it compiles each of its operations per shape)."""
-    with xla_optimizations(False):
-        return quantize_concrete(w, kind, transposed=transposed)
 
 
 @pytest.fixture(autouse=True)
@@ -166,7 +159,7 @@ def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
     try:
         for n_out, n_in in ((3, 4100), (37, 1029), (301, 1024)):
             for kind in KINDS:
-                q = _quantize(_weights((n_out, n_in)), kind)
+                q = quantize_for_setup(_weights((n_out, n_in)), kind)
                 x = _inputs(rows, n_in)
                 _assert_close(native_kernels.output_major(x, q.values, q.scale, kind), x, q)
     finally:
@@ -175,7 +168,7 @@ def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
 
 def test_a_large_product_split_between_threads_equals_the_xla_product():
     # 2 MiB of int8 weights: above the size the kernel runs on the calling thread alone.
-    q = _quantize(_weights((2048, 1024)), "int8")
+    q = quantize_for_setup(_weights((2048, 1024)), "int8")
     x = _inputs(2, 1024)
     assert _uses_kernel(x, q)
     _assert_close(_product()(x, q), x, q, want=_xla(x, q))
@@ -189,7 +182,7 @@ def test_a_kernel_with_several_input_axes_uses_one_scale_per_head(kind, isa):
     _use_isa(isa)
     try:
         for shape in ((33, 3, 17), (9, 4, 1100)):
-            q = _quantize(_weights(shape), kind)
+            q = quantize_for_setup(_weights(shape), kind)
             x = _inputs(2, shape[1] * shape[2]).reshape(2, 1, -1)
             assert _uses_kernel(x, q)
             got = _product()(x, q)
@@ -206,14 +199,14 @@ def test_the_xla_path_equals_the_stored_product_in_blocks_with_a_tail(kind, bloc
     # The path the kernels fall back to, and the one for more than MAX_ROWS rows.
     monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
     for shape in ((37, 24), (37, 2, 12)):
-        q = _quantize(_weights(shape), kind)
+        q = quantize_for_setup(_weights(shape), kind)
         for x in (_inputs(3, 24), _inputs(12, 24).reshape(3, 4, 24)):
             _assert_close(_xla(x, q), x, q)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kernel_runs_under_jit_inside_a_while_loop_as_decoding_does(kind):
-    q = _quantize(_weights((40, 24)), kind)
+    q = quantize_for_setup(_weights((40, 24)), kind)
     x = _inputs(3, 24)
 
     def decode(q, x):  # three dependent steps, the output feeding the next input
@@ -231,7 +224,7 @@ def test_the_kernel_runs_under_jit_inside_a_while_loop_as_decoding_does(kind):
 
 
 def test_the_kernel_is_used_only_where_it_applies():
-    q = _quantize(_weights((16, 8)), "int8")
+    q = quantize_for_setup(_weights((16, 8)), "int8")
     assert _uses_kernel(jnp.ones((2, 4, 8)), q)  # 8 rows
     assert not _uses_kernel(jnp.ones((9, 8)), q)  # beyond MAX_ROWS
     assert not _uses_kernel(jnp.ones((2, 8), jnp.bfloat16), q)
@@ -240,7 +233,7 @@ def test_the_kernel_is_used_only_where_it_applies():
 
 
 def test_vmap_over_the_rows_gives_the_unbatched_products():
-    q = _quantize(_weights((21, 10)), "int8")
+    q = quantize_for_setup(_weights((21, 10)), "int8")
     xs = _inputs(12, 10).reshape(4, 3, 10)
     assert "terra_output_major" in str(jax.make_jaxpr(jax.vmap(lambda x: backends.output_major_product(x, q)))(xs))
     got = jax.jit(jax.vmap(lambda x: backends.output_major_product(x, q)))(xs)
@@ -249,7 +242,7 @@ def test_vmap_over_the_rows_gives_the_unbatched_products():
 
 def test_the_switch_turns_the_kernels_off_without_a_warning(reloaded, monkeypatch):
     monkeypatch.setenv(native_kernels.ENV_SWITCH, "0")
-    q = _quantize(_weights((33, 17)), "int8")
+    q = quantize_for_setup(_weights((33, 17)), "int8")
     x = _inputs(1, 17)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -264,7 +257,7 @@ def test_a_library_that_cannot_be_loaded_falls_back_with_one_warning(broken, rel
     monkeypatch.setattr(native_kernels, "LIBRARY_DIR", str(tmp_path))
     if broken:  # a file where the library should be that is not one
         (tmp_path / (native_kernels.LIBRARY_STEM + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not ELF")
-    q = _quantize(_weights((7, 3)), "bfloat16")
+    q = quantize_for_setup(_weights((7, 3)), "bfloat16")
     x = _inputs(3, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -15,22 +15,15 @@ from jax import lax
 
 from terra import backends
 from terra.backends import native_kernels
-from terra.quantization import dequantize, quantize_concrete
+from terra.quantization import dequantize
 
-from conftest import xla_optimizations
+from conftest import quantize_for_setup
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
 pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
-
-
-def _quantize(w, kind, transposed=False):
-    """Set-up, not under test (conftest.optimized_compile): ``quantize`` in one compiled call per
-    shape, without XLA's optimizations (op by op it compiles each of its operations per shape)."""
-    with xla_optimizations(False):
-        return quantize_concrete(w, kind, transposed=transposed)
 
 
 def _use_isa(isa):
@@ -92,7 +85,7 @@ INPUT_MAJOR_KERNELS = [
 @functools.cache
 def _input_major_weights(kind):
     """The kernels above stored as ``kind``, shared by the instruction sets' tests."""
-    return [_quantize(_normal(shape, index), kind) for index, shape in enumerate(INPUT_MAJOR_KERNELS)]
+    return [quantize_for_setup(_normal(shape, index), kind) for index, shape in enumerate(INPUT_MAJOR_KERNELS)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -112,15 +105,15 @@ def test_input_major_kernel_equals_the_stored_product_on_odd_shapes_in_every_ins
 def test_a_large_input_major_product_split_between_threads_equals_the_stored_product(kind):
     # 2048 x 300 weights and 8 or 64 rows (chunks of rows and tiles of outputs): above the work run
     # on the calling thread alone.
-    q = _quantize(_normal((2048, 300), 0), kind)
+    q = quantize_for_setup(_normal((2048, 300), 0), kind)
     _check_input_major(_normal((8, 2048), 1), q)
     _check_input_major(_normal((64, 2048), 4), q)
-    grouped = _quantize(_normal((64, 64, 64), 2), kind)  # the controller's layout: 4096 outputs
+    grouped = quantize_for_setup(_normal((64, 64, 64), 2), kind)  # the controller's layout: 4096 outputs
     _check_input_major(_normal((1, 64), 3), grouped)
 
 
 def _check_gathered(kind, n, d, k, batch, seed=0):
-    q = _quantize(_normal((n, d), seed), kind)
+    q = quantize_for_setup(_normal((n, d), seed), kind)
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, n, size=(batch, k)).astype(np.int32)
     w = _stored(q)[rows]  # [batch, k, d]
@@ -152,7 +145,7 @@ def test_large_gathered_row_products_split_between_threads_equal_the_stored_prod
 
 
 def test_gathered_rows_out_of_range_are_clipped_as_the_xla_gather_clips_them():
-    q = _quantize(_normal((6, 20), 0), "int8")
+    q = quantize_for_setup(_normal((6, 20), 0), "int8")
     rows = jnp.asarray([[-3, 0, 5, 9]], jnp.int32)
     x, h = _normal((1, 20), 1), _normal((1, 4), 2)
     with native_kernels.disabled():
@@ -167,12 +160,12 @@ def _jaxpr(fn, *args) -> str:
 
 
 def test_the_products_use_the_kernels_only_where_they_apply():
-    q = _quantize(_normal((24, 16), 0), "int8")  # input-major [in, out]
+    q = quantize_for_setup(_normal((24, 16), 0), "int8")  # input-major [in, out]
     assert "terra_input_major" in _jaxpr(backends.input_major_product, jnp.ones((4, 64, 24)), q)  # 256 rows
     assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((257, 24)), q)
     assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((2, 24), jnp.bfloat16), q)
     assert "terra_input_major" not in _jaxpr(backends.input_major_product, jnp.ones((2, 24)), dequantize(q))
-    table = _quantize(_normal((40, 16), 1), "bfloat16")
+    table = quantize_for_setup(_normal((40, 16), 1), "bfloat16")
     rows = jnp.zeros((8, 1, 5), jnp.int32)
     for fn, width in ((backends.gathered_rows_product, 16), (backends.gathered_rows_sum, 5)):
         assert "terra_gathered" in _jaxpr(fn, jnp.ones((8, 1, width)), table, rows)  # 8 rows of x
@@ -184,9 +177,9 @@ def test_the_products_use_the_kernels_only_where_they_apply():
 def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does(kind):
     # A sparse FF step's shape of work: the controller's grouped up-projection chooses rows, W1's
     # selected rows are dotted with x and W2's summed, three dependent steps in a while loop.
-    up = _quantize(_normal((4, 3, 8), 0), kind)  # [d_lowrank, blocks, N]
+    up = quantize_for_setup(_normal((4, 3, 8), 0), kind)  # [d_lowrank, blocks, N]
     down = _normal((16, 4), 1)
-    wi, wo = (_quantize(_normal((24, 16), seed), kind) for seed in (2, 3))
+    wi, wo = (quantize_for_setup(_normal((24, 16), seed), kind) for seed in (2, 3))
 
     def decode(x):
         def step(carry):
@@ -208,7 +201,7 @@ def test_the_products_equal_their_xla_paths_inside_a_while_loop_as_decoding_does
 
 
 def test_the_products_reject_operands_whose_shapes_disagree_naming_them():
-    q = _quantize(_normal((40, 24), 0), "int8")  # input-major [in 40, out 24]; output-major [out 40, in 24]
+    q = quantize_for_setup(_normal((40, 24), 0), "int8")  # input-major [in 40, out 24]; output-major [out 40, in 24]
     with pytest.raises(Exception, match="values \\[in, out\\] and y \\[B, out\\] disagree"):
         native_kernels.input_major(_normal((2, 41), 1), q.values, q.scale, "int8").block_until_ready()
     with pytest.raises(Exception, match="at most 256 rows"):

@@ -74,17 +74,6 @@ def _batch(batch=2, inputs=7, targets=6, seed=0):
     }
 
 
-def test_cheap_init_keys_draw_independent_standard_normals():
-    """The parameters here come from cheap_init_prng's keys: its bits make standard normals,
-    and split and folded-in keys draw other values."""
-    key = init_key(0)
-    x = np.asarray(jax.random.normal(key, (20000,)))
-    assert abs(x.mean()) < 0.03 and abs(x.std() - 1) < 0.03 and abs(np.corrcoef(x[1:], x[:-1])[0, 1]) < 0.03
-    keys = [*jax.random.split(key), jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)]
-    draws = [jax.random.normal(k, (8,)) for k in keys]
-    assert all(not np.allclose(draws[i], draws[j]) for i in range(4) for j in range(i))
-
-
 def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
     enc = jnp.arange(1, 6, dtype=jnp.float32).reshape(1, 5, 1) * jnp.ones((2, 5, 1))
     mask = jnp.array([[1, 1, 1, 0, 0], [1, 0, 1, 0, 1]], bool)  # the second row has holes

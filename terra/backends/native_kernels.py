@@ -185,6 +185,12 @@ def unfused():
         _unfused -= 1
 
 
+def traced_choice() -> tuple:
+    """What a function traced now would call: ``(native products, fused sparse layers)``, as
+    :func:`disabled` and :func:`unfused` leave them. A cache of traced functions keys on it."""
+    return available(), fused_available()
+
+
 def isa() -> str:
     """The instruction set the kernels run with: ``avx512``, ``avx2`` or ``portable``."""
     library = _library()

@@ -28,7 +28,7 @@ import numpy as np
 from terra import backends
 from terra.backends import native_kernels
 from terra.benchmarks.bandwidth import describe_machine, measure_read_bandwidth
-from terra.quantization import quantize_concrete
+from terra.quantization import quantize_compiled
 
 # (name, in, out, hot): the products of a decode step at the paper's widths, streamed from memory,
 # and two timed in cache (hot).
@@ -61,7 +61,7 @@ def stored_bytes(weights) -> int:
 
 
 def _store(w: jax.Array, dtype: str):
-    return w if dtype == "float32" else quantize_concrete(w, dtype)
+    return w if dtype == "float32" else quantize_compiled(w, dtype)
 
 
 def _chain(x: jax.Array, weights: Sequence) -> jax.Array:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from terra import frozen_configurables
+from terra.backends import native_kernels
 from terra.decoding.beam_search import beam_search
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.decoding.generate import Generation, generate
@@ -91,7 +92,6 @@ class Seq2SeqModel(abc.ABC):
         self._abstract = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), self._initializer.out_info
         )
-        self._compiled_initializer = None
         # The layers gin injected (``feed_forward = @SparseFeedForward``) would read gin's
         # bindings whenever Flax constructs them (init, apply, tracing), i.e. from whatever
         # config is parsed then: freeze them to this build's config and scope (``MODEL``), the
@@ -125,9 +125,12 @@ class Seq2SeqModel(abc.ABC):
             return nn.unbox(self.init_variables(rng))["params"]
         if jax.typeof(rng) != self._initializer_key_type:  # a raw uint32 key, another PRNG
             return nn.unbox(compile_initializer(jax.jit(self.init_variables).trace(rng))(rng))["params"]
-        if self._compiled_initializer is None:
-            self._compiled_initializer = compile_initializer(self._initializer)
         return nn.unbox(self._compiled_initializer(rng))["params"]
+
+    @functools.cached_property
+    def _compiled_initializer(self) -> jax.stages.Compiled:
+        """The build's initializer trace, compiled when parameters are first asked for."""
+        return compile_initializer(self._initializer)
 
     def abstract_params(self) -> Params:
         """``jax.ShapeDtypeStruct`` of every parameter, unboxed."""
@@ -220,10 +223,14 @@ class Seq2SeqModel(abc.ABC):
         return metrics["loss_sum"] / max(metrics["weight_sum"], 1.0)
 
     # ----- decoding ---------------------------------------------------------------------
-    @functools.lru_cache(maxsize=8)  # noqa: B019  (models live as long as their compiled decoders should)
     def decoder(self, max_decode_length: int) -> IncrementalDecoder:
-        """The jitted prefill/step pair for a cache of ``max_decode_length`` tokens (cached,
-        so each length compiles once)."""
+        """The jitted prefill/step pair for a cache of ``max_decode_length`` tokens (cached, so
+        each length compiles once; a decoder asked for inside ``native_kernels.disabled()`` or
+        ``unfused()`` is another, since the kernels are chosen when it is traced)."""
+        return self._decoder(max_decode_length, native_kernels.traced_choice())
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019  (models live as long as their compiled decoders should)
+    def _decoder(self, max_decode_length: int, kernels: tuple) -> IncrementalDecoder:
         return IncrementalDecoder(self.module, max_decode_length)
 
     def generate(

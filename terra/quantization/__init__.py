@@ -9,7 +9,7 @@ from terra.quantization.quantized import (
     dequantize,
     dequantize_params,
     quantize,
-    quantize_concrete,
+    quantize_compiled,
     quantize_leaf,
     quantize_params,
 )
@@ -21,7 +21,7 @@ __all__ = [
     "dequantize",
     "dequantize_params",
     "quantize",
-    "quantize_concrete",
+    "quantize_compiled",
     "quantize_leaf",
     "quantize_params",
 ]

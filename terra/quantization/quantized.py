@@ -111,16 +111,10 @@ def quantize(w: jax.Array, kind: str, transposed: bool = False) -> QuantizedTens
     return QuantizedTensor(values, scale, kind)
 
 
-# ``quantize`` compiled once per shape, kind and layout, for callers holding concrete weights (a
-# parameter tree, random timing weights): run op by op, it would compile each of its operations
-# for each weight shape. Inside a traced function (a decode step narrowing its cache rows),
-# ``quantize`` itself is called and lowered inline.
-_quantize_compiled = jax.jit(quantize, static_argnames=("kind", "transposed"))
-
-
-def quantize_concrete(w, kind: str, transposed: bool = False) -> QuantizedTensor:
-    """:func:`quantize` for concrete weights (``w`` a NumPy or JAX array, not a tracer)."""
-    return _quantize_compiled(w, kind, transposed=transposed)
+# ``quantize`` as one program per shape, kind and layout: run op by op on concrete weights (a
+# parameter tree, random timing weights), it would compile each of its operations for each weight
+# shape. Inside a caller's trace it is inlined like ``quantize``.
+quantize_compiled = jax.jit(quantize, static_argnames=("kind", "transposed"))
 
 
 def dequantize(q: QuantizedTensor) -> jax.Array:
@@ -173,8 +167,7 @@ def quantize_leaf(path, leaf: Any, weights_dtype: str) -> Any:
     anything else unchanged."""
     if weights_dtype == "float32" or not _is_weight(path, leaf):
         return leaf
-    quantized = quantize if isinstance(leaf, jax.core.Tracer) else quantize_concrete
-    return quantized(leaf, weights_dtype, transposed=_stored_output_major(path))
+    return quantize_compiled(leaf, weights_dtype, transposed=_stored_output_major(path))
 
 
 def quantize_params(params: Any, weights_dtype: str) -> Any:
