@@ -1,7 +1,9 @@
 """The trainer end to end on tiny models: sharded equivalence, resume after SIGKILL, SIGTERM,
 fine-tuning, divergence, early failures, the written artifacts and multi-host."""
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import re
@@ -9,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -17,6 +20,7 @@ import pytest
 
 from terra import gin_utils
 from terra.cli import reproduce as reproduce_cli
+from terra.cli import train as train_cli
 from terra.errors import ConfigError, UsageError
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
@@ -35,6 +39,7 @@ FILES = ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"]
 # XLA's optimizations only cost compile time at this size; off in this process and in every
 # subprocess, so that parameters compare exactly across them.
 FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+RUN_LOCK_FILE = os.path.join(REPO_ROOT, "terra", "training", "run_lock.py")
 
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -74,6 +79,54 @@ def _leaf(params, name):
     ][0]
 
 
+class Recorder(trainer.StepHook):
+    """Records every ``before_step`` and ``after_step`` call, with the step's loss."""
+
+    def __init__(self):
+        self.calls = []
+
+    def before_step(self, step, state):
+        self.calls.append(("before", step, int(state.step)))
+        return state
+
+    def after_step(self, step, state, metrics):
+        self.calls.append(("after", step, int(state.step), float(metrics["loss"])))
+
+
+EVALUATE_EVERY_STEP = ("terra.training.EvaluationSettings.every = 1", "terra.training.EvaluationSettings.steps = 1")
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory, fast_compile):
+    """``(model_dir, TrainResult, the Recorder's calls)`` of one 3-step run evaluated after every
+    step, shared by the module (each test only reads it): the pretrained run of the fine-tuning
+    tests, and the run the step-hook and direct-step tests check against."""
+    model_dir = tmp_path_factory.mktemp("three") / "run"
+    _parse(model_dir, 3, *EVALUATE_EVERY_STEP)
+    recorder = Recorder()
+    result = trainer.Trainer(step_hooks=[recorder]).run()
+    return model_dir, result, recorder.calls
+
+
+SIX_STEPS = (
+    "terra.training.CheckpointSettings.every = 3",
+    "terra.training.EvaluationSettings.every = 6",
+    "terra.training.EvaluationSettings.steps = 1",
+)
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory, fast_compile):
+    """``(model_dir, TrainResult, what it printed)`` of one 6-step run saved every 3 steps and
+    evaluated at the end, shared by the module: a test that changes it works on a copy."""
+    model_dir = tmp_path_factory.mktemp("six") / "a"
+    _parse(model_dir, 6, *SIX_STEPS)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = trainer.Trainer().run()
+    return model_dir, result, printed.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.multi_device
 def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
@@ -89,21 +142,13 @@ def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp_path, capsys):
-    _parse(
-        tmp_path / "a",
-        6,
-        "terra.training.CheckpointSettings.every = 3",
-        "terra.training.EvaluationSettings.every = 6",
-        "terra.training.EvaluationSettings.steps = 1",
-    )
-    first = trainer.Trainer().run()
-    run = tmp_path / "a"
+def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(six_steps, tmp_path):
+    run, first, out = six_steps
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert {"train/loss", "train/learning_rate", "train/tokens_per_second"} <= set(rows[0])
     assert {"eval/loss", "eval/token_accuracy", "eval/sequence_accuracy"} <= set(rows[-1])
     # Eval metrics reach the console too, with the values written to metrics.jsonl.
-    printed = re.search(r"step 6 eval: loss ([0-9.]+), sequence_accuracy", capsys.readouterr().out)
+    printed = re.search(r"step 6 eval: loss ([0-9.]+), sequence_accuracy", out)
     assert printed and abs(float(printed.group(1)) - rows[-1]["eval/loss"]) < 1e-4
     assert any(name.startswith("events.out.tfevents") for _, _, names in os.walk(run / "tensorboard") for name in names)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
@@ -118,14 +163,13 @@ def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(tmp
 
 
 @pytest.mark.slow
-def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimizer(tmp_path):
-    _parse(tmp_path / "pre", 3)
-    pretrained = trainer.Trainer().run()
+def test_fine_tuning_starts_from_the_pretrained_parameters_with_a_fresh_optimizer(three_steps, tmp_path):
+    pre, pretrained, _ = three_steps
     # Learning rate 0: after one step the parameters are still exactly the pretrained ones.
     _parse(
         tmp_path / "fine",
         1,
-        f"INIT_FROM = {str(tmp_path / 'pre')!r}",
+        f"INIT_FROM = {str(pre)!r}",
         "terra.training.Trainer.optimizer = @terra.training.sgd()",
         "terra.training.sgd.learning_rate = 0.0",
     )
@@ -202,8 +246,37 @@ def _wait_for_checkpoint(model_dir, at_least, process, timeout=240):
     raise AssertionError("no checkpoint appeared")
 
 
+@contextlib.contextmanager
+def _sigterm_at_checkpoint(model_dir, at_least, timeout=240):
+    """Sends this process SIGTERM, from a watching thread, once a checkpoint of step
+    ``at_least`` or later is committed in ``model_dir``. A SIGTERM that arrives after the
+    trainer's own handler is gone ends here rather than ending pytest."""
+    stop, sent = threading.Event(), []
+
+    def watch():
+        start = time.time()
+        while not stop.is_set() and time.time() - start < timeout:
+            folder = model_dir / "checkpoints"
+            steps = [int(n) for n in os.listdir(folder) if n.isdigit()] if folder.exists() else []
+            if steps and max(steps) >= at_least:
+                sent.append(max(steps))
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield sent
+    finally:
+        stop.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
-def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(tmp_path):
+def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(tmp_path, capsys):
     steps, run = 60, tmp_path / "run"
     extra = ("terra.training.CheckpointSettings.every = 5", "terra.training.LoggingSettings.every = 5")
     command = _cli(run, steps, *extra)
@@ -213,13 +286,14 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     killed_after = _wait_for_checkpoint(run, 10, first)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    second = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    _wait_for_checkpoint(run, killed_after + 5, second)
-    second.send_signal(signal.SIGTERM)
-    out, _ = second.communicate(timeout=120)
-    assert second.returncode == 0 and "preempted" in out, out
+    # The same command again, from terra-train's console entry point in this process (one
+    # process start less): SIGTERM reaches it as it reaches a preempted process, through the
+    # trainer's handler, which saves the step and lets the command end with status 0.
+    capsys.readouterr()
+    with _sigterm_at_checkpoint(run, killed_after + 5) as sent:
+        status = train_cli.main(command[3:])
+    out = capsys.readouterr().out
+    assert sent and status == 0 and "preempted" in out, out
     resumed_from = re.search(r"resumed from step (\d+)", out)
     assert resumed_from and int(resumed_from.group(1)) >= killed_after, out
     preempted_at = checkpointing.Checkpointer(str(run)).latest_step()
@@ -287,23 +361,22 @@ def test_train_speed_benchmark_reports_tokens_per_second_and_memory(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_compiling(tmp_path, capsys):
-    run, every = tmp_path / "r", "terra.training.CheckpointSettings.every = 3"
-    _parse(run, 6, every)
-    trainer.Trainer().run()
+def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_compiling(six_steps, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(six_steps[0], run)  # the module's 6-step run, saved every 3 steps
     logged = {r["step"]: r["train/loss"] for r in metrics_lib.read_metrics(run) if "train/loss" in r}
     # A crash after step 6 was logged but before it was saved: the run resumes from step 3, with
     # a line cut short at the end of metrics.jsonl.
     shutil.rmtree(run / "checkpoints" / "6")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "train/lo')
-    _parse(run, 6, every)
+    _parse(run, 6, *SIX_STEPS)
     resumed = trainer.Trainer().run()
     replayed = [(r["step"], r["train/loss"]) for r in metrics_lib.read_metrics(run) if "train/loss" in r]
     assert [step for step, _ in replayed] == [1, 2, 3, 4, 5, 6]
     assert dict(replayed) == pytest.approx(logged, rel=1e-6)  # the replayed steps are the same steps
     # Run again: already at TRAIN_STEPS, so it returns at once, compiling nothing.
-    _parse(run, 6, every)
+    _parse(run, 6, *SIX_STEPS)
     again = trainer.Trainer()
     finished = again.run()
     assert finished.step == 6 and again.compiled_step is None
@@ -312,10 +385,9 @@ def test_a_resumed_run_logs_each_step_once_and_a_finished_run_exits_without_comp
 
 
 @pytest.mark.slow
-def test_fine_tuning_from_a_run_of_another_architecture_writes_nothing(tmp_path):
-    _parse(tmp_path / "pre", 1)
-    trainer.Trainer().run()
-    _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(tmp_path / 'pre')!r}", "TransformerConfig.d_ff = 96")
+def test_fine_tuning_from_a_run_of_another_architecture_writes_nothing(three_steps, tmp_path):
+    pre, _, _ = three_steps
+    _parse(tmp_path / "fine", 1, f"INIT_FROM = {str(pre)!r}", "TransformerConfig.d_ff = 96")
     with pytest.raises(checkpointing.CheckpointError, match="d_ff|shape"):
         trainer.Trainer().run()
     assert not (tmp_path / "fine").exists()  # no checkpoints/, no lock, nothing
@@ -328,8 +400,12 @@ def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom terra.training.run_lock import RunLock\n"
-            f"RunLock({str(run)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)\n",
+            # The library's RunLock, loaded from its file: the terra.training package would
+            # import JAX first (seconds) for nothing this process does.
+            "import importlib.util, time\n"
+            f"spec = importlib.util.spec_from_file_location('run_lock', {RUN_LOCK_FILE!r})\n"
+            "run_lock = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(run_lock)\n"
+            f"run_lock.RunLock({str(run)!r}).acquire()\nprint('held', flush=True)\ntime.sleep(120)\n",
         ],
         cwd=REPO_ROOT,
         env=_env(),
@@ -352,7 +428,9 @@ def test_a_second_trainer_on_a_locked_model_dir_stops_and_a_killed_ones_lock_is_
 
 
 @pytest.mark.slow
-def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_written(tmp_path):
+def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_written(tmp_path, capsys):
+    # terra-train's exit status and error line, from its console entry point in this process
+    # (the process boundary is not the subject: no subprocess, no second TensorFlow import).
     shards = tmp_path / "c4" / "en"
     shards.mkdir(parents=True)
     with gzip.open(shards / "c4-train.00000-of-00001.json.gz", "wt") as f:
@@ -360,19 +438,15 @@ def test_a_run_on_shards_without_text_exits_2_naming_them_before_model_dir_is_wr
     files = ["models/tiny.gin", "tasks/c4_lm.gin", "runs/train.gin"]
     bindings = _bindings(tmp_path / "run", 2, "TransformerConfig.vocab_size = 4224")
     bindings = [b for b in bindings if not b.startswith("terra.data.copy_dataset")]
-    result = subprocess.run(
-        [sys.executable, "-m", "terra.cli.train", *[f"--gin_file={f}" for f in files]]
+    status = train_cli.main(
+        [f"--gin_file={f}" for f in files]
         + [f"--gin.{b.replace(' = ', '=', 1)}" for b in bindings]
-        + [f"--c4_json={tmp_path / 'c4'}"],
-        cwd=REPO_ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        + [f"--c4_json={tmp_path / 'c4'}"]
     )
-    assert result.returncode == 2, result.stderr[-2000:]
-    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "no full batch" in error[0], result.stderr[-2000:]
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr[-2000:]
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "no full batch" in error[0], stderr[-2000:]
     assert re.search(r"used 0 records, skipped (\d+) \(\1 no 'text' field\)", error[0])
     assert "c4-train.00000-of-00001.json.gz" in error[0]
     assert not (tmp_path / "run").exists()
@@ -397,22 +471,9 @@ def test_terra_reproduce_layouts_measures_each_layouts_difference_per_step(tmp_p
 
 
 @pytest.mark.slow
-def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(tmp_path):
-    class Recorder(trainer.StepHook):
-        def __init__(self):
-            self.calls = []
-
-        def before_step(self, step, state):
-            self.calls.append(("before", step, int(state.step)))
-            return state
-
-        def after_step(self, step, state, metrics):
-            self.calls.append(("after", step, int(state.step), float(metrics["loss"])))
-
-    recorder = Recorder()
-    _parse(tmp_path / "hooks", 3)
-    trainer.Trainer(step_hooks=[recorder]).run()
-    assert [c[:3] for c in recorder.calls] == [
+def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(three_steps):
+    model_dir, _, calls = three_steps  # the module's 3-step run, a Recorder among its step hooks
+    assert [c[:3] for c in calls] == [
         ("before", 0, 0),
         ("after", 1, 1),
         ("before", 1, 1),
@@ -420,14 +481,13 @@ def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(tmp_path)
         ("before", 2, 2),
         ("after", 3, 3),
     ]
-    losses = [c[3] for c in recorder.calls if c[0] == "after"]
-    np.testing.assert_allclose(losses, _losses(tmp_path / "hooks"), rtol=1e-6)
+    losses = [c[3] for c in calls if c[0] == "after"]
+    np.testing.assert_allclose(losses, _losses(model_dir), rtol=1e-6)
 
 
 @pytest.mark.slow
-def test_a_trainer_steps_evaluates_and_saves_without_run_and_writes_only_when_it_saves(tmp_path):
-    evaluate = ("terra.training.EvaluationSettings.every = 1", "terra.training.EvaluationSettings.steps = 1")
-    _parse(tmp_path / "direct", 2, *evaluate)
+def test_a_trainer_steps_evaluates_and_saves_without_run_and_writes_only_when_it_saves(three_steps, tmp_path):
+    _parse(tmp_path / "direct", 2, *EVALUATE_EVERY_STEP)
     built = trainer.Trainer()
     state = built.init_state()
     batch = built.global_batch(next(built.batches("train", built.feature_lengths, None, built.shuffle)))
@@ -439,8 +499,9 @@ def test_a_trainer_steps_evaluates_and_saves_without_run_and_writes_only_when_it
     assert built.save(1, state)
     built.close()
     assert checkpointing.Checkpointer(str(tmp_path / "direct")).latest_step() == 1
-    # The step it ran is the run's first step: the same batch, key and loss.
-    _parse(tmp_path / "run", 1, *evaluate)
-    ran = trainer.Trainer().run()
-    np.testing.assert_allclose(float(metrics["loss"]), _losses(tmp_path / "run")[0], rtol=1e-6)
-    assert results == pytest.approx(ran.last_eval_metrics, rel=1e-5)
+    # The step it ran is the first step of the module's run, which evaluates after every step:
+    # the same batch, key and loss, and the same evaluation of the parameters it leaves.
+    ran, _, _ = three_steps
+    np.testing.assert_allclose(float(metrics["loss"]), _losses(ran)[0], rtol=1e-6)
+    first_eval = [r for r in metrics_lib.read_metrics(ran) if r["step"] == 1 and "eval/loss" in r]
+    assert results == pytest.approx({k[len("eval/") :]: v for k, v in first_eval[0].items() if k != "step"}, rel=1e-5)
