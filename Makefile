@@ -41,9 +41,13 @@ test: $(STAMP) lint
 test-fast: $(STAMP) lint
 	$(PYTEST) -m "not slow" --durations=10 tests
 
-# The whole suite, rewriting tests/durations.json (the schedule) from what each test took.
+# Rewrites tests/durations.json (the schedule, and the unit tier's membership: a test over a second
+# is slow) from what each test took in the whole suite, then in the unit tier twice, where a test
+# may pay for its module's set-up alone and so leaves the tier.
 test-durations: $(STAMP)
 	$(PYTEST) --store-durations tests
+	$(PYTEST) -m "not slow" --store-durations tests
+	$(PYTEST) -m "not slow" --store-durations tests
 
 # The stored list of terra's gin configurables (--gin overrides are checked against it before the
 # heavy imports); rewrite it after adding or changing a configurable (tests/test_cli.py compares).

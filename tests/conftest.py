@@ -88,6 +88,7 @@ MULTI_DEVICE_DIR = os.environ["TERRA_TEST_MULTI_DEVICE_DIR"]
 
 
 def pytest_configure(config):
+    config.pluginmanager.register(SlowByMeasure(), "terra-slow-by-measure")
     config.addinivalue_line(
         "markers", "slow: costs seconds (a training, a subprocess, a long compile); make test-fast deselects it"
     )
@@ -133,6 +134,24 @@ def _measured_durations() -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+# The unit tier's bar: a test that took more than this many seconds in the stored durations is
+# ``slow`` whatever its marks say, so ``make test-fast`` stays an edit-test loop of seconds
+# (docs/contributing.md, "What makes a test slow").
+FAST_TEST_SECONDS = 1.0
+
+
+class SlowByMeasure:
+    """Marks ``slow`` every test whose measured seconds exceed ``FAST_TEST_SECONDS`` (a plugin of
+    its own: this file's ``pytest_collection_modifyitems`` runs last, this one must run first)."""
+
+    @pytest.hookimpl(tryfirst=True)  # before -m selects by marks
+    def pytest_collection_modifyitems(self, items):
+        measured = _measured_durations()
+        for item in items:
+            if measured.get(item.nodeid, 0.0) > FAST_TEST_SECONDS and not item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: order and delegate what will run
