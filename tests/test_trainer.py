@@ -142,6 +142,20 @@ def test_a_4x2_mesh_gives_the_same_losses_as_one_device(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_abstract_state_is_the_traced_initial_states_shapes_without_tracing_the_model(tmp_path):
+    _parse(tmp_path / "abstract", 1)
+    built = trainer.Trainer()
+    traced = jax.eval_shape(built._init_state, jax.random.key(0))
+    abstract = built.abstract_state()
+    assert jax.tree.structure(abstract) == jax.tree.structure(traced)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(traced)
+    ]
+    shardings = jax.tree.leaves(built.state_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    assert [x.sharding for x in jax.tree.leaves(abstract)] == shardings
+
+
+@pytest.mark.slow
 def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(six_steps, tmp_path):
     run, first, out = six_steps
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

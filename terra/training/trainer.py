@@ -285,6 +285,19 @@ class Trainer:
         params = nn.unbox(self.model.init_variables(rng))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.transform.init(params))
 
+    def abstract_state(self) -> TrainState:
+        """``jax.ShapeDtypeStruct`` (with its sharding) of every leaf of the state: the model's
+        abstract parameters, taken from its build, and the optimizer state's shapes (tracing the
+        model again would cost seconds at the paper's sizes)."""
+        state = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+            params=self.abstract_params,
+            opt_state=jax.eval_shape(self.optimizer.transform.init, self.abstract_params),
+        )
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, self.state_shardings
+        )
+
     def init_state(self) -> TrainState:
         """A fresh state from ``seed`` at step 0, created already sharded over the mesh."""
         with self.placement():
@@ -313,11 +326,7 @@ class Trainer:
     def _initial_state(self, train_batches, init_params):
         """``(state, start_step, origin)``: restored, fine-tuned from ``init_params`` (read from
         ``init_from`` before anything was written), or fresh."""
-        abstract_state = jax.eval_shape(self._init_state, jax.random.key(self.seed))
-        abstract_state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, self.state_shardings
-        )
-        restored = self.checkpointer.restore(abstract_state, data_iterator=train_batches)
+        restored = self.checkpointer.restore(self.abstract_state(), data_iterator=train_batches)
         if restored is not None:
             state, start_step = restored
             return state, start_step, f"resumed from step {start_step}"
