@@ -177,3 +177,18 @@ def test_the_readmes_run_times_are_the_times_in_the_outputs_they_cite():
         measured = int(minutes) + float(seconds) / 60
         decimals = len(figure.split(".")[1]) if "." in figure else 0
         assert float(figure) == round(measured, decimals), f"the README says {figure} min, {path} says {measured:.2f}"
+
+
+# "(14.5 min, 28.0 CPU-minutes, on ...: docs/benchmarks/test_suite/make_test.txt)": the suite's own count.
+_CITED_CPU = re.compile(r"\([^()]*?([\d.]+) CPU-minutes[^():]*: (docs/benchmarks/[\w./-]*\.txt)\)")
+
+
+def test_the_readmes_cpu_minutes_are_the_suites_own_count_in_the_output_it_cites():
+    readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
+    cited = _CITED_CPU.findall(readme)
+    assert cited, "the README states make test's CPU-minutes"
+    for figure, path in cited:
+        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+            printed = re.findall(r"^suite CPU time: ([\d.]+) CPU-minutes", f.read(), re.MULTILINE)
+        assert printed, f"{path} holds no 'suite CPU time' line"
+        assert figure == printed[-1], f"the README says {figure} CPU-minutes, {path} says {printed[-1]}"
