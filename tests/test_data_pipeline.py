@@ -351,3 +351,41 @@ def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
     assert [r["task"] for r in rows] == ["c4_span_corruption"] * 2 + ["arxiv_summarization"] * 2
     assert all(r["tokens_per_second"] > 0 for r in rows)
     assert "tokens/s" in (out / "input_pipeline.md").read_text() and "tokens/s" in capsys.readouterr().out
+
+
+def test_a_dataset_built_without_autograph_traces_its_functions_as_written():
+    import tensorflow as tf
+
+    from terra.data import graph_functions
+
+    def python_if_on_a_tensor(x):
+        if x > 2:  # needs AutoGraph: a tensor used as a Python bool
+            return x * 10
+        return x
+
+    numbers = tf.data.Dataset.range(5)
+    assert list(numbers.map(python_if_on_a_tensor).as_numpy_iterator()) == [0, 1, 2, 30, 40]
+    with graph_functions.without_autograph(), pytest.raises(TypeError, match="bool"):
+        numbers.map(python_if_on_a_tensor)
+    assert list(numbers.map(python_if_on_a_tensor).as_numpy_iterator()) == [0, 1, 2, 30, 40]  # the switch is back
+
+
+@pytest.mark.parametrize(
+    "task", ["c4_span_corruption", "c4_lm", "embedded_summarization", "synthetic_copy_digits", "synthetic_addition"]
+)
+@pytest.mark.slow
+def test_batches_built_without_autograph_equal_those_autograph_converts(task, c4_json_dir, monkeypatch):
+    import contextlib
+
+    from terra.data import graph_functions
+
+    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+
+    def first_batches():
+        stream = pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3)
+        return _take(stream.as_numpy_iterator(), 3)
+
+    as_written = first_batches()
+    # TensorFlow's default: every map and filter function rewritten by AutoGraph.
+    monkeypatch.setattr(graph_functions, "without_autograph", contextlib.nullcontext)
+    _assert_same_batches(first_batches(), as_written)

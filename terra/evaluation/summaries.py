@@ -14,7 +14,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from terra.data import json_lines, tasks
+from terra.data import graph_functions, json_lines, tasks
 
 
 @dataclasses.dataclass
@@ -44,9 +44,10 @@ def read_examples(
     the source gives none or an empty one)."""
     provider = tasks.get_task(task) if isinstance(task, str) else task
     tasks.check_task_data(provider, split)
-    ds = provider.get_dataset(
-        sequence_length=dict(feature_lengths), split=split, shuffle=False, num_epochs=1, try_in_mem_cache=False
-    )
+    with graph_functions.without_autograph():
+        ds = provider.get_dataset(
+            sequence_length=dict(feature_lengths), split=split, shuffle=False, num_epochs=1, try_in_mem_cache=False
+        )
     if num_examples is not None:
         ds = ds.take(num_examples)
     return [
