@@ -353,7 +353,7 @@ def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
     assert "tokens/s" in (out / "input_pipeline.md").read_text() and "tokens/s" in capsys.readouterr().out
 
 
-def test_a_dataset_built_without_autograph_traces_its_functions_as_written():
+def test_a_dataset_built_without_autograph_traces_its_functions_as_written_or_falls_back():
     import tensorflow as tf
 
     from terra.data import graph_functions
@@ -368,6 +368,9 @@ def test_a_dataset_built_without_autograph_traces_its_functions_as_written():
     with graph_functions.without_autograph(), pytest.raises(TypeError, match="bool"):
         numbers.map(python_if_on_a_tensor)
     assert list(numbers.map(python_if_on_a_tensor).as_numpy_iterator()) == [0, 1, 2, 30, 40]  # the switch is back
+    # A pipeline with such a function (a user's preprocessor) is built again, with AutoGraph.
+    built = graph_functions.build(lambda: numbers.map(python_if_on_a_tensor))
+    assert list(built.as_numpy_iterator()) == [0, 1, 2, 30, 40]
 
 
 @pytest.mark.parametrize(

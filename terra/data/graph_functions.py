@@ -5,11 +5,15 @@ built. By default TensorFlow first rewrites the function's source with AutoGraph
 flow on tensors becomes graph control flow). That rewrite is most of a pipeline's build time
 (docs/data.md, "Building a pipeline"), and no function terra or seqio maps needs it: their
 data-dependent choices are graph ops already (``tf.where``, ``tf.cond``, ``tf.while_loop``). A
-function that did need it fails when the pipeline is built (a tensor used as a Python bool), so
-turning AutoGraph off can stop a build but never change a batch.
+function that does need it (a user's preprocessor branching on a tensor with ``if``) fails when
+it is traced, with a ``TypeError``; :func:`build` then builds the pipeline again with AutoGraph.
+Either way the batches are the same.
 """
 
 import contextlib
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -24,3 +28,13 @@ def without_autograph():
         return
     with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.DISABLED):
         yield
+
+
+def build(build_pipeline: Callable[[], T]) -> T:
+    """``build_pipeline()`` without AutoGraph, or with it where a function needs it (a tensor
+    used as a Python bool raises ``TypeError``, ``OperatorNotAllowedInGraphError`` among them)."""
+    try:
+        with without_autograph():
+            return build_pipeline()
+    except TypeError:
+        return build_pipeline()

@@ -63,17 +63,20 @@ def get_dataset(
             f"feature_lengths {dict(feature_lengths)} lacks {missing}; give e.g. {{'inputs': 512, 'targets': 114}}."
         )
     converter = feature_converter or feature_converters.encoder_decoder_converter()
-    with graph_functions.without_autograph():
-        ds = provider.get_dataset(
-            sequence_length=dict(feature_lengths),
-            split=split,
-            shuffle=shuffle,
-            seed=seed,
-            shard_info=shard_info or host_shard_info(),
-            num_epochs=num_epochs,
-            try_in_mem_cache=False,
+    ds = graph_functions.build(
+        lambda: converter(
+            provider.get_dataset(
+                sequence_length=dict(feature_lengths),
+                split=split,
+                shuffle=shuffle,
+                seed=seed,
+                shard_info=shard_info or host_shard_info(),
+                num_epochs=num_epochs,
+                try_in_mem_cache=False,
+            ),
+            dict(feature_lengths),
         )
-        ds = converter(ds, dict(feature_lengths))
+    )
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     options = tf.data.Options()
     options.deterministic = True

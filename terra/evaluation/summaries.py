@@ -44,10 +44,11 @@ def read_examples(
     the source gives none or an empty one)."""
     provider = tasks.get_task(task) if isinstance(task, str) else task
     tasks.check_task_data(provider, split)
-    with graph_functions.without_autograph():
-        ds = provider.get_dataset(
+    ds = graph_functions.build(
+        lambda: provider.get_dataset(
             sequence_length=dict(feature_lengths), split=split, shuffle=False, num_epochs=1, try_in_mem_cache=False
         )
+    )
     if num_examples is not None:
         ds = ds.take(num_examples)
     return [
