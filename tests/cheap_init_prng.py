@@ -13,6 +13,8 @@ Use it for parameters only: the keys a model meets in training (dropout, Gumbel 
 rotations) stay threefry's, as in the library.
 """
 
+from typing import Any, Callable, Hashable, Tuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +70,18 @@ HASH_PRNG = define_prng_impl(
 def init_key(seed: int) -> jax.Array:
     """A key for ``Model.init_params`` / ``module.init`` whose initializer compiles cheaply."""
     return jax.random.key(seed, impl=HASH_PRNG)
+
+
+def initialised_once(build: Callable[[Hashable], Any], seed: int) -> Callable[[Hashable], Tuple[Any, Any]]:
+    """``variant -> (model, params)``: ``build(variant)`` and its parameters from
+    ``init_key(seed)``, each made at the first call for that variant (a module's fixture returns
+    it, so its tests share them)."""
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            model = build(variant)
+            built[variant] = model, model.init_params(init_key(seed))
+        return built[variant]
+
+    return get

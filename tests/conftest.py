@@ -6,6 +6,7 @@ a subprocess, a long compile); ``make test`` runs everything. docs/contributing.
 """
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -446,6 +447,20 @@ def quantize_for_setup(w, kind: str, transposed: bool = False):
 
     with xla_optimizations(False):
         return quantize_compiled(w, kind, transposed=transposed)
+
+
+@functools.cache
+def _quantize_params_compiled():
+    from terra.quantization import quantize_params
+
+    return jax.jit(quantize_params, static_argnums=1)
+
+
+def quantize_params_for_setup(params, kind: str):
+    """A parameter tree narrowed for a test's set-up: ``quantize_params`` compiled whole (leaf by
+    leaf it compiles one program per weight shape), without XLA's optimizations."""
+    with xla_optimizations(False):
+        return _quantize_params_compiled()(params, kind)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ each input length with its prefill, cache reads, floors and peak memory; rows th
 skipped with the reason; the decoder cache sized from the tokens decoded, not the input; the
 cache bytes an LSH step really reads. Tiny models only; timings are printed, never asserted."""
 
-import gc
 import json
 
 import jax
@@ -44,18 +43,6 @@ LONG_KEYS = {
 ONE_LAYER = ["TransformerConfig.n_encoder_layers = 1", "TransformerConfig.n_decoder_layers = 1"]
 
 
-@pytest.fixture
-def frozen_gc():
-    """The benchmark collects garbage two or three times per row (so that each row's peak memory is
-    its own); with JAX loaded (TensorFlow too, in a suite) a full collection walks some 10^6
-    objects, 0.25-0.8 CPU-s.
-    Frozen, the objects from before the test are skipped: each collection walks only what the run
-    made, which is all it could free."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _long_config(rows, lengths, **overrides):
     config = presets.tiny()
     config.common_bindings = list(ONE_LAYER)
@@ -68,7 +55,7 @@ def _long_config(rows, lengths, **overrides):
 
 
 @pytest.mark.slow
-def test_the_long_document_path_times_each_row_at_each_length(tmp_path, frozen_gc):
+def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
     dense = presets.tiny().rows[0]
     lsh = presets.make_row("Terraformer LSH · int8", "models/tiny_terraformer_lsh.gin", weights_dtype="int8")
     # 80 input positions: more than the 63 rows an LSH step keeps (2 hashes x chunks of 16 x 2 - 1).
@@ -112,9 +99,7 @@ def test_the_long_document_path_times_each_row_at_each_length(tmp_path, frozen_g
 
 
 @pytest.mark.slow
-def test_a_row_that_does_not_fit_the_memory_is_skipped_with_the_reason_and_the_run_goes_on(
-    tmp_path, monkeypatch, frozen_gc
-):
+def test_a_row_that_does_not_fit_the_memory_is_skipped_with_the_reason_and_the_run_goes_on(tmp_path, monkeypatch):
     # The rows' model, as _long_config binds it and the benchmark builds it (no data layer).
     gin_utils.parse_gin(["models/tiny.gin"], ONE_LAYER, finalize=False)
     model = gin_utils.build_model()
@@ -159,7 +144,7 @@ def test_other_errors_of_a_row_are_not_taken_for_running_out_of_memory():
 
 
 @pytest.mark.slow
-def test_an_input_longer_than_twice_the_decoder_table_decodes_and_one_longer_than_the_table_is_one_error(frozen_gc):
+def test_an_input_longer_than_twice_the_decoder_table_decodes_and_one_longer_than_the_table_is_one_error():
     # Issue 40: the decoder cache was sized max(2 * input_length, tokens), 48 rows past a 32-row
     # table here; now 32, the reference's (decoder_cache_length).
     config = presets.tiny()

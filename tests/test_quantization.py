@@ -24,6 +24,8 @@ from terra.quantization import (
     quantize_params,
 )
 
+from conftest import quantize_params_for_setup
+
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile); each side of
 # every comparison below is compiled alike.
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -250,7 +252,6 @@ def _decode_logits(model, params, batch):
 
 
 # Compiled whole: run op by op, a model compiles each of its hundreds of operations alone.
-_quantize_params = jax.jit(quantize_params, static_argnums=1)
 _dequantize_params = jax.jit(dequantize_params)
 
 
@@ -276,7 +277,7 @@ def _family(families, gin_file):
 @pytest.mark.slow
 def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_file, kind, families):
     model, batch, params, logits = _family(families, gin_file)
-    narrow = _quantize_params(params, kind)
+    narrow = quantize_params_for_setup(params, kind)
     wide = _dequantize_params(narrow)
     quantized_leaves = [leaf for leaf in jax.tree.leaves(narrow, is_leaf=_is_quantized) if _is_quantized(leaf)]
     assert len(quantized_leaves) >= 8

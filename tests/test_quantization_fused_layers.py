@@ -18,9 +18,8 @@ from cheap_init_prng import init_key
 from terra import gin_utils
 from terra.backends import native_kernels
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
-from terra.quantization import quantize_params
 
-from conftest import quantize_for_setup, xla_optimizations
+from conftest import quantize_for_setup, quantize_params_for_setup, xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).
@@ -52,10 +51,6 @@ def _targets(fn, *args) -> str:
 FEED_FORWARD_SHAPES = [(40, 120, 8), (17, 96, 32), (1024, 2048, 32)]
 
 
-# Set-up, not under test (conftest.optimized_compile): a whole tree quantized in one compiled call.
-_quantize_params = jax.jit(quantize_params, static_argnums=1)
-
-
 @functools.cache
 def _float_feed_forward(d_model, d_ff, n_units):
     """The layer and its float32 parameters, shared by both stores."""
@@ -71,8 +66,7 @@ def _float_feed_forward(d_model, d_ff, n_units):
 @functools.cache
 def _feed_forward(d_model, d_ff, n_units, kind):
     layer, params = _float_feed_forward(d_model, d_ff, n_units)
-    with xla_optimizations(False):
-        return layer, _quantize_params(params, kind)
+    return layer, quantize_params_for_setup(params, kind)
 
 
 def _feed_forward_step(layer, narrow, x):
@@ -193,8 +187,7 @@ def _float_attentions():
 @functools.cache
 def _attention(layer_class, d_model, heads, kind):
     layer, params, args = _float_attentions()[layer_class, d_model, heads]
-    with xla_optimizations(False):
-        return layer, _quantize_params(params, kind), args
+    return layer, quantize_params_for_setup(params, kind), args
 
 
 def _decoding(layer, args):
@@ -318,8 +311,7 @@ def fully_sparse():
 @pytest.mark.slow
 def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_generation_loop(kind, fully_sparse):
     model, params = fully_sparse
-    with xla_optimizations(False):
-        narrow = _quantize_params(params, kind)
+    narrow = quantize_params_for_setup(params, kind)
     decoder = model.decoder(37)  # a length no other array in the step has
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(2, 7)), jnp.int32)
     start = jnp.zeros((2,), jnp.int32)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from cheap_init_prng import init_key
+from cheap_init_prng import initialised_once
 
 from terra import gin_utils
 from terra.models import shift_right
@@ -44,15 +44,7 @@ def built():
     """``variant -> (model, params)``, each built and initialised once for the module (the decode
     and the training tests of a variant start from the same parameters), from a key whose
     initializer compiles cheaply (cheap_init_prng)."""
-    cache = {}
-
-    def build(variant):
-        if variant not in cache:
-            model = _build(variant)
-            cache[variant] = model, model.init_params(init_key(0))
-        return cache[variant]
-
-    return build
+    return initialised_once(_build, seed=0)
 
 
 def _batch(vocab, batch=2, input_length=9, target_length=8, seed=0):

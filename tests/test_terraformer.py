@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key
+from cheap_init_prng import init_key, initialised_once
 
 from terra import gin_utils
 from terra.benchmarks import reversible_memory
@@ -52,15 +52,7 @@ def _model(config=None, **kwargs):
 def built():
     """``variant -> (model, params)``, each built and initialised once for the module (the tests
     only read the parameters), from a key whose initializer compiles cheaply (cheap_init_prng)."""
-    cache = {}
-
-    def build(variant):
-        if variant not in cache:
-            model = _model(**VARIANTS[variant])
-            cache[variant] = model, model.init_params(init_key(1))
-        return cache[variant]
-
-    return build
+    return initialised_once(lambda variant: _model(**VARIANTS[variant]), seed=1)
 
 
 def _batch(batch=2, inputs=7, targets=6, seed=0):

@@ -762,10 +762,17 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     )
     machine["bandwidth_before_gbps"] = bandwidth / 1e9
     machine["product_gflops"] = product_gflops
-    if lengths:
-        rows = _run_lengths(config, lengths, bandwidth, product_gflops, log, out_dir)
-    else:
-        rows = _run_rows(config, bandwidth, product_gflops, beside_dense, log)
+    # Each row collects garbage two or three times, so that its peak memory is its own. Nothing
+    # that existed before the rows is freed by a row, so the collections skip it (with JAX loaded,
+    # a full collection otherwise walks every object the process ever made).
+    gc.freeze()
+    try:
+        if lengths:
+            rows = _run_lengths(config, lengths, bandwidth, product_gflops, log, out_dir)
+        else:
+            rows = _run_rows(config, bandwidth, product_gflops, beside_dense, log)
+    finally:
+        gc.unfreeze()
     # Bandwidth on a shared machine drifts; measure again and note both, so a reader can
     # tell whether the rows ran on a quiet or a busy machine.
     after = measure_read_bandwidth(config.bandwidth_buffer_mb << 20)

@@ -37,4 +37,5 @@ def build(build_pipeline: Callable[[], T]) -> T:
         with without_autograph():
             return build_pipeline()
     except TypeError:
-        return build_pipeline()
+        pass  # built again below, outside this handler: an error of its own is reported alone
+    return build_pipeline()
