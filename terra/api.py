@@ -489,7 +489,7 @@ def _cache_dtype_bindings(cache_dtype: Optional[str]) -> List[str]:
     """The gin binding that stores the decode caches as ``cache_dtype`` (None: as configured)."""
     if cache_dtype is None:
         return []
-    from terra.layers.kv_cache import check_cache_dtype
+    from terra.backends.decode_state import check_cache_dtype
 
     return [f"TransformerConfig.cache_dtype = {check_cache_dtype(cache_dtype)!r}"]
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra.backends import MASK_VALUE, cache_attention, cached_attention, native_kernels, xla
+from terra.backends import MASK_VALUE, cache_attention, cached_attention, decode_state, native_kernels, xla
+from terra.backends.decode_state import KVCache
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.layers import kv_cache
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 from terra.quantization import quantize_params
 
@@ -30,7 +30,7 @@ def _cache(cache_dtype, batch, heads, length, dh, seed):
     rng = np.random.default_rng(seed)
     spread = np.exp(rng.normal(size=(batch, heads, length, 1)))
     keys, values = (jnp.asarray(rng.normal(size=(batch, heads, length, dh)) * spread, jnp.float32) for _ in range(2))
-    (keys, key_scale), (values, value_scale) = (kv_cache.narrow(t, cache_dtype) for t in (keys, values))
+    (keys, key_scale), (values, value_scale) = (decode_state.narrow_rows(t, cache_dtype) for t in (keys, values))
     return keys, values, key_scale, value_scale
 
 
@@ -129,18 +129,18 @@ def test_cached_attention_step_writes_the_same_cache_with_either_read():
     q, k, v = _query(2, 3, 16, seed=8)
     key_mask = jnp.asarray(np.arange(12)[None, :] != np.array([[3], [5]]))
 
-    def step(attend):
-        return jax.jit(
-            lambda *a: xla.cached_attention(*a, attend=attend),
-        )(q, k, v, keys, values, jnp.int32(9), key_mask, None, key_scale, value_scale)
+    cache = KVCache(keys, key_scale, values, value_scale, index=jnp.int32(9), key_mask=key_mask)
 
-    native, reference = step(cache_attention), step(xla.cache_attention)
-    assert len(native) == 5
-    np.testing.assert_allclose(native[0], reference[0], atol=2e-6, rtol=2e-5)
-    for got, want in zip(native[1:], reference[1:]):
+    def step(attend):
+        return jax.jit(lambda *a: xla.cached_attention(*a, attend=attend))(q, k, v, cache)
+
+    (native, native_cache), (reference, reference_cache) = step(cache_attention), step(xla.cache_attention)
+    np.testing.assert_allclose(native, reference, atol=2e-6, rtol=2e-5)
+    assert jax.tree.structure(native_cache) == jax.tree.structure(cache)
+    for got, want in zip(jax.tree.leaves(native_cache), jax.tree.leaves(reference_cache)):
         np.testing.assert_array_equal(got, want)
-    direct = jax.jit(cached_attention)(q, k, v, keys, values, jnp.int32(9), key_mask, None, key_scale, value_scale)
-    np.testing.assert_allclose(direct[0], reference[0], atol=2e-6, rtol=2e-5)
+    direct, _ = jax.jit(cached_attention)(q, k, v, cache)
+    np.testing.assert_allclose(direct, reference, atol=2e-6, rtol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def test_dense_decode_step_runs_the_native_cache_attention(cache_dtype, narrow_p
         return np.stack(logits), lowered
 
     native, lowered = decode()
-    target = native_kernels.TARGETS["cache_attention", jnp.dtype(kv_cache.storage_dtype(cache_dtype)).name]
+    target = native_kernels.TARGETS["cache_attention", jnp.dtype(decode_state.storage_dtype(cache_dtype)).name]
     assert lowered.count(target) == 2 * tiny_config().n_decoder_layers  # self and cross, every layer
     with native_kernels.disabled():
         reference, lowered = decode()

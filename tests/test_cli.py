@@ -216,8 +216,8 @@ def test_the_weights_dtype_flag_offers_exactly_the_stores_quantization_has():
 
 
 def test_the_cache_dtype_flag_offers_exactly_the_stores_the_caches_have():
+    from terra.backends.decode_state import CACHE_DTYPES
     from terra.cli import flag_groups
-    from terra.layers.kv_cache import CACHE_DTYPES
 
     assert flag_groups.CACHE_DTYPES == CACHE_DTYPES
 

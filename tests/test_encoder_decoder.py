@@ -93,12 +93,12 @@ def test_prefill_creates_caches_without_advancing_them(tiny_model):
     model, params = tiny_model
     inputs, _ = _padded_batch(2, 5, 1, model.config.vocab_size)
     cache = model.decoder(16).prefill(params, inputs)
-    layer = cache["decoder_0"]["self_attention"]
-    assert int(layer["cache_index"]) == 0
-    assert layer["cached_key"].shape == (2, model.config.n_heads, 16, model.config.d_head)
-    assert not np.any(np.asarray(layer["cached_key"]))
+    layer = cache["decoder_0"]["self_attention"]["kv"]
+    assert int(layer.index) == 0
+    assert layer.key.shape == (2, model.config.n_heads, 16, model.config.d_head)
+    assert not np.any(np.asarray(layer.key))
     assert int(cache["decoder_positions"]["position"]) == 0
-    assert cache["decoder_0"]["cross_attention"]["cached_key"].shape == (
+    assert cache["decoder_0"]["cross_attention"]["kv"].key.shape == (
         2,
         model.config.n_heads,
         5,
@@ -188,7 +188,7 @@ def test_bfloat16_compute_tracks_float32_and_decodes_consistently(tiny_model):
     np.testing.assert_allclose(full16, full32, atol=0.1)
     decoder = model16.decoder(5)
     cache = decoder.prefill(params, inputs)
-    assert cache["decoder_0"]["self_attention"]["cached_key"].dtype == jnp.bfloat16
+    assert cache["decoder_0"]["self_attention"]["kv"].key.dtype == jnp.bfloat16
     for t in range(5):
         logits, cache = decoder.step(params, cache, decoder_inputs[:, t])
         np.testing.assert_allclose(logits, full16[:, t], atol=0.05)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from cheap_init_prng import init_key
 
-from terra.backends import native_kernels
+from terra.backends import decode_state, native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.layers import kv_cache
 from terra.layers.lsh_attention import (
     LSHSelfAttention,
     append_position,
@@ -149,7 +148,7 @@ def test_narrow_caches_stay_close_to_float32(cache_dtype, atol):
     x, prefix_mask, step_mask = _inputs(4, True)
     wide, _ = _decode(_layer(), x, prefix_mask, step_mask)
     narrow, cache = _decode(_layer(cache_dtype=cache_dtype), x, prefix_mask, step_mask)
-    assert cache["cached_key"].dtype == jnp.dtype(kv_cache.storage_dtype(cache_dtype))
+    assert cache["cached_key"].dtype == jnp.dtype(decode_state.storage_dtype(cache_dtype))
     assert ("cached_value_scale" in cache) == (cache_dtype == "int8")
     np.testing.assert_allclose(narrow, wide, atol=atol)
 
@@ -179,7 +178,8 @@ def test_native_bucket_attention_equals_its_xla_form(cache_dtype, n_buckets, see
     step = _compiled_decode
     lowered = step.lower(layer, _params(), x, prefix_mask, step_mask).as_text()
     assert (
-        native_kernels.TARGETS["lsh_decode_attention", jnp.dtype(kv_cache.storage_dtype(cache_dtype)).name] in lowered
+        native_kernels.TARGETS["lsh_decode_attention", jnp.dtype(decode_state.storage_dtype(cache_dtype)).name]
+        in lowered
     )
     fast, fast_cache = step(layer, _params(), x, prefix_mask, step_mask)
     with native_kernels.unfused():  # chosen at trace time: a new jit traces the XLA form

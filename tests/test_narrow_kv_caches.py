@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from terra import gin_utils
-from terra.backends import cache_logits, cache_weighted_values, cached_attention, native_kernels, xla
+from terra.backends import cache_logits, cache_weighted_values, cached_attention, decode_state, native_kernels, xla
+from terra.backends.decode_state import KVCache
 from terra.errors import ConfigError
-from terra.layers import CausalSelfAttention, SparseQKVAttention, kv_cache
+from terra.layers import CausalSelfAttention, SparseQKVAttention
 from terra.layers.sparse_qkv import SparseQueryCrossAttention
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, Terraformer, TerraformerModel
 from terra.models.config import TransformerConfig
@@ -32,27 +33,27 @@ TOLERANCE = {"int8": 1.5e-2, "bfloat16": 5e-3}
 def test_int8_round_trip_is_within_half_a_step_of_each_row_and_zero_rows_are_exact():
     x = jax.random.normal(jax.random.key(0), (2, 3, 5, 16)) * jnp.arange(1, 6)[:, None]
     x = x.at[0, 1, 2].set(0.0)
-    values, scales = kv_cache.narrow(x, "int8")
+    values, scales = decode_state.narrow_rows(x, "int8")
     assert values.dtype == jnp.int8 and scales.dtype == jnp.float32 and scales.shape == (2, 3, 5)
-    error = jnp.abs(kv_cache.widen(values, scales, jnp.float32) - x)
+    error = jnp.abs(decode_state.widen_rows(values, scales, jnp.float32) - x)
     bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 254  # scale / 2, scale = max|row| / 127
     assert bool(jnp.all(error <= bound * (1 + 1e-6)))
     assert float(scales[0, 1, 2]) == 1.0 and not np.any(np.asarray(values[0, 1, 2]))
-    assert not np.any(np.asarray(kv_cache.widen(values, scales)[0, 1, 2]))
+    assert not np.any(np.asarray(decode_state.widen_rows(values, scales)[0, 1, 2]))
 
 
 def test_bfloat16_round_trip_and_float32_unchanged():
     x = jax.random.normal(jax.random.key(1), (2, 4, 8))
-    values, scales = kv_cache.narrow(x, "bfloat16")
+    values, scales = decode_state.narrow_rows(x, "bfloat16")
     # Kept as the bfloat16's bits (XLA:CPU reads a bfloat16 array through a float32 copy).
     assert values.dtype == jnp.uint16 and scales is None
     np.testing.assert_array_equal(jax.lax.bitcast_convert_type(values, jnp.bfloat16), x.astype(jnp.bfloat16))
-    assert bool(jnp.all(jnp.abs(kv_cache.widen(values, None) - x) <= jnp.abs(x) * 2.0**-8))
-    same, none = kv_cache.narrow(x, "float32")
+    assert bool(jnp.all(jnp.abs(decode_state.widen_rows(values, None) - x) <= jnp.abs(x) * 2.0**-8))
+    same, none = decode_state.narrow_rows(x, "float32")
     assert same is x and none is None
-    zeros, ones = kv_cache.empty((2, 4, 8), "int8")
+    zeros, ones = decode_state.empty_rows((2, 4, 8), "int8")
     assert zeros.dtype == jnp.int8 and ones.shape == (2, 4) and float(ones.min()) == 1.0
-    assert kv_cache.empty((2, 4, 8), "float32", jnp.bfloat16)[0].dtype == jnp.bfloat16
+    assert decode_state.empty_rows((2, 4, 8), "float32", jnp.bfloat16)[0].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16"])
@@ -62,8 +63,8 @@ def test_products_over_a_narrow_cache_equal_the_widened_cache(cache_dtype, monke
     monkeypatch.setattr(xla, "CACHE_BLOCK_ELEMENTS", 2 * 4 * 8 * 3)  # blocks of 3 positions, 11 = 3 * 3 + 2
     shapes = [(2, 4, 11, 8), (2, 4, 11, 8), (2, 4, 1, 8)]
     keys_f, values_f, q = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(shapes))
-    (keys, key_scale), (values, value_scale) = (kv_cache.narrow(t, cache_dtype) for t in (keys_f, values_f))
-    wide_k, wide_v = kv_cache.widen(keys, key_scale), kv_cache.widen(values, value_scale)
+    (keys, key_scale), (values, value_scale) = (decode_state.narrow_rows(t, cache_dtype) for t in (keys_f, values_f))
+    wide_k, wide_v = decode_state.widen_rows(keys, key_scale), decode_state.widen_rows(values, value_scale)
     logits = cache_logits(q, keys, key_scale)
     np.testing.assert_allclose(logits, jnp.einsum("bhqd,bhkd->bhqk", q, wide_k), atol=1e-5, rtol=1e-5)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -71,12 +72,14 @@ def test_products_over_a_narrow_cache_equal_the_widened_cache(cache_dtype, monke
     np.testing.assert_allclose(y, jnp.einsum("bhqk,bhkd->bhqd", probs, wide_v), atol=1e-5, rtol=1e-5)
 
     k, v = (jax.random.normal(jax.random.key(5 + i), (2, 4, 1, 8)) for i in range(2))
-    out = cached_attention(q, k, v, keys, values, jnp.asarray(7), None, None, key_scale, value_scale)
-    want = cached_attention(q, k, v, wide_k, wide_v, jnp.asarray(7))
-    np.testing.assert_allclose(out[0], want[0], atol=1e-5, rtol=1e-5)
-    assert out[1].dtype == keys.dtype and len(out) == (5 if cache_dtype == "int8" else 3)
-    written_k = kv_cache.widen(out[1], out[3] if cache_dtype == "int8" else None)[:, :, 7:8]
-    np.testing.assert_allclose(written_k, kv_cache.widen(*kv_cache.narrow(k, cache_dtype)), atol=1e-6)
+    index = jnp.asarray(7)
+    y, written = cached_attention(q, k, v, KVCache(keys, key_scale, values, value_scale, index=index))
+    want, _ = cached_attention(q, k, v, KVCache(wide_k, None, wide_v, None, index=index))
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+    assert written.key.dtype == keys.dtype and (written.key_scale is not None) == (cache_dtype == "int8")
+    assert int(written.index) == 8
+    written_k = decode_state.widen_rows(written.key, written.key_scale)[:, :, 7:8]
+    np.testing.assert_allclose(written_k, decode_state.widen_rows(*decode_state.narrow_rows(k, cache_dtype)), atol=1e-6)
 
 
 def _encoder_decoder(cache_dtype=None):
@@ -138,13 +141,14 @@ def test_narrow_caches_decode_close_to_float32_caches(float32_decode, cache_dtyp
     logits, cache = _decode(make(cache_dtype), params)
     assert np.max(np.abs(logits - reference)) <= TOLERANCE[cache_dtype] * np.max(np.abs(reference))
     leaves = _leaves(cache)
-    caches = {k: v for k, v in leaves.items() if re.search(r"'cached_(key|value)'\]$", k)}
-    assert caches and {v.dtype for v in caches.values()} == {jnp.dtype(kv_cache.storage_dtype(cache_dtype))}
-    scales = {k: v for k, v in leaves.items() if k.endswith("_scale']")}
+    # A KVCache's fields (``.key``), an LSH layer's variables (``['cached_key']``).
+    caches = {k: v for k, v in leaves.items() if re.search(r"(\.(key|value)|'cached_(key|value)'\])$", k)}
+    assert caches and {v.dtype for v in caches.values()} == {jnp.dtype(decode_state.storage_dtype(cache_dtype))}
+    scales = {k: v for k, v in leaves.items() if k.endswith(("_scale']", "_scale"))}
     if cache_dtype == "int8":
         assert len(scales) == len(caches)
         for name, cached in caches.items():
-            scale = leaves[name[:-2] + "_scale']"]
+            scale = leaves[name + "_scale" if name.endswith(("key", "value")) else name[:-2] + "_scale']"]
             assert scale.dtype == jnp.float32 and scale.shape == cached.shape[:3]
     else:
         assert not scales

@@ -4,6 +4,15 @@ what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA
 (``xla``). Layers import this package only; a new backend is a module here and an entry in
 ``primitives.BACKENDS``. See ``docs/architecture.md``, "Decode backends"."""
 
+from terra.backends.decode_state import (
+    CACHE_DTYPES,
+    KVCache,
+    check_cache_dtype,
+    empty_rows,
+    narrow_rows,
+    storage_dtype,
+    widen_rows,
+)
 from terra.backends.primitives import (
     LSHDecodeCache,
     SparseAttentionWeights,
@@ -34,6 +43,13 @@ from terra.backends.xla import MASK_VALUE
 from terra.quantization.quantized import as_float
 
 __all__ = [
+    "CACHE_DTYPES",
+    "KVCache",
+    "check_cache_dtype",
+    "empty_rows",
+    "narrow_rows",
+    "storage_dtype",
+    "widen_rows",
     "LSHDecodeCache",
     "MASK_VALUE",
     "SparseAttentionWeights",

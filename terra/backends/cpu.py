@@ -14,6 +14,7 @@ sparse layers' products read their narrow weights in place, with no float32 copy
 the gathered rows, and a sparse layer's decode step is one call (docs/architecture.md, decisions).
 """
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -145,7 +146,7 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
     store, the convolutions span the cached window, and the batch's modules fit the kernel.
 
     The fused attention reads float32 caches: over a narrow cache (bfloat16, int8;
-    ``terra/layers/kv_cache.py``) the fused call computes the projections and the attention is the
+    ``terra/backends/decode_state.py``) the fused call computes the projections and the attention is the
     native cache attention's (:func:`cache_attention`), its new key and value narrowed and written
     by XLA."""
     batch, n_modules = x.shape[0], weights.gate.shape[0]
@@ -156,7 +157,7 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
         return None
     if not fused_applies(x, batch * n_modules, native_kernels.MAX_INPUT_MAJOR_ROWS):
         return None
-    narrow_cache = mode is not None and cache[0].dtype != jnp.float32
+    narrow_cache = mode is not None and cache.key.dtype != jnp.float32
 
     def pair(w):
         return w.values, (w.scale if kind == "int8" else None)
@@ -165,20 +166,22 @@ def sparse_attention_step(x: jax.Array, weights, conv_rows: jax.Array, mode: Opt
         convs = [(pair(k), bias) for k, (_, bias) in zip(kernels, weights.convolutions)]
         attention = None
         if mode == "self" and not narrow_cache:
-            key_mask = cache[3] if cache[3] is not None else jnp.ones((batch, cache[0].shape[2]), bool)
-            attention = (mode,) + tuple(cache[:3]) + (key_mask,)
+            key_mask = cache.key_mask if cache.key_mask is not None else jnp.ones((batch, cache.max_length), bool)
+            attention = (mode, cache.key, cache.value, cache.index, key_mask)
         elif mode == "cross" and not narrow_cache:
-            attention = (mode,) + tuple(cache[:3])
+            attention = (mode, cache.key, cache.value, cache.bias)
         outs, new_rows, attended = native_kernels.sparse_attention(
             x.reshape(batch, -1), pair(gate), pair(kernel), weights.bias, conv_rows, convs, kind, attention
         )
         if mode is None:
-            return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows
+            return [o.reshape(batch, 1, n_modules, -1) for o in outs], new_rows, None
         if narrow_cache:
             return _narrow_cache_attention(mode, [o[:, :, None, :] for o in outs], cache, new_rows)
-        if mode == "self":  # the scales (None for a float32 cache) pass through
-            return (attended[0].reshape(batch, 1, -1), new_rows) + tuple(attended[1:]) + tuple(cache[4:])
-        return attended[0].reshape(batch, 1, -1), new_rows
+        if mode == "self":
+            keys, values = attended[1:]
+            written = dataclasses.replace(cache, key=keys, value=values, index=cache.index + 1)
+            return attended[0].reshape(batch, 1, -1), new_rows, written
+        return attended[0].reshape(batch, 1, -1), new_rows, None
 
     return native
 
@@ -189,18 +192,16 @@ def _narrow_cache_attention(mode: str, heads, cache, new_rows):
     ``primitives.sparse_attention_step`` takes it; results as the fused call returns them. The read
     is the native cache attention where it applies (:func:`cache_attention`), else XLA's."""
     batch = heads[0].shape[0]
-    native = cache_attention(heads[0], cache[0])
+    native = cache_attention(heads[0], cache.key)
     attend = xla.cache_attention if native is None else native
     if mode == "self":
-        keys, values, index, key_mask, key_scale, value_scale = cache
-        out = xla.cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale, attend=attend)
-        y, rest = out[0], tuple(out[1:]) + ((None, None) if key_scale is None else ())
-        return (y.reshape(batch, 1, -1), new_rows) + rest
-    keys, values, bias, key_scale, value_scale = cache
+        y, written = xla.cached_attention(*heads, cache, None, attend=attend)
+        return y.reshape(batch, 1, -1), new_rows, written
     q = heads[0] * jnp.asarray(heads[0].shape[-1] ** -0.5, heads[0].dtype)
-    visible = jnp.asarray(keys.shape[2], jnp.int32)
-    y = attend(q, keys, values, bias.reshape(batch, keys.shape[2]), key_scale, value_scale, visible, None)
-    return y.reshape(batch, 1, -1), new_rows
+    visible = jnp.asarray(cache.max_length, jnp.int32)
+    bias = cache.bias.reshape(batch, cache.max_length)
+    y = attend(q, cache.key, cache.value, bias, cache.key_scale, cache.value_scale, visible, None)
+    return y.reshape(batch, 1, -1), new_rows, None
 
 
 def _joined_softmax(out, top, total, own_logit=None, own_value=None):

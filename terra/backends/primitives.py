@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.backends import cpu, xla
+from terra.backends import cpu, decode_state, xla
 from terra.quantization.quantized import QuantizedTensor
 
 # The native backends, by the platform they lower for; every other platform runs the XLA forms.
@@ -33,7 +33,7 @@ Weight = Union[jax.Array, QuantizedTensor]
 
 cache_logits = xla.cache_logits
 cache_weighted_values = xla.cache_weighted_values
-write_after_read = xla.write_after_read
+write_after_read = decode_state.write_after_read
 take_rows = xla.take_rows
 attention_in_query_chunks = xla.attention_in_query_chunks
 
@@ -171,14 +171,11 @@ def cache_attention(q, keys, values, bias, key_scale=None, value_scale=None, vis
     return _run(forms, xla.cache_attention, q, keys, values, bias, key_scale, value_scale, visible, own)
 
 
-def cached_attention(
-    q, k, v, cached_key, cached_value, index, key_mask=None, dropout=None, key_scale=None, value_scale=None
-):
-    """One decode step of causal attention over a KV cache, written as ``xla.cached_attention``
-    describes (the new key and value written after the read), its read by :func:`cache_attention`."""
-    return xla.cached_attention(
-        q, k, v, cached_key, cached_value, index, key_mask, dropout, key_scale, value_scale, attend=cache_attention
-    )
+def cached_attention(q, k, v, cache: decode_state.KVCache, dropout=None):
+    """One decode step of causal attention over a self-attention's ``KVCache``, written as
+    ``xla.cached_attention`` describes (the new key and value written after the read), its read by
+    :func:`cache_attention`: ``(y [b, h, 1, d], the cache written)``."""
+    return xla.cached_attention(q, k, v, cache, dropout, attend=cache_attention)
 
 
 class SparseFeedForwardWeights(NamedTuple):
@@ -243,12 +240,11 @@ def sparse_attention_step(
     convolutions and with ``mode`` the attention) as one backend call.
 
     ``x [b, 1, d]``; ``conv_rows [b, F - 1, S, M]`` (the cached rows of the multiplicative layer's
-    output). ``mode``: ``None`` returns ``([each convolution's [b, 1, S, M_out]], new conv rows)``;
-    ``"self"`` with ``cache = (keys, values, index, key_mask or None, key_scale, value_scale)``
-    (the KV cache, Q, K, V the three convolutions) and ``"cross"`` with ``cache = (keys, values,
-    bias, key_scale, value_scale)`` (the encoder's, Q the one convolution) return ``(y [b, 1, d],
-    new conv rows)``, plus for ``"self"`` the updated keys, values, key and value scales. The scales
-    are ``[b, h, L]`` for an int8 cache, else ``None`` (``terra/layers/kv_cache.py``).
+    output). ``mode``: ``None`` returns ``([each convolution's [b, 1, S, M_out]], new conv rows,
+    None)``; ``"self"`` over the layer's own ``KVCache`` ``cache`` (Q, K, V the three convolutions)
+    returns ``(y [b, 1, d], new conv rows, the cache written)`` and ``"cross"`` over the encoder's
+    ``KVCache`` (Q the one convolution) ``(y [b, 1, d], new conv rows, None)``
+    (``terra/backends/decode_state.py``).
     ``unfused(x, conv_rows, cache)`` computes the same from the other primitives and runs on the
     platforms without the fused form. ``None`` where no backend fuses these weights."""
     forms = _native_forms("sparse_attention_step", x, weights, conv_rows, mode, cache)

@@ -10,13 +10,14 @@ bytes alone; that still runs at about half the bandwidth, which is why the CPU b
 """
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from terra.quantization.quantized import QuantizedTensor, quantize, widen
+from terra.backends.decode_state import KVCache
+from terra.quantization.quantized import QuantizedTensor, widen
 
 # Widened float32 elements per block: 4 MiB, about the size of a core's L2 plus part of the L3
 # slice, where the measured time stops improving (docs/design/cpu_decoding.md).
@@ -184,7 +185,7 @@ def cache_weighted_values(probs: jax.Array, values: jax.Array, value_scale: Opti
 
 def _widened_positions(cache: jax.Array, start, size: int) -> jax.Array:
     """Positions ``[start, start + size)`` of a narrow cache ``[b, h, L, d]`` as float32 (int8
-    unscaled). A bfloat16 cache is stored as its ``uint16`` bits (``terra/layers/kv_cache.py``),
+    unscaled). A bfloat16 cache is stored as its ``uint16`` bits (``terra/backends/decode_state.py``),
     widened shifted into a float32's high half in the slice's fused loop."""
     block = lax.dynamic_slice_in_dim(cache, start, size, axis=2)
     if block.dtype == jnp.uint16:
@@ -202,7 +203,7 @@ def _over_positions(cache: jax.Array, product, add, out_shape):
 def cache_attention(q, keys, values, bias, key_scale=None, value_scale=None, visible=None, own=None, dropout=None):
     """One decode step's attention of one query per head over a whole cache: ``q [b, h, 1, d]``
     (float, scaled by ``d ** -0.5``), the cache's ``keys``/``values [b, h, L, d]`` as it stores them
-    (``terra/layers/kv_cache.py``: float, int8 with ``key_scale``/``value_scale [b, h, L]``, or
+    (``terra/backends/decode_state.py``: float, int8 with ``key_scale``/``value_scale [b, h, L]``, or
     bfloat16 bits), ``bias [b, L]`` added to the logits (``MASK_VALUE`` hides a position), and for
     self-attention ``own = (k, v)`` ``[b, h, 1, d]``, the query's own key and value, attended to
     beside the cache. ``visible`` (int32 ``[]``) promises that the bias hides every position from
@@ -225,69 +226,27 @@ def cache_attention(q, keys, values, bias, key_scale=None, value_scale=None, vis
     return y
 
 
-def cached_attention(
-    q,
-    k,
-    v,
-    cached_key,
-    cached_value,
-    index,
-    key_mask=None,
-    dropout=None,
-    key_scale=None,
-    value_scale=None,
-    attend=cache_attention,
-):
-    """One decode step of causal attention over a KV cache: q, k, v ``[b, h, 1, d]`` (the new
-    position), the caches ``[b, h, max_len, d]`` with positions ``< index`` written (and, where a
-    prefill padded some, ``key_mask [b, max_len]`` true for real ones). Returns ``y [b, h, 1, d]``
-    and the caches with k and v written at ``index``.
-
-    Narrow caches (``terra/layers/kv_cache.py``): caches of another dtype than ``q`` (bfloat16
-    bits in ``uint16``, or int8 with ``key_scale``/``value_scale [b, h, max_len]``) are read narrow
-    and the new key and value written narrow; with scales the result is ``(y, cached_key,
-    cached_value, key_scale, value_scale)``. The new position attends to its own k and v exactly.
+def cached_attention(q, k, v, cache: KVCache, dropout=None, attend=cache_attention) -> Tuple[jax.Array, KVCache]:
+    """One decode step of causal attention over a self-attention's :class:`KVCache`: q, k, v
+    ``[b, h, 1, d]`` (the new position), the cache's positions ``< cache.index`` written (and,
+    where a prefill padded some, ``cache.key_mask`` true for real ones). Returns ``(y [b, h, 1, d],
+    the cache with k and v written narrow at its index)``. The new position attends to its own k
+    and v exactly; a narrow cache (``terra/backends/decode_state.py``) is read narrow.
 
     ``attend``: the attention's read, :func:`cache_attention`'s signature (this form, or a
     backend's that reads only the visible positions). It attends over the cache as it was plus the
-    new token, then writes the new key and value in place. XLA:CPU copies a donated buffer that is
-    both read and updated in one step unless the update provably comes after the reads (two full
-    copies of every cache per layer per token; docs/architecture.md): :func:`write_after_read`
-    gives the update that data dependency."""
-    max_len = cached_key.shape[2]
+    new token, then the new key and value are written in place after the read
+    (:meth:`KVCache.written`)."""
+    max_len = cache.max_length
     scale = jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
-    visible = jnp.arange(max_len)[None, :] < index
-    if key_mask is not None:
-        visible = visible & key_mask
+    visible = jnp.arange(max_len)[None, :] < cache.index
+    if cache.key_mask is not None:
+        visible = visible & cache.key_mask
     bias = jnp.broadcast_to(jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32), (q.shape[0], max_len))
-    y = attend(q * scale, cached_key, cached_value, bias, key_scale, value_scale, index, (k, v), dropout)
-    (k, new_key_scale), (v, new_value_scale) = (_narrow_like(t, cached_key, key_scale) for t in (k, v))
-    cached_key = lax.dynamic_update_slice(cached_key, write_after_read(k, y, index), (0, 0, index, 0))
-    cached_value = lax.dynamic_update_slice(cached_value, write_after_read(v, y, index), (0, 0, index, 0))
-    if key_scale is None:
-        return y, cached_key, cached_value
-    key_scale = lax.dynamic_update_slice(key_scale, write_after_read(new_key_scale, y, index), (0, 0, index))
-    value_scale = lax.dynamic_update_slice(value_scale, write_after_read(new_value_scale, y, index), (0, 0, index))
-    return y, cached_key, cached_value, key_scale, value_scale
-
-
-def _narrow_like(x: jax.Array, cache: jax.Array, scale: Optional[jax.Array]):
-    """``x [b, h, 1, d]`` as ``cache`` stores it: ``(values, scales [b, h, 1] or None)``; int8 as
-    ``terra.layers.kv_cache.narrow`` stores it (the weights' int8, one scale per row)."""
-    if scale is not None:
-        q = quantize(x, "int8")
-        return q.values, q.scale
-    if cache.dtype == jnp.uint16:  # bfloat16 bits
-        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
-    return x.astype(cache.dtype), None
-
-
-def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:
-    """``update`` unchanged, but data-dependent on ``read`` so XLA schedules the cache read
-    before the in-place cache write. The added term is selected by a predicate that is
-    false at run time but unknown at compile time, so it is exactly 0 (NaN-safe)."""
-    dependency = jnp.where(index < 0, jnp.sum(read), 0.0)
-    return update + dependency.astype(update.dtype)
+    y = attend(
+        q * scale, cache.key, cache.value, bias, cache.key_scale, cache.value_scale, cache.index, (k, v), dropout
+    )
+    return y, cache.written(k, v, after=y)
 
 
 def attention_in_query_chunks(q, k, v, bias, *, causal: bool, chunk: int) -> jax.Array:

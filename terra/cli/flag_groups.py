@@ -154,7 +154,7 @@ def define_weights_dtype_flag(flag_values: flags.FlagValues, default: Optional[s
     )
 
 
-# terra.layers.kv_cache.CACHE_DTYPES, spelled out for the same reason (tests/test_cli.py checks).
+# terra.backends.decode_state.CACHE_DTYPES, spelled out for the same reason (tests/test_cli.py checks).
 CACHE_DTYPES = ("float32", "bfloat16", "int8")
 
 

@@ -6,11 +6,11 @@ Decode caches are stored head-major, ``[batch, heads, length, d_head]``, so the 
 never transposes the cache inside the step (``docs/design/cpu_decoding.md``). Cache variables are
 created on the first decode call, guarded with ``has_variable``: ``init``/prefill *runs*
 the body, so an unguarded index update would advance on creation
-(``docs/design/jax_stack.md``, pitfall 7).
+(``docs/design/jax_stack.md``, pitfall 7). Each attention layer keeps one cache entry, a
+:class:`~terra.backends.decode_state.KVCache` (``terra/backends/decode_state.py``).
 
-``cache_dtype`` (``terra/layers/kv_cache.py``) stores the decode caches narrow: bfloat16, or int8
-with one float32 scale per (batch, head, position) in ``cached_key_scale``/``cached_value_scale``
-``[batch, heads, length]`` beside the caches. A decode step reads them narrow
+``cache_dtype`` stores the decode caches narrow: bfloat16, or int8 with one float32 scale per
+(batch, head, position), ``[batch, heads, length]``, beside the caches. A decode step reads them narrow
 (``backends.cache_attention``: on the CPU one native call that widens each row in registers);
 float32 leaves the caches as before.
 """
@@ -20,10 +20,10 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from terra.backends import (  # noqa: F401  (attention_in_query_chunks: the XLA form, re-exported)
     MASK_VALUE,
+    KVCache,
     attention_in_query_chunks,
     blocked_attention,
     cache_attention,
@@ -31,7 +31,7 @@ from terra.backends import (  # noqa: F401  (attention_in_query_chunks: the XLA 
     cache_weighted_values,
     cached_attention,
 )
-from terra.layers import axes, kv_cache
+from terra.layers import axes
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
 
@@ -74,7 +74,7 @@ class AttentionBase(nn.Module):
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
     query_chunk_size: int = 512
-    # How the decode caches are stored (kv_cache.CACHE_DTYPES); models set it on decoder attentions.
+    # How the decode caches are stored (decode_state.CACHE_DTYPES); models set it on decoder attentions.
     cache_dtype: str = "float32"
 
     @property
@@ -167,17 +167,6 @@ class AttentionBase(nn.Module):
             return None
         return lambda probs: nn.Dropout(self.dropout_rate)(probs, deterministic=False)
 
-    def _scale_variables(self, shape):
-        """The int8 caches' scale variables ``cached_key_scale``, ``cached_value_scale`` ``[batch,
-        heads, length]`` (ones until written) for caches of ``shape [batch, heads, length, d]``;
-        ``(None, None)`` for caches stored without scales."""
-        if kv_cache.empty((1,), self.cache_dtype)[1] is None:
-            return None, None
-        return tuple(
-            self.variable("cache", name, jnp.ones, shape[:3], jnp.float32)
-            for name in ("cached_key_scale", "cached_value_scale")
-        )
-
     def _causal_attend(
         self,
         q,
@@ -191,93 +180,65 @@ class AttentionBase(nn.Module):
     ):
         """Causal attention over head-major ``[batch, heads, length, d_head]`` q, k, v.
 
-        In decode mode the keys and values of past tokens are the cache variables
-        ``cached_key``/``cached_value`` ``[batch, heads, max_decode_length, d_head]`` with
-        the write position ``cache_index``; the first (cache-creating) call only creates
-        them. Later calls take one token.
+        In decode mode the keys and values of past tokens are this layer's :class:`KVCache`
+        (the variable ``("cache", "kv")``, ``[batch, heads, max_decode_length, d_head]`` with its
+        write position); the first (cache-creating) call only creates it. Later calls take one
+        token.
 
         Prefill: a cache-creating call given ``prefix_mask`` ``[batch, length]`` (1 = real
         token) instead *writes* its ``length`` positions into cache slots ``[0, length)``,
-        records which are real in ``key_mask`` ``[batch, max_decode_length]`` (padded slots
-        are never attended to) and continues at ``cache_index = length``. Terraformer uses
-        this for the encoder prefix of its concatenated decoder sequence.
+        records which are real in the cache's ``key_mask`` (padded slots are never attended to)
+        and continues at position ``length``. Terraformer uses this for the encoder prefix of its
+        concatenated decoder sequence.
         """
         no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
         if not decode:
             return self._attend(q, k, v, no_bias, deterministic, causal=True)
-        initialized = self.has_variable("cache", "cached_key")
-        if not initialized and max_decode_length is None:
-            raise ValueError(f"{type(self).__name__}: the cache-creating decode call needs max_decode_length.")
-        shape = (q.shape[0], k.shape[1], max_decode_length or 0, k.shape[3])
-        stored = kv_cache.storage_dtype(self.cache_dtype, k.dtype)
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, stored)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, stored)
-        key_scale, value_scale = self._scale_variables(shape)
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        if not initialized and prefix_mask is not None:
-            length = q.shape[2]
-            if length >= shape[2]:
+        if self.has_variable("cache", "kv"):
+            if q.shape[2] != 1:
                 raise ValueError(
-                    f"{type(self).__name__}: a prefix of {length} positions leaves no room in a cache of "
-                    f"{shape[2]}; raise max_decode_length."
+                    f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
                 )
-            real = prefix_mask.astype(bool)
-            bias = padding_bias(real)
-            for cache, scale, x in ((cached_key, key_scale, k), (cached_value, value_scale, v)):
-                values, scales = kv_cache.narrow(x, self.cache_dtype)
-                cache.value = lax.dynamic_update_slice(cache.value, values, (0, 0, 0, 0))
-                if scale is not None:
-                    scale.value = lax.dynamic_update_slice(scale.value, scales, (0, 0, 0))
-            key_mask = jnp.ones((shape[0], shape[2]), bool).at[:, :length].set(real)
-            self.put_variable("cache", "key_mask", key_mask)
-            cache_index.value = jnp.asarray(length, jnp.int32)
-            return self._attend(q, k, v, bias, deterministic, causal=True)
-        if not initialized:
-            return self._attend(q, k, v, no_bias, deterministic, causal=True)
-        if q.shape[2] != 1:
-            raise ValueError(
-                f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
-            )
-        index = cache_index.value
-        key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
-        out = cached_attention(
-            q,
-            k,
-            v,
-            cached_key.value,
-            cached_value.value,
-            index,
-            key_mask,
-            dropout=self._probability_dropout(deterministic),
-            key_scale=None if key_scale is None else key_scale.value,
-            value_scale=None if value_scale is None else value_scale.value,
-        )
-        y, cached_key.value, cached_value.value = out[:3]
-        if key_scale is not None:
-            key_scale.value, value_scale.value = out[3:]
-        cache_index.value = index + 1
-        return y
+            dropout = self._probability_dropout(deterministic)
+            y, cache = cached_attention(q, k, v, self.get_variable("cache", "kv"), dropout=dropout)
+            self.put_variable("cache", "kv", cache)
+            return y
+        if max_decode_length is None:
+            raise ValueError(f"{type(self).__name__}: the cache-creating decode call needs max_decode_length.")
+        cache = KVCache.empty((q.shape[0], k.shape[1], max_decode_length, k.shape[3]), self.cache_dtype, k.dtype)
+        bias = no_bias
+        if prefix_mask is not None:
+            if q.shape[2] >= max_decode_length:
+                raise ValueError(
+                    f"{type(self).__name__}: a prefix of {q.shape[2]} positions leaves no room in a cache of "
+                    f"{max_decode_length}; raise max_decode_length."
+                )
+            bias = padding_bias(prefix_mask.astype(bool))
+            cache = cache.prefilled(k, v, prefix_mask, self.cache_dtype)
+        self.put_variable("cache", "kv", cache)
+        return self._attend(q, k, v, bias, deterministic, causal=True)
 
-    def _encoder_keys_values(self, encoded, encoder_mask, *, decode: bool):
-        """Head-major keys, values ``[batch, heads, kv_length, d_head]``, the padding bias of the
-        encoder output and the key and value scales ``[batch, heads, kv_length]`` (``None`` but
-        for an int8 cache); in decode mode computed once, stored as ``cache_dtype`` says, and
-        then read from the cache (the creating call already returns them as stored)."""
-        names = ("cached_key", "cached_value", "encoder_bias", "cached_key_scale", "cached_value_scale")
-        if decode and self.has_variable("cache", "cached_key"):
-            return tuple(self.get_variable("cache", n) if self.has_variable("cache", n) else None for n in names)
+    def _encoder_keys_values(self, encoded, encoder_mask, *, decode: bool) -> KVCache:
+        """The encoder output's head-major keys and values ``[batch, heads, kv_length, d_head]``
+        with its padding ``bias`` as a :class:`KVCache`; in decode mode computed once, stored as
+        ``cache_dtype`` says (the variable ``("cache", "kv")``), and then read from the cache (the
+        creating call already returns them as stored)."""
+        if decode and self.has_variable("cache", "kv"):
+            return self.get_variable("cache", "kv")
         if encoded is None or encoder_mask is None:
             raise ValueError(f"{type(self).__name__} needs the encoder output and mask on its first call.")
         keys, values = (self._heads_first(t) for t in self._project(encoded, 2, "kv"))
         bias = padding_bias(encoder_mask)
         if not decode:
-            return keys, values, bias, None, None
-        (keys, key_scale), (values, value_scale) = (kv_cache.narrow(t, self.cache_dtype) for t in (keys, values))
-        stored = (keys, values, bias, key_scale, value_scale)
-        for name, value in zip(names, stored):
-            if value is not None:
-                self.put_variable("cache", name, value)
-        return stored
+            return KVCache(keys, None, values, None, bias=bias)
+        cache = KVCache.of(keys, values, self.cache_dtype, bias=bias)
+        self.put_variable("cache", "kv", cache)
+        return cache
+
+    def _attend_encoder(self, q, cache: KVCache, deterministic: bool) -> jax.Array:
+        """``q [b, h, lq, d]`` attended over the encoder's keys and values ``cache``."""
+        scales = {"key_scale": cache.key_scale, "value_scale": cache.value_scale}
+        return self._attend(q, cache.key, cache.value, cache.bias, deterministic, **scales)
 
     @staticmethod
     def params_read_per_token(params) -> int:
@@ -356,6 +317,5 @@ class CrossAttention(AttentionBase):
         decode: bool = False,
     ) -> jax.Array:
         q = self._heads_first(self._project(x, 1, "q")[0])
-        keys, values, bias, key_scale, value_scale = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
-        y = self._attend(q, keys, values, bias, deterministic, key_scale=key_scale, value_scale=value_scale)
+        y = self._attend_encoder(q, self._encoder_keys_values(encoded, encoder_mask, decode=decode), deterministic)
         return self._output(self._heads_first(y))

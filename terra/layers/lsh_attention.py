@@ -45,7 +45,7 @@ reference keeps them in the layer state for ``reverse_and_grad``).
 Decode (causal only; the reference's ``_incremental_forward_unbatched``). The cache holds,
 head-major as ``CausalSelfAttention``'s, the normalised keys and the values of every past
 token ``[batch, heads, max_decode_length, d_head]`` (stored as ``cache_dtype``:
-``terra.layers.kv_cache``), their buckets ``[batch, heads, n_hashes, max_decode_length]``
+``terra.backends.decode_state``), their buckets ``[batch, heads, n_hashes, max_decode_length]``
 (−1 = empty or padding) and the rotations. For the new token, past keys are ranked as the
 reference ranks them (``docs/design/reference_code.md`` §4.5) — first those sharing its
 bucket in any hash round, then by recency — and the top
@@ -92,13 +92,17 @@ from jax import lax
 from terra.backends import (
     LSHDecodeCache,
     as_float,
+    check_cache_dtype,
+    empty_rows,
     lsh_bucket_attention,
     lsh_chunk_attention,
     lsh_hash,
+    narrow_rows,
+    widen_rows,
     write_after_read,
 )
 from terra.errors import ConfigError
-from terra.layers import axes, kv_cache
+from terra.layers import axes
 from terra.layers.attention import MASK_VALUE, output_projection
 from terra.layers.dense import Dense
 from terra.layers.initializers import stacked_glorot_uniform
@@ -501,19 +505,19 @@ def append_position(
 
 class _NarrowCache:
     """A head-major ``[batch, heads, max_len, d]`` key or value cache stored as
-    ``cache_dtype`` (``terra.layers.kv_cache``): values in cache variable ``name``, int8's
+    ``cache_dtype`` (``terra.backends.decode_state``): values in cache variable ``name``, int8's
     per-row scales ``[batch, heads, max_len]`` in ``name + '_scale'``."""
 
     def __init__(self, module: nn.Module, name: str, shape: Tuple[int, ...], dtype):
         self.cache_dtype, self.dtype = module.cache_dtype, dtype
-        self.values = module.variable("cache", name, lambda: kv_cache.empty(shape, self.cache_dtype, dtype)[0])
+        self.values = module.variable("cache", name, lambda: empty_rows(shape, self.cache_dtype, dtype)[0])
         self.scales = None
         if self.cache_dtype == "int8":
-            self.scales = module.variable("cache", name + "_scale", lambda: kv_cache.empty(shape, "int8", dtype)[1])
+            self.scales = module.variable("cache", name + "_scale", lambda: empty_rows(shape, "int8", dtype)[1])
 
     def write(self, x: jax.Array, index) -> None:
         """Stores ``x`` ``[batch, heads, n, d]`` at positions ``index .. index + n - 1``."""
-        values, scales = kv_cache.narrow(x, self.cache_dtype)
+        values, scales = narrow_rows(x, self.cache_dtype)
         cache = self.values.value
         values = values.astype(cache.dtype)
         if cache.dtype == jnp.bfloat16:
@@ -533,7 +537,7 @@ class _NarrowCache:
 
     def read(self) -> jax.Array:
         """The whole cache widened to the compute dtype ``[batch, heads, max_len, d]``."""
-        return kv_cache.widen(self.values.value, self.scale_values, self.dtype)
+        return widen_rows(self.values.value, self.scale_values, self.dtype)
 
 
 def read_rows(values: jax.Array, scales: Optional[jax.Array], rows: jax.Array, dtype) -> jax.Array:
@@ -543,7 +547,7 @@ def read_rows(values: jax.Array, scales: Optional[jax.Array], rows: jax.Array, d
     safe = jnp.maximum(rows, 0)
     values = jnp.take_along_axis(values, safe[..., None], axis=2, mode="clip")
     scales = None if scales is None else jnp.take_along_axis(scales, safe, axis=2, mode="clip")
-    return kv_cache.widen(values, scales, dtype)
+    return widen_rows(values, scales, dtype)
 
 
 def attend_with_self(q, self_logit, v, keys, values, valid, dropout) -> jax.Array:
@@ -590,7 +594,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
       decode_candidates: how a decode step finds its keys: 'buckets' (the default: from
         per-bucket position lists, O(n_keep) per step) or 'all' (ranking the whole cache,
         O(max_decode_length); the same keys, kept as the reference for tests).
-      cache_dtype: how the decode key/value cache is stored (``terra.layers.kv_cache``:
+      cache_dtype: how the decode key/value cache is stored (``terra.backends.decode_state``:
         'float32' as computed, 'bfloat16', or 'int8' with a float32 scale per row); a step
         widens only the rows it keeps.
 
@@ -650,7 +654,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             raise ConfigError(
                 f"LSHSelfAttention.decode_candidates={self.decode_candidates!r}; use one of {DECODE_CANDIDATES}."
             )
-        kv_cache.check_cache_dtype(self.cache_dtype)
+        check_cache_dtype(self.cache_dtype)
         if decode and not self.causal:
             raise ConfigError(
                 "LSHSelfAttention: decode needs causal=True (the reference supports only causal fast inference)."

@@ -166,10 +166,10 @@ class ConvolutionCacheMixin:
         of about twenty operations (``docs/decode_speed.md``).
 
         ``attention``: ``None`` returns each convolution's output ``[b, 1, S, M]``; ``"self"``
-        (Q, K, V) attends causally over this module's KV cache and ``("cross", keys, values,
-        bias, key_scale, value_scale)`` over the encoder's, each returning ``y [b, 1, d_model]``,
-        where the S modules are the heads (otherwise the convolutions' outputs are returned and the
-        caller attends).
+        (Q, K, V) attends causally over this module's :class:`KVCache` and a ``KVCache`` (the
+        encoder's keys and values) over it, each returning ``y [b, 1, d_model]``, where the S
+        modules are the heads (otherwise the convolutions' outputs are returned and the caller
+        attends).
         Returns ``None`` where the fused call does not apply (training, prefill, no backend fusing
         these weights: float32 weights, a batch past the kernel's rows), and the caller computes
         the layers one by one."""
@@ -182,20 +182,14 @@ class ConvolutionCacheMixin:
         n_modules = gate.shape[0]
         if attention is not None and (n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0)):
             attention = None
-        if attention == "self" and not self.has_variable("cache", "cached_key"):
+        if attention == "self" and not self.has_variable("cache", "kv"):
             attention = None
-        mode = attention if attention in (None, "self") else attention[0]
-        if mode == "self":
-            key_mask = self.get_variable("cache", "key_mask") if self.has_variable("cache", "key_mask") else None
-            cache = (self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value"))
-            cache += (self.get_variable("cache", "cache_index"), key_mask)
-            # The scales of an int8 cache (kv_cache), None for caches stored without them.
-            cache += tuple(
-                self.get_variable("cache", name) if self.has_variable("cache", name) else None
-                for name in ("cached_key_scale", "cached_value_scale")
-            )
+        if attention is None:
+            mode, cache = None, None
+        elif attention == "self":
+            mode, cache = "self", self.get_variable("cache", "kv")
         else:
-            cache = None if mode is None else tuple(attention[1:])
+            mode, cache = "cross", attention
         weights = backends.SparseAttentionWeights(
             gate, kernel, bias, tuple(convolution.stored_weights() for convolution in convolutions)
         )
@@ -204,32 +198,24 @@ class ConvolutionCacheMixin:
             window = jnp.concatenate([conv_rows, mult(x)], axis=1)
             outs = [convolution(window, causal_pad=False) for convolution in convolutions]
             if mode is None:
-                return outs, window[:, 1:]
+                return outs, window[:, 1:], None
             heads = [self._heads_first(o.reshape(batch, 1, self.n_heads, -1)) for o in outs]
+            written = None
             if mode == "self":
-                keys, values, index, key_mask, key_scale, value_scale = cache
-                out = cached_attention(*heads, keys, values, index, key_mask, None, key_scale, value_scale)
-                y, extra = out[0], tuple(out[1:]) + ((None, None) if key_scale is None else ())
+                y, written = cached_attention(*heads, cache)
             else:
-                keys, values, bias, key_scale, value_scale = cache
-                y = self._attend(heads[0], keys, values, bias, True, key_scale=key_scale, value_scale=value_scale)
-                extra = ()
-            return (self._heads_first(y).reshape(batch, 1, -1), window[:, 1:]) + extra
+                y = self._attend_encoder(heads[0], cache, True)
+            return self._heads_first(y).reshape(batch, 1, -1), window[:, 1:], written
 
         conv_rows = self.get_variable("cache", "conv_rows")
         result = backends.sparse_attention_step(x, weights, conv_rows, mode, cache, unfused)
         if result is None:
             return None
-        self.put_variable("cache", "conv_rows", result[1])
-        if mode == "self":
-            self.put_variable("cache", "cached_key", result[2])
-            self.put_variable("cache", "cached_value", result[3])
-            if result[4] is not None:
-                self.put_variable("cache", "cached_key_scale", result[4])
-                self.put_variable("cache", "cached_value_scale", result[5])
-            index = self.get_variable("cache", "cache_index")
-            self.put_variable("cache", "cache_index", index + 1)
-        return result[0]
+        out, new_rows, written = result
+        self.put_variable("cache", "conv_rows", new_rows)
+        if written is not None:
+            self.put_variable("cache", "kv", written)
+        return out
 
 
 class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
@@ -336,8 +322,8 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
         mult = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")
         q_conv = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")
         fused = None
-        if decode and self.has_variable("cache", "cached_key"):
-            cached = ("cross",) + self._encoder_keys_values(encoded, encoder_mask, decode=decode)
+        if decode and self.has_variable("cache", "kv"):
+            cached = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
             fused = self.fused_decode(x, mult, [q_conv], decode, deterministic, cached)
             if fused is not None and not isinstance(fused, list):  # the attention is in the call too
                 return fused
@@ -347,8 +333,7 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
             window, causal_pad = self.conv_window(mult(x), self.length_kernel_size, decode)
             q = q_conv(window, causal_pad=causal_pad)
         q = self._heads_first(q.reshape(batch, -1, self.n_heads, self.d_head))
-        keys, values, bias, key_scale, value_scale = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
-        y = self._attend(q, keys, values, bias, deterministic, key_scale=key_scale, value_scale=value_scale)
+        y = self._attend_encoder(q, self._encoder_keys_values(encoded, encoder_mask, decode=decode), deterministic)
         return self._heads_first(y).reshape(batch, -1, self.d_model)
 
 

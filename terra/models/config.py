@@ -49,7 +49,7 @@ class TransformerConfig:
       cache_dtype: how the decoder-side attentions store their decode caches (the self-attention
         KV cache and the cross-attention's encoder keys/values): 'float32' (the computation dtype,
         as before), 'bfloat16' or 'int8' (one float32 scale per batch, head and position;
-        ``terra/layers/kv_cache.py``). Training and the encoder are unaffected.
+        ``terra/backends/decode_state.py``). Training and the encoder are unaffected.
     """
 
     vocab_size: int = 32000
@@ -105,7 +105,7 @@ class TransformerConfig:
                 "(one dropout mask per example, shared over positions), False (one per position) or None "
                 "(the model family's reference choice)."
             )
-        from terra.layers.kv_cache import check_cache_dtype
+        from terra.backends.decode_state import check_cache_dtype
 
         check_cache_dtype(self.cache_dtype)
         if self.dtype not in _DTYPES:
