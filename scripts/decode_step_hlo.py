@@ -41,6 +41,8 @@ VARIANTS = {
 BATCH, INPUT_LENGTH, DECODE_LENGTH = 2, 12, 8
 # A cache array's name, by its own name or field, and the names of the groups that hold them.
 CACHE_NAMES = {
+    "conv_rows": "rows",
+    "position": "index",
     "cache_index": "index",
     "cached_key": "key",
     "cached_value": "value",
@@ -48,12 +50,12 @@ CACHE_NAMES = {
     "cached_value_scale": "value_scale",
     "encoder_bias": "bias",
 }
-CACHE_GROUPS = {"kv", "attention", "convolution"}
+CACHE_GROUPS = {"kv", "conv_rows", "position", "carry"}
 
 
 def _name(path) -> str:
     parts = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    parts = [p for p in parts if p not in CACHE_GROUPS]
+    parts = [p for p in parts[:-1] if p not in CACHE_GROUPS] + parts[-1:]
     return "/".join(parts[:-1] + [CACHE_NAMES.get(parts[-1], parts[-1])])
 
 

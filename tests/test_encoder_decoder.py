@@ -97,7 +97,7 @@ def test_prefill_creates_caches_without_advancing_them(tiny_model):
     assert int(layer.index) == 0
     assert layer.key.shape == (2, model.config.n_heads, 16, model.config.d_head)
     assert not np.any(np.asarray(layer.key))
-    assert int(cache["decoder_positions"]["position"]) == 0
+    assert int(cache["decoder_positions"]["position"].index) == 0
     assert cache["decoder_0"]["cross_attention"]["kv"].key.shape == (
         2,
         model.config.n_heads,

@@ -6,10 +6,16 @@ what runs them: a native call on the CPU (``cpu``, over ``native_kernels``), XLA
 
 from terra.backends.decode_state import (
     CACHE_DTYPES,
+    ConvolutionRows,
+    DecodePosition,
     KVCache,
+    RecurrentState,
     check_cache_dtype,
     empty_rows,
+    get_state,
+    has_state,
     narrow_rows,
+    put_state,
     storage_dtype,
     widen_rows,
 )
@@ -44,10 +50,16 @@ from terra.quantization.quantized import as_float
 
 __all__ = [
     "CACHE_DTYPES",
+    "ConvolutionRows",
+    "DecodePosition",
     "KVCache",
+    "RecurrentState",
     "check_cache_dtype",
     "empty_rows",
+    "get_state",
+    "has_state",
     "narrow_rows",
+    "put_state",
     "storage_dtype",
     "widen_rows",
     "LSHDecodeCache",

@@ -106,6 +106,28 @@ def empty_rows(shape, cache_dtype: str, dtype=jnp.float32) -> tuple[jax.Array, O
     return values, scales
 
 
+# The Flax collection decode state lives in (``mutable=["cache"]``), each layer's entry a variable
+# named by its type's ``NAME``.
+COLLECTION = "cache"
+
+
+def has_state(module, kind) -> bool:
+    """Whether the Flax ``module`` holds its decode state of type ``kind`` (created by an earlier
+    decode call)."""
+    return module.has_variable(COLLECTION, kind.NAME)
+
+
+def get_state(module, kind):
+    """The Flax ``module``'s decode state of type ``kind`` (``has_state`` first)."""
+    return module.get_variable(COLLECTION, kind.NAME)
+
+
+def put_state(module, state) -> None:
+    """Stores ``state`` as the Flax ``module``'s decode state of its type (creating it on a
+    cache-creating call)."""
+    module.put_variable(COLLECTION, type(state).NAME, state)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -122,6 +144,8 @@ class KVCache:
       bias: float32 ``[batch, 1, 1, length]``, a cross-attention's additive padding bias of the
         encoder output.
     """
+
+    NAME = "kv"
 
     # The field order is the pytree's leaf order: the order of the compiled decode programs'
     # arguments and of every sum over the cache's leaves (each array before its scale).
@@ -199,6 +223,35 @@ class KVCache:
         if self.key.dtype == jnp.uint16:
             return narrow_rows(x, "bfloat16")
         return x.astype(self.key.dtype), None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ConvolutionRows:
+    """A causal convolution's window kept between decode steps (a sparse QKV or LSH layer's
+    multiplicative output, paper §2.2): ``rows [batch, F - 1, S, M]``, the last ``F - 1`` positions'
+    rows, zeros before the first."""
+
+    NAME = "conv_rows"
+    rows: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePosition:
+    """A positional embedding's next position: ``index`` int32 ``[]``."""
+
+    NAME = "position"
+    index: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentState:
+    """An SRU's carried state ``carry [batch, units]`` float32 (paper §4.3)."""
+
+    NAME = "carry"
+    carry: jax.Array
 
 
 def write_after_read(update: jax.Array, read: jax.Array, index: jax.Array) -> jax.Array:

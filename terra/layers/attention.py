@@ -30,6 +30,9 @@ from terra.backends import (  # noqa: F401  (attention_in_query_chunks: the XLA 
     cache_logits,
     cache_weighted_values,
     cached_attention,
+    get_state,
+    has_state,
+    put_state,
 )
 from terra.layers import axes
 from terra.layers.dense import Dense
@@ -181,7 +184,7 @@ class AttentionBase(nn.Module):
         """Causal attention over head-major ``[batch, heads, length, d_head]`` q, k, v.
 
         In decode mode the keys and values of past tokens are this layer's :class:`KVCache`
-        (the variable ``("cache", "kv")``, ``[batch, heads, max_decode_length, d_head]`` with its
+        (its one decode-state entry, ``[batch, heads, max_decode_length, d_head]`` with its
         write position); the first (cache-creating) call only creates it. Later calls take one
         token.
 
@@ -194,14 +197,14 @@ class AttentionBase(nn.Module):
         no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
         if not decode:
             return self._attend(q, k, v, no_bias, deterministic, causal=True)
-        if self.has_variable("cache", "kv"):
+        if has_state(self, KVCache):
             if q.shape[2] != 1:
                 raise ValueError(
                     f"{type(self).__name__} decode step expects one token per call, got {q.shape[2]} positions."
                 )
             dropout = self._probability_dropout(deterministic)
-            y, cache = cached_attention(q, k, v, self.get_variable("cache", "kv"), dropout=dropout)
-            self.put_variable("cache", "kv", cache)
+            y, cache = cached_attention(q, k, v, get_state(self, KVCache), dropout=dropout)
+            put_state(self, cache)
             return y
         if max_decode_length is None:
             raise ValueError(f"{type(self).__name__}: the cache-creating decode call needs max_decode_length.")
@@ -215,16 +218,16 @@ class AttentionBase(nn.Module):
                 )
             bias = padding_bias(prefix_mask.astype(bool))
             cache = cache.prefilled(k, v, prefix_mask, self.cache_dtype)
-        self.put_variable("cache", "kv", cache)
+        put_state(self, cache)
         return self._attend(q, k, v, bias, deterministic, causal=True)
 
     def _encoder_keys_values(self, encoded, encoder_mask, *, decode: bool) -> KVCache:
         """The encoder output's head-major keys and values ``[batch, heads, kv_length, d_head]``
         with its padding ``bias`` as a :class:`KVCache`; in decode mode computed once, stored as
-        ``cache_dtype`` says (the variable ``("cache", "kv")``), and then read from the cache (the
+        ``cache_dtype`` says (the layer's decode-state entry), and then read from the cache (the
         creating call already returns them as stored)."""
-        if decode and self.has_variable("cache", "kv"):
-            return self.get_variable("cache", "kv")
+        if decode and has_state(self, KVCache):
+            return get_state(self, KVCache)
         if encoded is None or encoder_mask is None:
             raise ValueError(f"{type(self).__name__} needs the encoder output and mask on its first call.")
         keys, values = (self._heads_first(t) for t in self._project(encoded, 2, "kv"))
@@ -232,7 +235,7 @@ class AttentionBase(nn.Module):
         if not decode:
             return KVCache(keys, None, values, None, bias=bias)
         cache = KVCache.of(keys, values, self.cache_dtype, bias=bias)
-        self.put_variable("cache", "kv", cache)
+        put_state(self, cache)
         return cache
 
     def _attend_encoder(self, q, cache: KVCache, deterministic: bool) -> jax.Array:

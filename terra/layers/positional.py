@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from terra.backends import as_float, slice_rows
+from terra.backends import DecodePosition, as_float, get_state, has_state, put_state, slice_rows
 from terra.layers import axes
 
 
@@ -74,12 +74,11 @@ class TrainablePositionalEmbedding(nn.Module):
                 )
             start = self._start(length, deterministic)
             return x + lax.dynamic_slice_in_dim(table, start, length, axis=0)[None]
-        initialized = self.has_variable("cache", "position")
-        position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
-        if not initialized:
+        if not has_state(self, DecodePosition):
             # Cache-creating call: the output is discarded by the caller.
+            put_state(self, DecodePosition(jnp.zeros((), jnp.int32)))
             return x + slice_rows(table, 0, length).astype(self.dtype)[None]
-        pos = position.value
-        position.value = pos + length
+        pos = get_state(self, DecodePosition).index
+        put_state(self, DecodePosition(pos + length))
         # A decode tree's table may be narrow: only the rows read are widened.
         return x + slice_rows(table, pos, length).astype(self.dtype)[None]

@@ -22,7 +22,17 @@ import jax
 import jax.numpy as jnp
 
 from terra import backends
-from terra.backends import as_float, cached_attention, input_major_product, module_convolution
+from terra.backends import (
+    ConvolutionRows,
+    KVCache,
+    as_float,
+    cached_attention,
+    get_state,
+    has_state,
+    input_major_product,
+    module_convolution,
+    put_state,
+)
 from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.attention import AttentionBase
@@ -135,19 +145,18 @@ class ConvolutionCacheMixin:
         """
         if not decode or length_kernel_size == 1:
             return u, True
-        initialized = self.has_variable("cache", "conv_rows")
         history = length_kernel_size - 1
-        shape = (u.shape[0], history) + u.shape[2:]
-        rows = self.variable("cache", "conv_rows", jnp.zeros, shape, u.dtype)
-        if not initialized:
+        if not has_state(self, ConvolutionRows):
+            rows = jnp.zeros((u.shape[0], history) + u.shape[2:], u.dtype)
             if prefix_mask is not None:
                 n_real = jnp.sum(prefix_mask.astype(jnp.int32), axis=1)
                 padded = jnp.pad(u, ((0, 0), (history, 0)) + ((0, 0),) * (u.ndim - 2))
                 take = lambda t, n: jax.lax.dynamic_slice_in_dim(t, n, history, axis=0)  # noqa: E731
-                rows.value = jax.vmap(take)(padded, n_real)
+                rows = jax.vmap(take)(padded, n_real)
+            put_state(self, ConvolutionRows(rows))
             return u, True
-        window = jnp.concatenate([rows.value, u], axis=1)
-        rows.value = window[:, -(length_kernel_size - 1) :]
+        window = jnp.concatenate([get_state(self, ConvolutionRows).rows, u], axis=1)
+        put_state(self, ConvolutionRows(window[:, -history:]))
         return window, False
 
     def fused_decode(
@@ -177,17 +186,17 @@ class ConvolutionCacheMixin:
         if not decode or length_kernel_size < 2 or x.ndim != 3 or x.shape[1] != 1 or self.dtype != jnp.float32:
             return None
         gate, kernel, bias = mult.stored_weights()
-        if not self.has_variable("cache", "conv_rows") or gate is None:
+        if not has_state(self, ConvolutionRows) or gate is None:
             return None
         n_modules = gate.shape[0]
         if attention is not None and (n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0)):
             attention = None
-        if attention == "self" and not self.has_variable("cache", "kv"):
+        if attention == "self" and not has_state(self, KVCache):
             attention = None
         if attention is None:
             mode, cache = None, None
         elif attention == "self":
-            mode, cache = "self", self.get_variable("cache", "kv")
+            mode, cache = "self", get_state(self, KVCache)
         else:
             mode, cache = "cross", attention
         weights = backends.SparseAttentionWeights(
@@ -207,14 +216,14 @@ class ConvolutionCacheMixin:
                 y = self._attend_encoder(heads[0], cache, True)
             return self._heads_first(y).reshape(batch, 1, -1), window[:, 1:], written
 
-        conv_rows = self.get_variable("cache", "conv_rows")
+        conv_rows = get_state(self, ConvolutionRows).rows
         result = backends.sparse_attention_step(x, weights, conv_rows, mode, cache, unfused)
         if result is None:
             return None
         out, new_rows, written = result
-        self.put_variable("cache", "conv_rows", new_rows)
+        put_state(self, ConvolutionRows(new_rows))
         if written is not None:
-            self.put_variable("cache", "kv", written)
+            put_state(self, written)
         return out
 
 
@@ -322,7 +331,7 @@ class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
         mult = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")
         q_conv = ModuleConvolution(m, self.length_kernel_size, self.module_kernel_size, dtype=self.dtype, name="q_conv")
         fused = None
-        if decode and self.has_variable("cache", "kv"):
+        if decode and has_state(self, KVCache):
             cached = self._encoder_keys_values(encoded, encoder_mask, decode=decode)
             fused = self.fused_decode(x, mult, [q_conv], decode, deterministic, cached)
             if fused is not None and not isinstance(fused, list):  # the attention is in the call too

@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from terra.backends import RecurrentState, get_state, has_state, put_state
 from terra.layers import axes
 from terra.layers.dense import Dense
 from terra.layers.normalization import LayerNorm
@@ -128,11 +129,11 @@ class SRU(nn.Module):
             b = jnp.where(keep, b, 0.0)
 
         if decode:
-            initialized = self.has_variable("cache", "carry")
-            carry = self.variable("cache", "carry", jnp.zeros, (batch, n), jnp.float32)
-            c = linear_recurrence(a, b, carry.value, parallel=_use_parallel_scan(self.parallel_scan))
-            if initialized or prefill:  # A plain cache-creating call must not advance the state.
-                carry.value = c[:, -1]
+            initialized = has_state(self, RecurrentState)
+            carry = get_state(self, RecurrentState).carry if initialized else jnp.zeros((batch, n), jnp.float32)
+            c = linear_recurrence(a, b, carry, parallel=_use_parallel_scan(self.parallel_scan))
+            # A plain cache-creating call must not advance the state.
+            put_state(self, RecurrentState(c[:, -1] if initialized or prefill else carry))
         else:
             c = linear_recurrence(a, b, parallel=_use_parallel_scan(self.parallel_scan))
 
