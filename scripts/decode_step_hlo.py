@@ -49,8 +49,9 @@ CACHE_NAMES = {
     "cached_key_scale": "key_scale",
     "cached_value_scale": "value_scale",
     "encoder_bias": "bias",
+    "cached_buckets": "buckets",
 }
-CACHE_GROUPS = {"kv", "conv_rows", "position", "carry"}
+CACHE_GROUPS = {"kv", "lsh", "conv_rows", "position", "carry"}
 
 
 def _name(path) -> str:

@@ -3,6 +3,7 @@ each input length with its prefill, cache reads, floors and peak memory; rows th
 skipped with the reason; the decoder cache sized from the tokens decoded, not the input; the
 cache bytes an LSH step really reads. Tiny models only; timings are printed, never asserted."""
 
+import dataclasses
 import json
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from terra import errors, gin_utils
+from terra.backends.decode_state import KVCache, LSHCache
 from terra.benchmarks import decode_speed, presets, report
 from terra.decoding.decode_step import IncrementalDecoder
 
@@ -185,17 +187,21 @@ def _s(shape, dtype=jnp.float32):
 
 def test_cache_reads_count_an_lsh_layers_kept_rows_and_narrow_caches_at_their_itemsize():
     heads, rows, d, hashes = 2, 100, 8, 2
-    lsh = {
-        "cached_key": _s((1, heads, rows, d), jnp.int8),
-        "cached_key_scale": _s((1, heads, rows)),
-        "cached_value": _s((1, heads, rows, d), jnp.int8),
-        "cached_value_scale": _s((1, heads, rows)),
-        "cached_buckets": _s((1, heads, hashes, rows), jnp.int32),
-        "rotations": _s((heads, d, hashes, 4)),
-        "cache_index": _s((), jnp.int32),
-    }
-    dense = {"cached_key": _s((1, heads, rows, d), jnp.bfloat16), "cache_index": _s((), jnp.int32)}
-    cache = {"decoder": {"lsh_0": lsh, "attention_0": dense}, "position": _s((), jnp.int32)}
+    lsh = LSHCache(
+        bucket_counts=None,
+        bucket_positions=None,
+        index=_s((), jnp.int32),
+        buckets=_s((1, heads, hashes, rows), jnp.int32),
+        key=_s((1, heads, rows, d), jnp.int8),
+        key_scale=_s((1, heads, rows)),
+        value=_s((1, heads, rows, d), jnp.int8),
+        value_scale=_s((1, heads, rows)),
+        recent_counts=None,
+        recent_positions=None,
+        rotations=_s((heads, d, hashes, 4)),
+    )
+    dense = {"kv": KVCache(_s((1, heads, rows, d), jnp.bfloat16), None, _s((0,)), None, index=_s((), jnp.int32))}
+    cache = {"decoder": {"lsh_0": {"lsh": lsh}, "attention_0": dense}, "position": _s((), jnp.int32)}
     settings = {("decoder", "lsh_0"): {"n_hashes": hashes, "chunk_len": 4, "n_chunks_before": 1, "std_length": None}}
     kept = hashes * 4 * 2 - 1  # 15 of the 100 rows
     assert decode_speed.lsh_kept_rows(settings[("decoder", "lsh_0")], rows) == kept
@@ -211,8 +217,9 @@ def test_cache_reads_count_an_lsh_layers_kept_rows_and_narrow_caches_at_their_it
     whole = {**settings[("decoder", "lsh_0")], "std_length": 128}
     assert decode_speed.cache_reads_per_token(cache, {("decoder", "lsh_0"): whole})["total"] == reads["stored"]
     # With bucket lists: the token's own list per round, and the buckets of the candidates.
-    listed = {**lsh, "bucket_positions": _s((1, heads, hashes, 8, kept), jnp.int32)}
-    listed["bucket_counts"] = _s((1, heads, hashes, 8), jnp.int32)
+    lists = {"bucket_positions": _s((1, heads, hashes, 8, kept), jnp.int32)}
+    lists["bucket_counts"] = _s((1, heads, hashes, 8), jnp.int32)
+    listed = {"lsh": dataclasses.replace(lsh, **lists)}
     reads = decode_speed.cache_reads_per_token({"lsh_0": listed}, {("lsh_0",): settings[("decoder", "lsh_0")]})
     candidates = min(rows, (hashes + 1) * kept)
     expected = lsh_read - heads * hashes * rows * 4 + heads * hashes * candidates * 4
@@ -232,7 +239,7 @@ def test_the_lsh_layers_a_step_runs_are_found_with_their_settings():
         node = cache
         for name in path:
             node = node[name]
-        assert node["cached_buckets"].shape[-1] == 106  # the input and the decoded tokens
+        assert node["lsh"].buckets.shape[-1] == 106  # the input and the decoded tokens
     reads = decode_speed.cache_reads_per_token(cache, found)
     assert 0 < reads["lsh"] < reads["total"] < reads["stored"]
 

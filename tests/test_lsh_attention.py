@@ -313,15 +313,15 @@ def test_incremental_decode_matches_full_forward_within_one_chunk(weights_format
     variables = _init(layer)
     full = _apply(layer, variables, x, _no_padding(x))
     _, cache = _apply(layer, variables, x[:, :1], decode=True, max_decode_length=max_len, mutable=("cache",))
-    assert cache["cache"]["cached_key"].shape == (2, H, max_len, D // H)  # head-major
-    assert int(cache["cache"]["cache_index"]) == 0  # the cache-creating call writes nothing
+    assert cache["cache"]["lsh"].key.shape == (2, H, max_len, D // H)  # head-major
+    assert int(cache["cache"]["lsh"].index) == 0  # the cache-creating call writes nothing
     outputs = []
     for t in range(CHUNK):
         y, cache = _step(layer, variables, cache, x[:, t : t + 1])
         outputs.append(y)
     np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=1e-5, rtol=1e-5)
-    assert int(cache["cache"]["cache_index"]) == CHUNK
-    assert (np.asarray(cache["cache"]["cached_buckets"])[..., :CHUNK] >= 0).all()
+    assert int(cache["cache"]["lsh"].index) == CHUNK
+    assert (np.asarray(cache["cache"]["lsh"].buckets)[..., :CHUNK] >= 0).all()
 
 
 def test_sparse_shared_qk_is_one_convolution_with_the_averaged_weights():
@@ -382,22 +382,22 @@ def test_decode_beyond_one_chunk_prefers_same_bucket_keys():
         _, cache = _step(layer, variables, cache, x[:, t : t + 1])
     y, _ = _step(layer, variables, cache, x[:, 12:13])
 
-    c = jax.tree.map(np.asarray, cache["cache"])
+    c = jax.tree.map(np.asarray, cache["cache"]["lsh"])
     p = jax.tree.map(np.asarray, nn.unbox(variables["params"]))
     qv = np.einsum("hsed,d->hse", p["qv"]["kernel"], np.asarray(x[0, 12])) + p["qv"]["bias"]  # [h, 2, 8]
     q, v = qv[:, 0], qv[:, 1]
-    rotated = np.einsum("hd,hrkd->hrk", q, c["rotations"])  # stored [heads, rounds, n_buckets / 2, d]
+    rotated = np.einsum("hd,hrkd->hrk", q, c.rotations)  # stored [heads, rounds, n_buckets / 2, d]
     q_buckets = np.argmax(np.concatenate([rotated, -rotated], -1), -1)  # [h, rounds]
     q_norm = q / np.sqrt(np.mean(q**2, -1, keepdims=True) + 1e-6)
     heads, distant = [], False
     for h in range(H):
-        same = (c["cached_buckets"][0, h, :, :12] == q_buckets[h][:, None]).any(0)
+        same = (c.buckets[0, h, :, :12] == q_buckets[h][:, None]).any(0)
         kept = np.argsort(np.arange(12) + 12 * same)[-3:]
         distant |= set(kept.tolist()) != {9, 10, 11}
-        logits = np.append(c["cached_key"][0, h, kept] @ q[h], q_norm[h] @ q[h] - 1e5 * np.sqrt(8)) / np.sqrt(8)
+        logits = np.append(c.key[0, h, kept] @ q[h], q_norm[h] @ q[h] - 1e5 * np.sqrt(8)) / np.sqrt(8)
         probs = np.exp(logits - logits.max())
         probs /= probs.sum()
-        heads.append(probs[:-1] @ c["cached_value"][0, h, kept] + probs[-1] * v[h])
+        heads.append(probs[:-1] @ c.value[0, h, kept] + probs[-1] * v[h])
     want = np.einsum("ehd,hd->e", p["out"]["kernel"], np.stack(heads)) + p["out"]["bias"]
     np.testing.assert_allclose(np.asarray(y)[0, 0], want, atol=1e-4, rtol=1e-4)
     assert distant  # some head keeps a same-bucket key older than the 3 most recent

@@ -43,7 +43,7 @@ def _params():
 
 def _decode(layer, x, prefix_mask, step_mask):
     """Prefill ``x[:, :PREFIX]`` then decode ``x[:, PREFIX:]`` token by token -> the steps'
-    outputs ``[batch, STEPS, D]`` and the final cache."""
+    outputs ``[batch, STEPS, D]`` and the final ``LSHCache``."""
     return _compiled_decode(layer, _params(), x, prefix_mask, step_mask)
 
 
@@ -59,7 +59,7 @@ def _compiled_decode(layer, params, x, prefix_mask, step_mask):
             {**variables, **cache}, x[:, t : t + 1], step_mask[:, t - PREFIX][:, None], decode=True, mutable=["cache"]
         )
         outputs.append(y)
-    return jnp.concatenate(outputs, axis=1), cache["cache"]
+    return jnp.concatenate(outputs, axis=1), cache["cache"]["lsh"]
 
 
 def _inputs(seed, padded):
@@ -82,7 +82,7 @@ def test_bucket_restricted_decode_equals_full_cache_decode(n_buckets, seed, padd
     slow, _ = _decode(_layer(n_buckets=n_buckets, decode_candidates="all"), x, prefix_mask, step_mask)
     np.testing.assert_allclose(fast, slow, atol=1e-6, rtol=1e-6)
     if n_buckets == 2:
-        assert int(cache["bucket_counts"].max()) > N_KEEP
+        assert int(cache.bucket_counts.max()) > N_KEEP
 
 
 def test_bucket_lists_choose_the_whole_cache_choice():
@@ -135,7 +135,7 @@ def test_prefill_attends_with_the_buckets_it_caches():
             mutable=["cache"],
             rngs=rngs,
         )
-        cached = cache["cache"]["cached_buckets"][..., :PREFIX]
+        cached = cache["cache"]["lsh"].buckets[..., :PREFIX]
         return y, layer.apply({"params": params}, prefix, prefix_mask, buckets=cached)
 
     y, replayed = prefill_and_forward(_params())
@@ -148,8 +148,8 @@ def test_narrow_caches_stay_close_to_float32(cache_dtype, atol):
     x, prefix_mask, step_mask = _inputs(4, True)
     wide, _ = _decode(_layer(), x, prefix_mask, step_mask)
     narrow, cache = _decode(_layer(cache_dtype=cache_dtype), x, prefix_mask, step_mask)
-    assert cache["cached_key"].dtype == jnp.dtype(decode_state.storage_dtype(cache_dtype))
-    assert ("cached_value_scale" in cache) == (cache_dtype == "int8")
+    assert cache.key.dtype == jnp.dtype(decode_state.storage_dtype(cache_dtype))
+    assert (cache.value_scale is not None) == (cache_dtype == "int8")
     np.testing.assert_allclose(narrow, wide, atol=atol)
 
 
@@ -187,8 +187,10 @@ def test_native_bucket_attention_equals_its_xla_form(cache_dtype, n_buckets, see
         assert "terra_lsh_decode_attention" not in xla_step.lower(layer, _params(), x, prefix_mask, step_mask).as_text()
         slow, slow_cache = xla_step(layer, _params(), x, prefix_mask, step_mask)
     np.testing.assert_allclose(fast, slow, atol=2e-6, rtol=2e-6)
-    for name in fast_cache:  # the same keys, values, buckets and lists written
-        np.testing.assert_array_equal(fast_cache[name], slow_cache[name], err_msg=name)
+    assert jax.tree.structure(fast_cache) == jax.tree.structure(slow_cache)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(fast_cache), jax.tree.leaves(slow_cache)):
+        # the same keys, values, buckets and lists written
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
 
 
 @native

@@ -181,6 +181,23 @@ def test_layers_reach_the_machine_only_through_the_backend_primitives():
     assert "terra.backends.native_kernels" in MODULES  # the name checked above is the kernels' module
 
 
+# A layer's method is read whole by whoever changes it: one that outgrows a screen is split along
+# its own steps (as LSHSelfAttention's decode step is: create, prefill, step, write).
+LONGEST_LAYER_FUNCTION = 60
+
+
+def test_no_function_in_the_layers_is_longer_than_a_screen():
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name in MODULES
+        if _in(name, ("terra.layers",))
+        for node in ast.walk(_parse(name))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > LONGEST_LAYER_FUNCTION
+    ]
+    assert not long, long
+
+
 def test_the_checker_sees_imports_inside_functions():
     # The trainer-evaluator loop the issue found was an import inside a function body.
     source = "def f():\n    from terra.evaluation import evaluator\n"

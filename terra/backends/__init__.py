@@ -9,6 +9,7 @@ from terra.backends.decode_state import (
     ConvolutionRows,
     DecodePosition,
     KVCache,
+    LSHCache,
     RecurrentState,
     check_cache_dtype,
     empty_rows,
@@ -20,7 +21,6 @@ from terra.backends.decode_state import (
     widen_rows,
 )
 from terra.backends.primitives import (
-    LSHDecodeCache,
     SparseAttentionWeights,
     SparseFeedForwardWeights,
     attention_in_query_chunks,
@@ -53,6 +53,7 @@ __all__ = [
     "ConvolutionRows",
     "DecodePosition",
     "KVCache",
+    "LSHCache",
     "RecurrentState",
     "check_cache_dtype",
     "empty_rows",
@@ -62,7 +63,6 @@ __all__ = [
     "put_state",
     "storage_dtype",
     "widen_rows",
-    "LSHDecodeCache",
     "MASK_VALUE",
     "SparseAttentionWeights",
     "SparseFeedForwardWeights",

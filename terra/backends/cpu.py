@@ -248,7 +248,7 @@ def lsh_bucket_attention(q: jax.Array, cache):
     and their rows read in place), joined here with the token's own key; for float32 queries, at
     most ``MAX_LSH_ROUNDS`` hash rounds and a float32, int8 or bfloat16 cache."""
     kinds = native_kernels.CACHE_KINDS
-    if q.dtype != jnp.float32 or str(cache.keys.dtype) not in kinds or not native_kernels.fused_available():
+    if q.dtype != jnp.float32 or str(cache.key.dtype) not in kinds or not native_kernels.fused_available():
         return None
     if cache.buckets.shape[2] > native_kernels.MAX_LSH_ROUNDS:
         return None
@@ -256,15 +256,15 @@ def lsh_bucket_attention(q: jax.Array, cache):
     def native(q, self_logit, v, q_buckets, cache):
         out, top, total = native_kernels.lsh_decode_attention(
             q[:, :, 0],
-            cache.keys,
+            cache.key,
             cache.key_scale,
-            cache.values,
+            cache.value,
             cache.value_scale,
             cache.buckets,
             cache.bucket_positions,
             cache.bucket_counts,
-            cache.recent_positions,
-            cache.recent_counts,
+            cache.recent_positions[:, 0],
+            cache.recent_counts[:, 0],
             q_buckets,
         )
         y = _joined_softmax(out, top, total, self_logit[:, :, 0, 0], v[:, :, 0])

@@ -1,10 +1,13 @@
-"""Decode state: what an attention layer keeps between decode steps, as typed structures, and how
-its keys and values are stored narrow (the sibling of ``weights_dtype``, ``terra.quantization``).
+"""Decode state: what each layer keeps between decode steps, as typed structures, and how keys and
+values are stored narrow (the sibling of ``weights_dtype``, ``terra.quantization``).
 
-:class:`KVCache` is the one cache entry of a dense or sparse-QKV attention layer (its Flax
-variable ``("cache", "kv")``): the keys and values, their int8 scales, and the write position and
-visible-key mask of a self-attention or the encoder's padding bias of a cross-attention. It narrows
-a new row once (:meth:`KVCache.written`), and the backends' decode primitives take and return it.
+Each layer holds one entry per type below, a Flax variable of the ``cache`` collection named by the
+type's ``NAME`` (``has_state``/``get_state``/``put_state``): :class:`KVCache` (a dense or
+sparse-QKV attention's keys and values, their int8 scales, and the write position and visible-key
+mask of a self-attention or the encoder's padding bias of a cross-attention; it narrows a new row
+once, :meth:`KVCache.written`), :class:`LSHCache` (an LSH attention's keys, values, buckets,
+rotations and bucket lists), :class:`ConvolutionRows`, :class:`DecodePosition` and
+:class:`RecurrentState`. The backends' decode primitives take and return them.
 
 At long inputs a decode step reads its attention caches (the decoder's self-attention cache and the
 cross-attention's encoder keys/values) more than its weights, so their bytes set the step time.
@@ -223,6 +226,108 @@ class KVCache:
         if self.key.dtype == jnp.uint16:
             return narrow_rows(x, "bfloat16")
         return x.astype(self.key.dtype), None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LSHCache:
+    """An LSH self-attention layer's decode state (paper §4.2, ``terra/layers/lsh_attention.py``).
+
+    Fields (``None`` where the layer keeps no such array):
+      bucket_counts, bucket_positions: with bucket lists only, per (round, bucket) ring buffers of
+        the latest positions ``[batch, heads, n_hashes, n_buckets, n_keep]`` and how many were
+        ever written ``[batch, heads, n_hashes, n_buckets]``.
+      index: int32 ``[]``, the next write position.
+      buckets: int32 ``[batch, heads, n_hashes, length]``, every written position's bucket per
+        round (-1: not written, or padding).
+      key, value: ``[batch, heads, length, d_head]`` as ``cache_dtype`` stores them (the keys
+        are the length-normalised queries: LSH shares Q and K), with int8's ``key_scale``,
+        ``value_scale`` ``[batch, heads, length]``.
+      recent_counts, recent_positions: with bucket lists only, the ring buffer of the latest real
+        positions ``[batch, 1, n_keep]`` and its count ``[batch, 1]``.
+      rotations: float ``[heads, n_hashes, n_buckets / 2, d_head]``, the random rotations a token
+        is hashed with, drawn once when the cache is created.
+    """
+
+    NAME = "lsh"
+
+    # The field order is the pytree's leaf order (see KVCache).
+    bucket_counts: Optional[jax.Array]
+    bucket_positions: Optional[jax.Array]
+    index: jax.Array
+    buckets: jax.Array
+    key: jax.Array
+    key_scale: Optional[jax.Array]
+    value: jax.Array
+    value_scale: Optional[jax.Array]
+    recent_counts: Optional[jax.Array]
+    recent_positions: Optional[jax.Array]
+    rotations: jax.Array
+
+    @classmethod
+    def empty(cls, shape, n_hashes: int, rotations: jax.Array, cache_dtype: str, dtype, lists=None) -> "LSHCache":
+        """A cache of ``shape [batch, heads, length, d_head]`` before anything is written, hashing
+        with ``rotations``; ``lists = (n_buckets, n_keep)`` keeps bucket lists of ``n_keep``
+        positions (else ``None``)."""
+        batch, heads, length, _ = shape
+        key, key_scale = empty_rows(shape, cache_dtype, dtype)
+        value, value_scale = empty_rows(shape, cache_dtype, dtype)
+        lists_state = {}
+        if lists is not None:
+            n_buckets, n_keep = lists
+            per_bucket = (batch, heads, n_hashes, n_buckets)
+            lists_state = dict(
+                bucket_counts=jnp.zeros(per_bucket, jnp.int32),
+                bucket_positions=jnp.full(per_bucket + (n_keep,), -1, jnp.int32),
+                recent_counts=jnp.zeros((batch, 1), jnp.int32),
+                recent_positions=jnp.full((batch, 1, n_keep), -1, jnp.int32),
+            )
+        return cls(
+            bucket_counts=lists_state.get("bucket_counts"),
+            bucket_positions=lists_state.get("bucket_positions"),
+            index=jnp.zeros((), jnp.int32),
+            buckets=jnp.full((batch, heads, n_hashes, length), -1, jnp.int32),
+            key=key,
+            key_scale=key_scale,
+            value=value,
+            value_scale=value_scale,
+            recent_counts=lists_state.get("recent_counts"),
+            recent_positions=lists_state.get("recent_positions"),
+            rotations=rotations,
+        )
+
+    @property
+    def max_length(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def has_lists(self) -> bool:
+        return self.bucket_positions is not None
+
+    def with_rows(self, keys: jax.Array, values: jax.Array, index, cache_dtype: str) -> "LSHCache":
+        """This cache with ``keys``, ``values`` ``[batch, heads, n, d_head]`` (float) stored at
+        positions ``index .. index + n - 1``."""
+        key, key_scale = _written_rows(self.key, self.key_scale, keys, index, cache_dtype)
+        value, value_scale = _written_rows(self.value, self.value_scale, values, index, cache_dtype)
+        return dataclasses.replace(self, key=key, key_scale=key_scale, value=value, value_scale=value_scale)
+
+
+def _written_rows(cache: jax.Array, scales: Optional[jax.Array], x: jax.Array, index, cache_dtype: str):
+    """``x [batch, heads, n, d]`` narrowed as ``cache_dtype`` says and written into ``cache``
+    (and ``scales``) at positions ``index ..``: ``(cache, scales)``."""
+    values, new_scales = narrow_rows(x, cache_dtype)
+    values = values.astype(cache.dtype)
+    if cache.dtype == jnp.bfloat16:
+        # Written as its bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32 over the
+        # whole cache (a pass over every position per step); uint16 is written in place.
+        as_bits = lambda t: lax.bitcast_convert_type(t, jnp.uint16)  # noqa: E731
+        bits = lax.dynamic_update_slice(as_bits(cache), as_bits(values), (0, 0, index, 0))
+        cache = lax.bitcast_convert_type(bits, jnp.bfloat16)
+    else:
+        cache = lax.dynamic_update_slice(cache, values, (0, 0, index, 0))
+    if scales is not None:
+        scales = lax.dynamic_update_slice(scales, new_scales, (0, 0, index))
+    return cache, scales
 
 
 @jax.tree_util.register_dataclass

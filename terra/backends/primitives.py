@@ -284,34 +284,21 @@ def fused_feed_forward_rows(x: jax.Array, weights: SparseFeedForwardWeights) -> 
     return best
 
 
-class LSHDecodeCache(NamedTuple):
-    """An LSH layer's decode cache as its step reads it (``terra/layers/lsh_attention.py``): keys
-    and values ``[b, h, L, d]`` as stored (float32, int8 with scales ``[b, h, L]``, or bfloat16
-    bits; scales ``None`` unless int8), every position's bucket per round ``buckets [b, h, R, L]``
-    (−1 none), the per-bucket ring buffers ``bucket_positions [b, h, R, NB, C]`` with
-    ``bucket_counts [b, h, R, NB]``, and those of the latest real positions ``recent_positions
-    [b, C]`` with ``recent_counts [b]``."""
-
-    keys: jax.Array
-    values: jax.Array
-    key_scale: Optional[jax.Array]
-    value_scale: Optional[jax.Array]
-    buckets: jax.Array
-    bucket_positions: jax.Array
-    bucket_counts: jax.Array
-    recent_positions: jax.Array
-    recent_counts: jax.Array
-
-
 def lsh_bucket_attention(
-    q: jax.Array, self_logit: jax.Array, v: jax.Array, q_buckets: jax.Array, cache: LSHDecodeCache, unfused: Callable
+    q: jax.Array,
+    self_logit: jax.Array,
+    v: jax.Array,
+    q_buckets: jax.Array,
+    cache: decode_state.LSHCache,
+    unfused: Callable,
 ) -> jax.Array:
     """An LSH layer's decode-step attention: the past keys its rule keeps (same bucket as the
     query in any round, newest first, then the newest others; ``C`` in all) and the token's own
     key, one softmax. ``q [b, h, 1, d]`` scaled by ``d ** -0.5``; ``self_logit [b, h, 1, 1]`` the
     own key's logit with its exclude-self offset; ``v [b, h, 1, d]`` the own value; ``q_buckets
-    [b, h, R]`` (−1: a padded query). Returns ``y [b, h, 1, d]``. ``unfused(q, self_logit, v,
-    q_buckets, cache)`` computes the same in XLA and runs where no backend has a form."""
+    [b, h, R]`` (−1: a padded query); ``cache`` the layer's ``LSHCache`` with its bucket lists.
+    Returns ``y [b, h, 1, d]``. ``unfused(q, self_logit, v, q_buckets, cache)`` computes the same
+    in XLA and runs where no backend has a form."""
     forms = _native_forms("lsh_bucket_attention", q, cache)
     return _run(forms, unfused, q, self_logit, v, q_buckets, cache)
 

@@ -54,6 +54,7 @@ import ml_collections
 import numpy as np
 
 from terra import errors, gin_utils, process_memory
+from terra.backends.decode_state import LSHCache
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
@@ -287,54 +288,42 @@ def cache_reads_per_token(cache, lsh: Optional[Dict[Tuple[str, ...], dict]] = No
       ``max_decode_length`` key/value slots (written or not: the product spans them), the
       encoder-decoder attention every encoder key/value and its padding bias, a convolution its
       rows, the counters themselves;
-    - an LSH layer (a cache node holding ``cached_buckets [batch, heads, n_hashes, max_len]``)
-      reads of its keys and values, and of any other ``cached_*`` array over its ``max_len``
-      positions (an int8 cache's ``cached_key_scale``), only the ``lsh_kept_rows`` rows it keeps
-      per head, not the whole cache;
-      plus its bucket bookkeeping: with whole-cache selection (no bucket lists) every position's
-      buckets (the ranking reads them all); with bucket lists (``bucket_positions [batch,
-      heads, n_hashes, n_buckets, n_keep]``, ``bucket_counts``) the token's own list and count
-      per round, the recent-positions list whole, and the buckets of the candidates those lists
-      name (at most ``(n_hashes + 1) * n_keep`` positions); its hash rotations and index whole.
+    - an LSH layer's ``LSHCache`` (``terra/backends/decode_state.py``) reads of its keys and
+      values, and of an int8 cache's scales, only the ``lsh_kept_rows`` rows it keeps per head,
+      not the whole cache; plus its bucket bookkeeping: with whole-cache selection (no bucket
+      lists) every position's buckets (the ranking reads them all); with bucket lists the
+      token's own list and count per round, the recent-positions list whole, and the buckets of
+      the candidates those lists name (at most ``(n_hashes + 1) * n_keep`` positions); its hash
+      rotations and index whole.
 
-    ``lsh``: ``lsh_layers``'s settings by path; an LSH node it does not name is counted whole (an
-    upper bound). Returns ``total`` (bytes read), ``lsh`` (of which LSH layers), ``stored`` (all
-    the cache's bytes: what it occupies in memory).
+    ``lsh``: ``lsh_layers``'s settings by the layer's path; an LSH cache whose layer it does not
+    name is counted whole (an upper bound). Returns ``total`` (bytes read), ``lsh`` (of which LSH
+    layers), ``stored`` (all the cache's bytes: what it occupies in memory).
     """
     lsh = lsh or {}
     totals = {"total": 0, "lsh": 0, "stored": sum(_nbytes(x) for x in jax.tree.leaves(cache))}
 
-    def lsh_node(node, settings, path) -> int:
-        max_len = node["cached_buckets"].shape[-1]
+    def lsh_read(cache: LSHCache, settings) -> int:
+        max_len = cache.max_length
         kept = lsh_kept_rows(settings, max_len)
-        lists = "bucket_positions" in node
-        read = 0
-        for name, leaf in node.items():
-            if not hasattr(leaf, "shape"):
-                read += walk(leaf, (*path, name))  # a submodule's caches (e.g. a convolution's)
-                continue
-            size = _nbytes(leaf)
-            if name == "cached_buckets":
-                candidates = min(max_len, (settings["n_hashes"] + 1) * kept) if lists else max_len
-                read += size * candidates // max_len
-            elif name == "bucket_positions":
-                read += size // leaf.shape[3]  # the token's own bucket of each round
-            elif name == "bucket_counts":
-                read += size // leaf.shape[-1]
-            elif name.startswith("cached_") and len(leaf.shape) >= 3 and leaf.shape[2] == max_len:
-                read += size * kept // max_len  # keys, values (and scales): the kept rows
-            else:
-                read += size
-        return read
+        rows = [x for x in (cache.key, cache.key_scale, cache.value, cache.value_scale) if x is not None]
+        read = sum(_nbytes(x) * kept // max_len for x in rows)  # the kept rows
+        candidates = min(max_len, (settings["n_hashes"] + 1) * kept) if cache.has_lists else max_len
+        read += _nbytes(cache.buckets) * candidates // max_len
+        if cache.has_lists:
+            read += _nbytes(cache.bucket_positions) // cache.bucket_positions.shape[3]  # the token's own bucket
+            read += _nbytes(cache.bucket_counts) // cache.bucket_counts.shape[-1]
+            read += sum(_nbytes(x) for x in (cache.recent_positions, cache.recent_counts) if x is not None)
+        return read + _nbytes(cache.rotations) + _nbytes(cache.index)
 
     def walk(node, path) -> int:
+        if isinstance(node, LSHCache) and tuple(path[:-1]) in lsh:  # the layer holds it as one entry
+            read = lsh_read(node, lsh[tuple(path[:-1])])
+            totals["lsh"] += read
+            return read
         if hasattr(node, "shape"):
             return _nbytes(node)
         if hasattr(node, "items"):
-            if "cached_buckets" in node and tuple(path) in lsh:
-                read = lsh_node(node, lsh[tuple(path)], path)
-                totals["lsh"] += read
-                return read
             return sum(walk(child, (*path, name)) for name, child in node.items())
         return sum(_nbytes(x) for x in jax.tree.leaves(node))
 

@@ -79,6 +79,7 @@ Decode equals the full forward whenever every past key is kept, e.g. for sequenc
 selection rules (as in the reference).
 """
 
+import dataclasses
 import functools
 import math
 import zlib
@@ -90,14 +91,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from terra.backends import (
-    LSHDecodeCache,
+    LSHCache,
     as_float,
     check_cache_dtype,
-    empty_rows,
+    get_state,
+    has_state,
     lsh_bucket_attention,
     lsh_chunk_attention,
     lsh_hash,
-    narrow_rows,
+    put_state,
     widen_rows,
     write_after_read,
 )
@@ -365,12 +367,18 @@ def lsh_attention(
     slse = slse.reshape(batch, heads, n_hashes * length)
 
     o = take(so, undo[..., None]).reshape(batch, heads, n_hashes, length, d)
-    round_lse = take(slse, undo).reshape(batch, heads, n_hashes, length)
+    return combined_rounds(o, take(slse, undo).reshape(batch, heads, n_hashes, length))
+
+
+def combined_rounds(o: jax.Array, round_lse: jax.Array) -> jax.Array:
+    """The hash rounds' outputs ``o [b, h, n_hashes, length, d]`` weighted by the softmax of their
+    log-sum-exps ``round_lse [b, h, n_hashes, length]`` (each round's share of the probability
+    mass): ``[b, h, length, d]``."""
     weights = jax.nn.softmax(round_lse, axis=2)[..., None].astype(o.dtype)
     # The rounds summed one by one: as a reduction XLA:CPU made it a product over the n_hashes
-    # axis, 0.22 s per layer at 15,360 positions for 2 rounds.
+    # axis (docs/architecture.md).
     combined = o[:, :, 0] * weights[:, :, 0]
-    for r in range(1, n_hashes):
+    for r in range(1, o.shape[2]):
         combined = combined + o[:, :, r] * weights[:, :, r]
     return combined
 
@@ -501,43 +509,6 @@ def append_position(
     flat = buffers.reshape(rows, n_ids * capacity).at[row, target].set(position.astype(jnp.int32), mode="drop")
     flat_counts = flat_counts.at[row, jnp.where(real, safe, n_ids)].add(1, mode="drop")
     return flat.reshape(buffers.shape), flat_counts.reshape(counts.shape)
-
-
-class _NarrowCache:
-    """A head-major ``[batch, heads, max_len, d]`` key or value cache stored as
-    ``cache_dtype`` (``terra.backends.decode_state``): values in cache variable ``name``, int8's
-    per-row scales ``[batch, heads, max_len]`` in ``name + '_scale'``."""
-
-    def __init__(self, module: nn.Module, name: str, shape: Tuple[int, ...], dtype):
-        self.cache_dtype, self.dtype = module.cache_dtype, dtype
-        self.values = module.variable("cache", name, lambda: empty_rows(shape, self.cache_dtype, dtype)[0])
-        self.scales = None
-        if self.cache_dtype == "int8":
-            self.scales = module.variable("cache", name + "_scale", lambda: empty_rows(shape, "int8", dtype)[1])
-
-    def write(self, x: jax.Array, index) -> None:
-        """Stores ``x`` ``[batch, heads, n, d]`` at positions ``index .. index + n - 1``."""
-        values, scales = narrow_rows(x, self.cache_dtype)
-        cache = self.values.value
-        values = values.astype(cache.dtype)
-        if cache.dtype == jnp.bfloat16:
-            # Written as its bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32
-            # over the whole cache (a pass over every position per step); uint16 is written in place.
-            as_bits = lambda t: lax.bitcast_convert_type(t, jnp.uint16)  # noqa: E731
-            bits = lax.dynamic_update_slice(as_bits(cache), as_bits(values), (0, 0, index, 0))
-            self.values.value = lax.bitcast_convert_type(bits, jnp.bfloat16)
-        else:
-            self.values.value = lax.dynamic_update_slice(cache, values, (0, 0, index, 0))
-        if self.scales is not None:
-            self.scales.value = lax.dynamic_update_slice(self.scales.value, scales, (0, 0, index))
-
-    @property
-    def scale_values(self) -> Optional[jax.Array]:
-        return None if self.scales is None else self.scales.value
-
-    def read(self) -> jax.Array:
-        """The whole cache widened to the compute dtype ``[batch, heads, max_len, d]``."""
-        return widen_rows(self.values.value, self.scale_values, self.dtype)
 
 
 def read_rows(values: jax.Array, scales: Optional[jax.Array], rows: jax.Array, dtype) -> jax.Array:
@@ -769,76 +740,78 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         """Returns ``(output, prefix_buckets)``: the head-major output, or ``None`` on the
         cache-creating call (which, given ``prefix_mask``, also writes the prefix's keys, values,
         buckets and bucket lists: a prefill), and the prefix's buckets where the prefill's own
-        attention hashes as the cache does (else ``None``)."""
-        initialized = self.has_variable("cache", "cached_key")
-        own_buckets = None
-        if not initialized and max_decode_length is None:
+        attention hashes as the cache does (else ``None``). The layer's decode state is one
+        :class:`LSHCache`."""
+        if has_state(self, LSHCache):
+            if q.shape[2] != 1:
+                raise ValueError(
+                    f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions."
+                )
+            y, cache = self._step(q, v, mask, get_state(self, LSHCache), deterministic)
+            put_state(self, cache)
+            return y, None
+        if max_decode_length is None:
             raise ValueError("LSHSelfAttention: the cache-creating decode call needs max_decode_length.")
-        batch, heads, _, d = q.shape
-        max_len = max_decode_length or 0
-        if initialized:
-            max_len = self.get_variable("cache", "cached_key").shape[2]
+        cache, own_buckets = self._created_cache(q, v, max_decode_length, deterministic, prefix_mask)
+        put_state(self, cache)
+        return None, own_buckets
+
+    def _decode_layout(self, max_len: int):
+        """``(bucket factors, n_keep, bucket lists?)`` of a cache of ``max_len`` positions: the
+        rows a step keeps per head, and whether it finds them in per-bucket lists (§4.2)."""
         factors = bucket_factors(self.n_buckets, max_len, self.chunk_len)
-        n_real = math.prod(factors)
         n_keep = self.n_hashes * self.chunk_len * (1 + self.n_chunks_before) - 1
         if self.std_length is not None and max_len <= self.std_length:
             n_keep = max_len
-        use_lists = self.decode_candidates == "buckets" and n_keep < max_len
-        shape = (batch, heads, max_len, d)
-        cached_key = _NarrowCache(self, "cached_key", shape, q.dtype)
-        cached_value = _NarrowCache(self, "cached_value", shape, v.dtype)
-        cached_buckets = self.variable(
-            "cache", "cached_buckets", lambda: jnp.full((batch, heads, self.n_hashes, max_len), -1, jnp.int32)
-        )
+        return factors, n_keep, self.decode_candidates == "buckets" and n_keep < max_len
+
+    def _created_cache(self, q, v, max_len: int, deterministic: bool, prefix_mask):
+        """The cache a cache-creating call makes (its rotations drawn now) and, given
+        ``prefix_mask [batch, length]``, fills with the prefix: ``(cache, own_buckets)``."""
+        batch, heads, length, d = q.shape
+        factors, n_keep, use_lists = self._decode_layout(max_len)
+        n_real = math.prod(factors)
         # Stored [heads, n_hashes, n_buckets / 2, d] for the step's product (hash_query).
-        rotations = self.variable(
-            "cache",
-            "rotations",
-            lambda: jnp.moveaxis(
-                draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors), 1, -1
-            ),
+        rotations = jnp.moveaxis(
+            draw_rotations(self._rotation_key(deterministic), heads, d, self.n_hashes, factors), 1, -1
         )
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        # Ring buffers of the latest n_keep positions per (round, bucket) and of the latest
+        # n_keep real positions (select_from_bucket_lists says why n_keep slots suffice).
+        lists = (n_real, n_keep) if use_lists else None
+        cache = LSHCache.empty((batch, heads, max_len, d), self.n_hashes, rotations, self.cache_dtype, q.dtype, lists)
+        if prefix_mask is None:
+            return cache, None
+        if length >= max_len:
+            raise ValueError(
+                f"LSHSelfAttention: a prefix of {length} positions leaves no room in a cache of {max_len}; "
+                "raise max_decode_length."
+            )
+        real = prefix_mask.astype(bool)
+        by_column = jnp.moveaxis(rotations, -1, 1)  # [heads, d, n_hashes, n_buckets / 2]
+        prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, by_column, factors), -1)
+        # Where the prefill's own attention hashes with the cache's rotations and factors: the
+        # same buckets, hashed once.
+        own_buckets = prefix_buckets if factors == self._sequence_hash(length)[1] else None
+        cache = cache.with_rows(length_normalized(q), v, 0, self.cache_dtype)
+        changes = dict(
+            buckets=lax.dynamic_update_slice(cache.buckets, prefix_buckets, (0, 0, 0, 0)),
+            index=jnp.asarray(length, jnp.int32),
+        )
         if use_lists:
-            # Ring buffers of the latest n_keep positions per (round, bucket) and of the latest
-            # n_keep real positions (select_from_bucket_lists says why n_keep slots suffice).
-            lists = (batch, heads, self.n_hashes, n_real)
-            bucket_positions = self.variable("cache", "bucket_positions", jnp.full, lists + (n_keep,), -1, jnp.int32)
-            bucket_counts = self.variable("cache", "bucket_counts", jnp.zeros, lists, jnp.int32)
-            recent_positions = self.variable("cache", "recent_positions", jnp.full, (batch, 1, n_keep), -1, jnp.int32)
-            recent_counts = self.variable("cache", "recent_counts", jnp.zeros, (batch, 1), jnp.int32)
-        if not initialized and prefix_mask is not None:
-            length = q.shape[2]
-            if length >= max_len:
-                raise ValueError(
-                    f"LSHSelfAttention: a prefix of {length} positions leaves no room in a cache of {max_len}; "
-                    "raise max_decode_length."
-                )
-            real = prefix_mask.astype(bool)
-            by_column = jnp.moveaxis(rotations.value, -1, 1)  # [heads, d, n_hashes, n_buckets / 2]
-            prefix_buckets = jnp.where(real[:, None, None, :], hash_vectors(q, by_column, factors), -1)
-            if factors == self._sequence_hash(length)[1]:
-                # The prefill's own attention hashes with the cache's rotations and factors:
-                # the same buckets, hashed once.
-                own_buckets = prefix_buckets
-            cached_key.write(length_normalized(q), 0)
-            cached_value.write(v, 0)
-            cached_buckets.value = lax.dynamic_update_slice(cached_buckets.value, prefix_buckets, (0, 0, 0, 0))
-            cache_index.value = jnp.asarray(length, jnp.int32)
-            if use_lists:
-                bucket_positions.value, bucket_counts.value = latest_positions(prefix_buckets, n_real, n_keep)
-                real_ids = jnp.where(real, 0, -1).astype(jnp.int32)
-                recent_positions.value, recent_counts.value = latest_positions(real_ids, 1, n_keep)
-        if not initialized:
-            return None, own_buckets
-        if q.shape[2] != 1:
-            raise ValueError(f"LSHSelfAttention decode step expects one token per call, got {q.shape[2]} positions.")
-        index = cache_index.value
+            changes["bucket_positions"], changes["bucket_counts"] = latest_positions(prefix_buckets, n_real, n_keep)
+            real_ids = jnp.where(real, 0, -1).astype(jnp.int32)
+            changes["recent_positions"], changes["recent_counts"] = latest_positions(real_ids, 1, n_keep)
+        return dataclasses.replace(cache, **changes), own_buckets
+
+    def _step(self, q, v, mask, cache: LSHCache, deterministic: bool):
+        """One token's attention over the keys it keeps, and the cache with the token written:
+        ``(y [batch, heads, 1, d_head], cache)``."""
+        batch, _, _, d = q.shape
+        factors, n_keep, use_lists = self._decode_layout(cache.max_length)
         k = length_normalized(q)
-        q_buckets = hash_query(q[:, :, 0], rotations.value, factors)  # [b, h, n_hashes]
+        q_buckets = hash_query(q[:, :, 0], cache.rotations, factors)  # [b, h, n_hashes]
         if mask is not None:
             q_buckets = jnp.where(mask.astype(bool).reshape(batch, 1, 1), q_buckets, -1)
-        past = cached_buckets.value
         scale = jnp.asarray(d**-0.5, q.dtype)
         q_scaled = q * scale
         self_logit = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
@@ -849,54 +822,49 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
             def from_lists(q_scaled, self_logit, v, q_buckets, cache):
                 own_bucket = jnp.maximum(q_buckets, 0)[..., None, None]  # [b, h, n_hashes, 1, 1]
                 own_lists = jnp.take_along_axis(cache.bucket_positions, own_bucket, axis=3)[..., 0, :]
-                kept = select_from_bucket_lists(own_lists, cache.recent_positions, cache.buckets, q_buckets, n_keep)
-                # Only the kept rows are read (and, for a narrow cache, widened).
-                keys = read_rows(cache.keys, cache.key_scale, kept, q.dtype)
-                values = read_rows(cache.values, cache.value_scale, kept, v.dtype)
-                return attend_with_self(q_scaled, self_logit, v, keys, values, kept >= 0, drop)
+                recent = cache.recent_positions[:, 0]
+                kept = select_from_bucket_lists(own_lists, recent, cache.buckets, q_buckets, n_keep)
+                return self._attend_rows(q_scaled, self_logit, v, cache, kept, kept >= 0, drop)
 
-            cache = LSHDecodeCache(
-                cached_key.values.value,
-                cached_value.values.value,
-                cached_key.scale_values,
-                cached_value.scale_values,
-                past,
-                bucket_positions.value,
-                bucket_counts.value,
-                recent_positions.value[:, 0],
-                recent_counts.value[:, 0],
-            )
             if deterministic or self._dropout == 0.0:
                 # A backend may choose the keys and read their rows in one call (terra.backends).
                 y = lsh_bucket_attention(q_scaled, self_logit, v, q_buckets, cache, from_lists)
             else:
                 y = from_lists(q_scaled, self_logit, v, q_buckets, cache)
-        else:
-            if n_keep < max_len:
-                kept = select_from_whole_cache(past, q_buckets, n_keep)
-                keys = read_rows(cached_key.values.value, cached_key.scale_values, kept, q.dtype)
-                values = read_rows(cached_value.values.value, cached_value.scale_values, kept, v.dtype)
-                valid = kept >= 0
-            else:  # every past key is attended to
-                keys, values = cached_key.read(), cached_value.read()
-                valid = past[:, :, 0, :] >= 0  # written and not padding
-            y = attend_with_self(q_scaled, self_logit, v, keys, values, valid, drop)
-        # The cache is written after the step's reads (y depends on every one of them).
-        cached_key.write(write_after_read(k, y, index), index)
-        cached_value.write(write_after_read(v, y, index), index)
+        elif n_keep < cache.max_length:
+            kept = select_from_whole_cache(cache.buckets, q_buckets, n_keep)
+            y = self._attend_rows(q_scaled, self_logit, v, cache, kept, kept >= 0, drop)
+        else:  # every past key is attended to; valid: written and not padding
+            keys = widen_rows(cache.key, cache.key_scale, q.dtype)
+            values = widen_rows(cache.value, cache.value_scale, v.dtype)
+            y = attend_with_self(q_scaled, self_logit, v, keys, values, cache.buckets[:, :, 0, :] >= 0, drop)
+        return y, self._written(cache, k, v, q_buckets, y)
+
+    @staticmethod
+    def _attend_rows(q_scaled, self_logit, v, cache: LSHCache, kept, valid, drop):
+        """Attention over the cache rows ``kept [b, h, n]`` (only those widened) and the token's own."""
+        keys = read_rows(cache.key, cache.key_scale, kept, q_scaled.dtype)
+        values = read_rows(cache.value, cache.value_scale, kept, v.dtype)
+        return attend_with_self(q_scaled, self_logit, v, keys, values, valid, drop)
+
+    def _written(self, cache: LSHCache, k, v, q_buckets, y) -> LSHCache:
+        """``cache`` with the token's key, value, buckets and list entries written at its index, after
+        the step's reads (each write depends on ``y``, which depends on every read)."""
+        index = cache.index
+        cache = cache.with_rows(write_after_read(k, y, index), write_after_read(v, y, index), index, self.cache_dtype)
         new_buckets = write_after_read(q_buckets, y, index)[..., None]
-        cached_buckets.value = lax.dynamic_update_slice(past, new_buckets, (0, 0, 0, index))
-        if use_lists:
+        changes = dict(buckets=lax.dynamic_update_slice(cache.buckets, new_buckets, (0, 0, 0, index)))
+        if cache.has_lists:
             position = write_after_read(index, y, index)  # the lists are read before written
-            bucket_positions.value, bucket_counts.value = append_position(
-                bucket_positions.value, bucket_counts.value, q_buckets, position
+            changes["bucket_positions"], changes["bucket_counts"] = append_position(
+                cache.bucket_positions, cache.bucket_counts, q_buckets, position
             )
             real_id = jnp.where(q_buckets[:, :1, 0] >= 0, 0, -1)  # [b, 1]; padded tokens join no list
-            recent_positions.value, recent_counts.value = append_position(
-                recent_positions.value, recent_counts.value, real_id, position
+            changes["recent_positions"], changes["recent_counts"] = append_position(
+                cache.recent_positions, cache.recent_counts, real_id, position
             )
-        cache_index.value = index + 1
-        return y, None
+        changes["index"] = index + 1
+        return dataclasses.replace(cache, **changes)
 
     @nn.compact
     def __call__(

@@ -188,17 +188,7 @@ class ConvolutionCacheMixin:
         gate, kernel, bias = mult.stored_weights()
         if not has_state(self, ConvolutionRows) or gate is None:
             return None
-        n_modules = gate.shape[0]
-        if attention is not None and (n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0)):
-            attention = None
-        if attention == "self" and not has_state(self, KVCache):
-            attention = None
-        if attention is None:
-            mode, cache = None, None
-        elif attention == "self":
-            mode, cache = "self", get_state(self, KVCache)
-        else:
-            mode, cache = "cross", attention
+        mode, cache = self._fused_attention(attention, gate.shape[0], deterministic)
         weights = backends.SparseAttentionWeights(
             gate, kernel, bias, tuple(convolution.stored_weights() for convolution in convolutions)
         )
@@ -225,6 +215,16 @@ class ConvolutionCacheMixin:
         if written is not None:
             put_state(self, written)
         return out
+
+    def _fused_attention(self, attention, n_modules: int, deterministic: bool):
+        """``(mode, cache)`` of the attention a fused step includes: ``("self", this layer's
+        KVCache)``, ``("cross", the encoder's)``, or ``(None, None)`` where it cannot (modules that
+        are not the heads, attention dropout, a self-attention cache not yet made)."""
+        if attention is None or n_modules != self.n_heads or not (deterministic or self.dropout_rate == 0):
+            return None, None
+        if attention == "self":
+            return ("self", get_state(self, KVCache)) if has_state(self, KVCache) else (None, None)
+        return "cross", attention
 
 
 class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
@@ -274,14 +274,7 @@ class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
             mult = None
             if self.variant == "multconv":
                 mult = MultiplicativeDense(self.d_model, s, split_modules=True, dtype=self.dtype, name="mult")
-            convolutions = [
-                ModuleConvolution(m, self.length_kernel_size, k, dtype=self.dtype, name=name)
-                for name, k in (
-                    ("q_conv", self.module_kernel_size),
-                    ("k_conv", self.module_kernel_size),
-                    ("v_conv", self.value_module_kernel_size),
-                )
-            ]
+            convolutions = self._qkv_convolutions(m)
             fused = None
             if mult is not None:
                 fused = self.fused_decode(x, mult, convolutions, decode, deterministic, attention="self")
@@ -310,6 +303,17 @@ class SparseQKVAttention(AttentionBase, ConvolutionCacheMixin):
                 batch, -1, self.d_model
             )
         return y  # the paper removes the output projection
+
+    def _qkv_convolutions(self, m: int):
+        """The Q, K and V convolutions over modules of ``m`` features (F x k, F x k, F x k_v)."""
+        return [
+            ModuleConvolution(m, self.length_kernel_size, k, dtype=self.dtype, name=name)
+            for name, k in (
+                ("q_conv", self.module_kernel_size),
+                ("k_conv", self.module_kernel_size),
+                ("v_conv", self.value_module_kernel_size),
+            )
+        ]
 
 
 class SparseQueryCrossAttention(AttentionBase, ConvolutionCacheMixin):
