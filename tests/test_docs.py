@@ -28,6 +28,8 @@ def _sources():
         "*.md",
         "docs/**/*.md",
         "terra/**/*.py",
+        "terra/**/*.cc",
+        "terra/**/*.h",
         "configs/**/*.gin",
         "tests/*.py",
         "scripts/*.sh",
@@ -78,6 +80,23 @@ def test_every_cited_repository_path_exists():
                 if not _exists(os.path.join(prefix, path)):
                     missing.append(f"{os.path.relpath(source, REPO_ROOT)}: {path}")
     assert not missing, "cited paths that do not exist:\n  " + "\n  ".join(sorted(set(missing)))
+
+
+NATIVE = os.path.join(REPO_ROOT, "terra", "quantization", "native")
+# A file of the native kernels named in their comments without a folder (isa.h, products.cc).
+SIBLING = re.compile(r"(?<![\w./<-])(\w+\.(?:cc|h))\b")
+
+
+def test_the_native_sources_comments_name_only_files_beside_them():
+    missing = []
+    for source in sorted(glob.glob(os.path.join(NATIVE, "*.cc")) + glob.glob(os.path.join(NATIVE, "*.h"))):
+        for number, line in enumerate(open(source, encoding="utf-8"), 1):
+            if line.lstrip().startswith("#include"):  # the compiler checks those
+                continue
+            for name in SIBLING.findall(line):
+                if not os.path.exists(os.path.join(NATIVE, name)):
+                    missing.append(f"{os.path.basename(source)}:{number}: {name}")
+    assert not missing, "native sources naming files that do not exist:\n  " + "\n  ".join(missing)
 
 
 def test_every_relative_link_of_the_markdown_pages_resolves():

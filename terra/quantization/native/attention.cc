@@ -46,8 +46,8 @@ struct Convolution {
   int64_t k;                     // modules per window
 };
 
-// The attention of a decode step's one query per head over its keys and values (terra/layers/
-// attention.py), for layers whose S modules are the heads (M = d_head), so that row b * S + s of
+// The attention of a decode step's one query per head over its keys and values
+// (terra/layers/attention.py), for layers whose S modules are the heads (M = d_head), so that row b * S + s of
 // the convolutions' outputs is head s of batch row b and the thread that computed a row attends
 // with it. kSelf: causal self-attention over the KV cache [B, H, L, Dh], positions < index visible
 // (and key_mask, where a prefill padded them), plus the new key and value, which are then written at

@@ -1,6 +1,6 @@
 // A decode step's attention over a whole KV cache: one query per (batch row, head) against every
 // visible position's key and value, stored float32, int8 (one float32 scale per row) or bfloat16
-// bits (terra/layers/kv_cache.py). The row-level core, AttendCachedRows, is inlined into each
+// bits (terra/backends/decode_state.py). The row-level core, AttendCachedRows, is inlined into each
 // instruction set's function (isa.h) by three callers: the cache attention handler
 // (terra_cache_attention_*, cache_attention.cc: a dense layer's self- and cross-attention step, and
 // a sparse QKV step over a narrow cache), the fused sparse attention step (attention.cc), and an

@@ -1,5 +1,5 @@
 // The XLA FFI handlers: the products' and the fused layers' custom calls, registered by
-// terra/quantization/kernels.py, for B = 1..8 rows of x:
+// terra/backends/native_kernels.py, for B = 1..8 rows of x:
 //   terra_output_major_int8  x f32[B, in], values s8[out, in], scale f32[out, G] (or f32[out], G = 1)
 //                            -> y f32[B, out], y[b, o] = sum_g scale[o, g] * sum_{i in group g} x[b, i] * values[o, i]
 //                            with groups of in / G consecutive inputs (one scale per output row and head).

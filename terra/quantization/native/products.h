@@ -3,7 +3,7 @@
 // the calling thread and XLA's pool (products.cc). Each is instantiated for W = int8_t and uint16_t.
 //
 // A decode step's time is the bytes of its weights divided by the memory bandwidth. XLA:CPU widens
-// narrow weights block by block at best (terra/quantization/products.py); these kernels widen them
+// narrow weights block by block at best (terra/backends/xla.py); these kernels widen them
 // a vector at a time in registers and multiply-add them into float32 accumulators, so memory
 // traffic is the narrow bytes alone. Activations stay float32 and are never quantized.
 
