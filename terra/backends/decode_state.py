@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from terra.errors import ConfigError
+from terra.quantization.quantized import quantize
 
 CACHE_DTYPES = ("float32", "bfloat16", "int8")
-INT8_MAX = 127.0
 
 
 def check_cache_dtype(name: str) -> str:
@@ -60,29 +60,29 @@ def storage_dtype(cache_dtype: str, dtype=jnp.float32):
     return {"float32": dtype, "bfloat16": jnp.uint16, "int8": jnp.int8}[cache_dtype]
 
 
-def is_narrow(cache_dtype: str) -> bool:
-    """Whether ``cache_dtype`` stores the cache in other than the compute dtype."""
-    return check_cache_dtype(cache_dtype) != "float32"
-
-
 def narrow_rows(x: jax.Array, cache_dtype: str) -> tuple[jax.Array, Optional[jax.Array]]:
-    """``x [..., d]`` (float) as a cache stores it.
+    """``x [..., d]`` (float) as a cache stores it: the weights' narrow stores
+    (:func:`terra.quantization.quantized.quantize`), one int8 scale per row.
 
     Returns:
       ``(values, scales)``: ``values [..., d]`` as the cache stores them (``x`` unchanged for
-      float32, ``uint16`` bfloat16 bits, int8); ``scales [...]`` float32 (``max|row| / 127``, 1 for an all-zero row) for
-      int8, ``None`` otherwise.
+      float32, ``uint16`` bfloat16 bits, int8); ``scales [...]`` float32 (``max|row| / 127``, 1 for
+      an all-zero row) for int8, ``None`` otherwise.
     """
-    check_cache_dtype(cache_dtype)
-    if cache_dtype == "float32":
+    if check_cache_dtype(cache_dtype) == "float32":
         return x, None
-    if cache_dtype == "bfloat16":
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), None
-    x = x.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(x), axis=-1)
-    scales = jnp.where(peak > 0, peak / INT8_MAX, 1.0).astype(jnp.float32)
-    values = jnp.clip(jnp.round(x / scales[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return values, scales
+    stored = quantize(x, cache_dtype)
+    return stored.values, (stored.scale if cache_dtype == "int8" else None)
+
+
+def stored_like(values: jax.Array, scales: Optional[jax.Array], x: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
+    """``x [..., d]`` (float) as a cache whose arrays are ``values`` (and int8's ``scales``, else
+    ``None``) stores it: ``(values, scales or None)``. The store is read off the arrays."""
+    if scales is not None:
+        return narrow_rows(x, "int8")
+    if values.dtype == jnp.uint16:
+        return narrow_rows(x, "bfloat16")
+    return x.astype(values.dtype), None
 
 
 def widen_rows(values: jax.Array, scales: Optional[jax.Array], dtype=jnp.float32) -> jax.Array:
@@ -206,7 +206,7 @@ class KVCache:
         XLA:CPU copies a donated buffer that is both read and updated in one step (two full copies
         of every cache per layer per token; docs/architecture.md)."""
         index = self.index
-        (k, new_key_scale), (v, new_value_scale) = (self._narrow_like(t) for t in (k, v))
+        (k, new_key_scale), (v, new_value_scale) = (stored_like(self.key, self.key_scale, t) for t in (k, v))
         key = lax.dynamic_update_slice(self.key, write_after_read(k, after, index), (0, 0, index, 0))
         value = lax.dynamic_update_slice(self.value, write_after_read(v, after, index), (0, 0, index, 0))
         key_scale, value_scale = self.key_scale, self.value_scale
@@ -218,14 +218,6 @@ class KVCache:
         return dataclasses.replace(
             self, key=key, value=value, key_scale=key_scale, value_scale=value_scale, index=index + 1
         )
-
-    def _narrow_like(self, x: jax.Array):
-        """``x [..., d]`` as this cache stores it: ``(values, scales or None)``."""
-        if self.key_scale is not None:
-            return narrow_rows(x, "int8")
-        if self.key.dtype == jnp.uint16:
-            return narrow_rows(x, "bfloat16")
-        return x.astype(self.key.dtype), None
 
 
 @jax.tree_util.register_dataclass
@@ -304,19 +296,18 @@ class LSHCache:
     def has_lists(self) -> bool:
         return self.bucket_positions is not None
 
-    def with_rows(self, keys: jax.Array, values: jax.Array, index, cache_dtype: str) -> "LSHCache":
+    def with_rows(self, keys: jax.Array, values: jax.Array, index) -> "LSHCache":
         """This cache with ``keys``, ``values`` ``[batch, heads, n, d_head]`` (float) stored at
-        positions ``index .. index + n - 1``."""
-        key, key_scale = _written_rows(self.key, self.key_scale, keys, index, cache_dtype)
-        value, value_scale = _written_rows(self.value, self.value_scale, values, index, cache_dtype)
+        positions ``index .. index + n - 1``, as the cache stores them."""
+        key, key_scale = _written_rows(self.key, self.key_scale, keys, index)
+        value, value_scale = _written_rows(self.value, self.value_scale, values, index)
         return dataclasses.replace(self, key=key, key_scale=key_scale, value=value, value_scale=value_scale)
 
 
-def _written_rows(cache: jax.Array, scales: Optional[jax.Array], x: jax.Array, index, cache_dtype: str):
-    """``x [batch, heads, n, d]`` narrowed as ``cache_dtype`` says and written into ``cache``
-    (and ``scales``) at positions ``index ..``: ``(cache, scales)``."""
-    values, new_scales = narrow_rows(x, cache_dtype)
-    values = values.astype(cache.dtype)
+def _written_rows(cache: jax.Array, scales: Optional[jax.Array], x: jax.Array, index):
+    """``x [batch, heads, n, d]`` stored as ``cache`` (and ``scales``) store it and written into
+    them at positions ``index ..``: ``(cache, scales)``."""
+    values, new_scales = stored_like(cache, scales, x)
     if cache.dtype == jnp.bfloat16:
         # Written as its bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32 over the
         # whole cache (a pass over every position per step); uint16 is written in place.

@@ -792,7 +792,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         # Where the prefill's own attention hashes with the cache's rotations and factors: the
         # same buckets, hashed once.
         own_buckets = prefix_buckets if factors == self._sequence_hash(length)[1] else None
-        cache = cache.with_rows(length_normalized(q), v, 0, self.cache_dtype)
+        cache = cache.with_rows(length_normalized(q), v, 0)
         changes = dict(
             buckets=lax.dynamic_update_slice(cache.buckets, prefix_buckets, (0, 0, 0, 0)),
             index=jnp.asarray(length, jnp.int32),
@@ -851,7 +851,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         """``cache`` with the token's key, value, buckets and list entries written at its index, after
         the step's reads (each write depends on ``y``, which depends on every read)."""
         index = cache.index
-        cache = cache.with_rows(write_after_read(k, y, index), write_after_read(v, y, index), index, self.cache_dtype)
+        cache = cache.with_rows(write_after_read(k, y, index), write_after_read(v, y, index), index)
         new_buckets = write_after_read(q_buckets, y, index)[..., None]
         changes = dict(buckets=lax.dynamic_update_slice(cache.buckets, new_buckets, (0, 0, 0, index)))
         if cache.has_lists:
