@@ -33,9 +33,16 @@ run: $(STAMP)
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The whole suite, what CI runs (docs/contributing.md).
+# The whole suite, what CI runs (docs/contributing.md): everything on one device, then the
+# partitioning tests (@pytest.mark.multi_device) in a session of their own with eight, as JAX fixes
+# the device count when it starts. The second session prints the CPU time of both; a failure in
+# either fails the target after both have run.
+MULTI_DEVICE_TESTS = $(shell grep -l "pytest.mark.multi_device" tests/test_*.py)
 test: $(STAMP) lint
-	$(PYTEST) --durations=15 tests
+	@ledger=$$(mktemp) && trap 'rm -f "$$ledger"' EXIT && export TERRA_TEST_CPU_LEDGER="$$ledger" && status=0 && \
+	$(PYTEST) -m "not multi_device" --durations=15 tests || status=1; \
+	TERRA_TEST_DEVICES=8 $(PYTEST) -m multi_device --durations=5 $(MULTI_DEVICE_TESTS) || status=1; \
+	exit $$status
 
 # The unit tier for the edit-test loop: everything not marked slow.
 test-fast: $(STAMP) lint
@@ -45,7 +52,8 @@ test-fast: $(STAMP) lint
 # is slow) from what each test took in the whole suite, then in the unit tier twice, where a test
 # may pay for its module's set-up alone and so leaves the tier.
 test-durations: $(STAMP)
-	$(PYTEST) --store-durations tests
+	$(PYTEST) -m "not multi_device" --store-durations tests
+	TERRA_TEST_DEVICES=8 $(PYTEST) -m multi_device --store-durations $(MULTI_DEVICE_TESTS)
 	$(PYTEST) -m "not slow" --store-durations tests
 	$(PYTEST) -m "not slow" --store-durations tests
 

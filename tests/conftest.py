@@ -1,16 +1,12 @@
-"""Test set-up: one CPU device (eight in the child session that runs the ``multi_device`` tests),
-XLA's optimizations off, a clean gin config per test, the suite's scheduling.
+"""Test set-up: one CPU device (eight in the session that runs the ``multi_device`` tests),
+XLA's optimizations off, a clean gin config per test, the suite's scheduling and CPU account.
 
 Tiers: ``make test-fast`` runs ``-m "not slow"`` (a test is ``slow`` by what it costs: a training,
 a subprocess, a long compile); ``make test`` runs everything. docs/contributing.md has the rules.
 """
 
-import contextlib
-import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -22,17 +18,13 @@ DEVICES_ENV = "TERRA_TEST_DEVICES"
 DEVICES = int(os.environ.get(DEVICES_ENV, "1"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-
-def without_device_count(flags: str) -> str:
-    """``XLA_FLAGS`` less any forced host device count (a test or session sets its own)."""
-    return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
-
+from helpers import tiny_config, without_device_count, xla_optimizations  # noqa: E402  (no JAX at import)
 
 # XLA:CPU's fusion emitters (MLIR) compile each small program ~30% slower than the classic
 # emitters, and the suite compiles thousands of small programs; the two compute alike.
 FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 _flags = without_device_count(os.environ.get("XLA_FLAGS", ""))
-if FAST_COMPILE_FLAGS.split("=")[0] not in _flags:  # a child session inherits them; a user's own wins
+if FAST_COMPILE_FLAGS.split("=")[0] not in _flags:  # a subprocess inherits them; a user's own wins
     _flags += " " + FAST_COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count={DEVICES}".strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -58,34 +50,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import flax.linen as nn  # noqa: E402
 import gin  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, TransformerConfig  # noqa: E402
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# A tiny encoder-decoder for the copy task's byte vocabulary (259 ids), as gin bindings.
-TINY_COPY_MODEL = [
-    "TransformerConfig.vocab_size = 259",
-    "TransformerConfig.d_model = 32",
-    "TransformerConfig.d_ff = 64",
-    "TransformerConfig.n_heads = 4",
-    "TransformerConfig.n_encoder_layers = 1",
-    "TransformerConfig.n_decoder_layers = 1",
-    "TransformerConfig.max_len = 64",
-]
-
-
-# The multi_device child session's files (its results and log), shared by the xdist workers the
-# same way as the compilation cache: made by the first process, inherited by the others.
-_OWN_MULTI_DEVICE_DIR = None
-if "TERRA_TEST_MULTI_DEVICE_DIR" not in os.environ:
-    _OWN_MULTI_DEVICE_DIR = tempfile.mkdtemp(prefix="terra-test-multi-device-")
-    os.environ["TERRA_TEST_MULTI_DEVICE_DIR"] = _OWN_MULTI_DEVICE_DIR
-MULTI_DEVICE_DIR = os.environ["TERRA_TEST_MULTI_DEVICE_DIR"]
+from terra.models import EncoderDecoderModel, EncoderDecoderTransformer  # noqa: E402
 
 
 def pytest_configure(config):
@@ -95,8 +64,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        f"multi_device: needs a mesh of {MULTI_DEVICE_COUNT} CPU devices; runs in a "
-        f"child session with {DEVICES_ENV}={MULTI_DEVICE_COUNT}",
+        f"multi_device: needs a mesh of {MULTI_DEVICE_COUNT} CPU devices; runs in a session "
+        f"started with {DEVICES_ENV}={MULTI_DEVICE_COUNT} (make test's second), skipped in others",
     )
 
 
@@ -105,9 +74,8 @@ def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):
         import shutil
 
-        for own in (_OWN_COMPILATION_CACHE, _OWN_MULTI_DEVICE_DIR):
-            if own is not None:
-                shutil.rmtree(own, ignore_errors=True)
+        if _OWN_COMPILATION_CACHE is not None:
+            shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
 
 
 # ----- the suite's order: the costliest files first, so two workers finish together --------------
@@ -155,37 +123,27 @@ class SlowByMeasure:
                 item.add_marker(pytest.mark.slow)
 
 
-@pytest.hookimpl(trylast=True)  # after -m/-k deselection: order and delegate what will run
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: order what will run
 def pytest_collection_modifyitems(config, items):
-    """The costliest files go first (measured, or estimated from their ``slow`` marks); the
-    ``multi_device`` tests start their child session as soon as they are collected and go to the
-    end of their files."""
+    """The costliest files go first (measured, or estimated from their ``slow`` marks); a
+    ``multi_device`` test in a session without its devices is skipped, saying how to run it."""
     measured = _measured_durations()
-    cost, delegated_files = {}, set()
+    cost = {}
     for item in items:
         guess = ESTIMATED_SECONDS["slow" if item.get_closest_marker("slow") else "fast"]
         cost[item.fspath] = cost.get(item.fspath, 0.0) + measured.get(item.nodeid, guess)
         if item.get_closest_marker("multi_device") and DEVICES < MULTI_DEVICE_COUNT:
-            delegated_files.add(item.fspath)
-    # A file's multi_device tests (which report the child session's results) go to its end, and no
-    # such file is among the first each worker gets: by the time a worker reaches them the child,
-    # started now, has finished, so no worker waits for it, and the files keep their costly-first
-    # places (a long file scheduled last would leave the other worker idle).
-    files = sorted(cost, key=lambda p: -cost[p])
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    for path in [p for p in files[:workers] if p in delegated_files]:
-        files.remove(path)
-        files.insert(min(workers, len(files)), path)
-    order = {path: rank for rank, path in enumerate(files)}
+            item.add_marker(pytest.mark.skip(reason=MULTI_DEVICE_SKIP))
+    order = {path: rank for rank, path in enumerate(sorted(cost, key=lambda p: -cost[p]))}
+    items.sort(key=lambda item: order[item.fspath])  # stable: each file keeps its own order
 
-    def place(item):
-        return order[item.fspath], item.fspath in delegated_files and bool(item.get_closest_marker("multi_device"))
 
-    items.sort(key=place)  # stable: each file keeps its own order otherwise
-    if DEVICES < MULTI_DEVICE_COUNT:
-        delegated = [item.nodeid for item in items if item.get_closest_marker("multi_device")]
-        if delegated:
-            _start_multi_device_session(config, delegated)
+# The device count is fixed when JAX starts, so the partitioning tests run in a session of their
+# own: `make test` runs it after the others (docs/contributing.md, "Devices").
+MULTI_DEVICE_SKIP = (
+    f"needs {MULTI_DEVICE_COUNT} CPU devices: `make test` runs it, or "
+    f"`{DEVICES_ENV}={MULTI_DEVICE_COUNT} pytest -m multi_device tests`"
+)
 
 
 _TEST_SECONDS = {}
@@ -205,102 +163,6 @@ def _store_durations(config):
     with open(DURATIONS_FILE, "w") as f:
         json.dump(dict(sorted(durations.items())), f, indent=1)
         f.write("\n")
-
-
-# ----- the multi_device tests: one child session with its own device count ------------------------
-
-_RESULTS = "results.json"
-_CHILD = None  # the child session, in the process that started it
-
-
-def _reap_child(timeout: float = 1800.0):
-    """Waits for the child session where this process started it: its CPU time then counts in the
-    suite's total, not in the test whose own subprocess would otherwise reap it. A child still
-    running after ``timeout`` (hung: its tests report that they got no results) is killed."""
-    global _CHILD
-    if _CHILD is not None:
-        try:
-            _CHILD.wait(timeout)
-        except subprocess.TimeoutExpired:
-            _CHILD.kill()
-            _CHILD.wait()
-        _CHILD = None
-
-
-def _start_multi_device_session(config, nodeids):
-    """The first process to get here starts the child session for every multi_device test; the
-    others (xdist workers collect the same tests) find it started."""
-    try:
-        marker = os.open(os.path.join(MULTI_DEVICE_DIR, "started"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    env = dict(
-        os.environ,
-        **{
-            DEVICES_ENV: str(MULTI_DEVICE_COUNT),
-            "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", "")),
-            "TERRA_TEST_RESULTS": os.path.join(MULTI_DEVICE_DIR, _RESULTS),
-        },
-    )
-    global _CHILD
-    with open(os.path.join(MULTI_DEVICE_DIR, "log"), "wb") as log:
-        _CHILD = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", *nodeids],
-            cwd=str(config.rootpath),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    os.write(marker, str(_CHILD.pid).encode())
-    os.close(marker)
-
-
-def _multi_device_results(timeout: float = 1800.0):
-    """``{nodeid: [(when, outcome, text), ...]}`` from the child session, waiting for it."""
-    path = os.path.join(MULTI_DEVICE_DIR, _RESULTS)
-    started = os.path.join(MULTI_DEVICE_DIR, "started")
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        pid = open(started).read().strip() if os.path.exists(started) else ""
-        alive = True
-        if _CHILD is not None:  # this process's child: a finished one is a zombie until waited for
-            alive = _CHILD.poll() is None or os.path.exists(path)
-        elif pid:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                alive = os.path.exists(path)
-        if not alive or time.monotonic() > deadline:
-            log = open(os.path.join(MULTI_DEVICE_DIR, "log"), errors="replace").read()[-4000:]
-            return {"error": f"the multi_device child session ended without results:\n{log}"}
-        time.sleep(0.2)
-    _reap_child()
-    with open(path) as f:
-        return json.load(f)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """A multi_device test in a one-device process reports what the child session measured."""
-    if DEVICES >= MULTI_DEVICE_COUNT or not item.get_closest_marker("multi_device"):
-        return None
-    from _pytest.reports import TestReport
-
-    results = _multi_device_results()
-    phases = results.get(item.nodeid) or [("call", "failed", results.get("error", "the child session did not run it"))]
-    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for when, outcome, text in phases:
-        longrepr = None
-        if outcome == "skipped":
-            longrepr = (str(item.path), item.location[1] or 0, text)
-        elif outcome == "failed":
-            longrepr = f"[in the {MULTI_DEVICE_COUNT}-device child session]\n{text}"
-        report = TestReport(item.nodeid, item.location, {}, outcome, longrepr, when)
-        item.ihook.pytest_runtest_logreport(report=report)
-    # What the runner's teardown does: finish the fixtures the next test does not share.
-    item.session._setupstate.teardown_exact(nextitem)
-    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    return True
 
 
 # ----- the suite's CPU time: per test (its process and the subprocesses it waited for) and in all --
@@ -346,27 +208,49 @@ def pytest_runtest_makereport(item, call):
         outcome.get_result().user_properties.append(("cpu_seconds", round(getattr(item, "cpu_seconds", 0.0), 3)))
 
 
+# `make test` runs two sessions (the second for the multi_device tests); each adds its figures to
+# the file this names, and the last prints the suite's total.
+CPU_LEDGER_ENV = "TERRA_TEST_CPU_LEDGER"
+
+
+def _sessions_so_far(session: dict) -> list:
+    """This session's figures after those of the earlier sessions of the same run, if any."""
+    path = os.environ.get(CPU_LEDGER_ENV)
+    if not path:
+        return [session]
+    try:
+        with open(path) as f:
+            sessions = json.load(f)
+    except (OSError, ValueError):  # the first session: an empty file
+        sessions = []
+    sessions.append(session)
+    with open(path, "w") as f:
+        json.dump(sessions, f)
+    return sessions
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """The suite's CPU time (what docs/contributing.md budgets): every process's user and system
     seconds, the workers and the subprocesses tests start included, and the tests that took most."""
     if hasattr(config, "workerinput") or not _TEST_CPU:
         return
-    total = _cpu_seconds()
-    wall = time.perf_counter() - _SUITE_START
-    tests = sum(_TEST_CPU.values())
+    session = {"cpu_seconds": _cpu_seconds(), "wall_seconds": time.perf_counter() - _SUITE_START, "tests": _TEST_CPU}
+    sessions = _sessions_so_far(session)
+    total = sum(s["cpu_seconds"] for s in sessions)
+    wall = sum(s["wall_seconds"] for s in sessions)
+    tests = {nodeid: seconds for s in sessions for nodeid, seconds in s["tests"].items()}
+    in_sessions = f" over {len(sessions)} pytest sessions" if len(sessions) > 1 else ""
+    in_tests = sum(tests.values()) / 60
     write = terminalreporter.write_line
     write(
-        f"suite CPU time: {total / 60:.1f} CPU-minutes in {wall / 60:.1f} minutes of wall time "
-        f"({tests / 60:.1f} of them in the {len(_TEST_CPU)} tests themselves, the rest start-up and collection)"
+        f"suite CPU time: {total / 60:.1f} CPU-minutes in {wall / 60:.1f} minutes of wall time{in_sessions} "
+        f"({in_tests:.1f} of them in the {len(tests)} tests themselves, the rest start-up and collection)"
     )
-    for nodeid, seconds in sorted(_TEST_CPU.items(), key=lambda kv: -kv[1])[:10]:
+    for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:10]:
         write(f"  {seconds:7.1f} CPU-s  {nodeid}")
     if config.getoption("cpu_report"):
         with open(config.getoption("cpu_report"), "w") as f:
-            json.dump({"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": _TEST_CPU}, f)
-
-
-_CHILD_REPORTS = {}
+            json.dump({"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": tests}, f)
 
 
 def pytest_runtest_logreport(report):
@@ -374,19 +258,10 @@ def pytest_runtest_logreport(report):
     for name, value in report.user_properties:
         if name == "cpu_seconds":
             _TEST_CPU[report.nodeid] = value
-    if "TERRA_TEST_RESULTS" in os.environ and DEVICES >= MULTI_DEVICE_COUNT:
-        text = report.longreprtext if report.outcome != "skipped" else str(report.longrepr[-1])
-        _CHILD_REPORTS.setdefault(report.nodeid, []).append((report.when, report.outcome, text))
 
 
 def pytest_sessionfinish(session):
-    _reap_child()
     _store_durations(session.config)
-    path = os.environ.get("TERRA_TEST_RESULTS")
-    if path and DEVICES >= MULTI_DEVICE_COUNT:
-        with open(path + ".tmp", "w") as f:
-            json.dump(_CHILD_REPORTS, f)
-        os.replace(path + ".tmp", path)
 
 
 @pytest.fixture(autouse=True)
@@ -394,73 +269,6 @@ def clean_gin():
     gin.clear_config()
     yield
     gin.clear_config()
-
-
-def tiny_config(**overrides) -> TransformerConfig:
-    values = dict(
-        vocab_size=61,
-        d_model=32,
-        d_ff=64,
-        n_heads=4,
-        n_encoder_layers=2,
-        n_decoder_layers=2,
-        max_len=64,
-        dropout=0.0,
-        ff_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    values.update(overrides)
-    return TransformerConfig(**values)
-
-
-def dropout_calls(apply, *args) -> set:
-    """``(parent module class name, rate, broadcast_dims)`` of every ``nn.Dropout`` with a
-    non-zero rate that ``apply(*args)`` calls; traced with abstract ``args``, not run."""
-    calls = set()
-
-    def record(next_fun, fn_args, fn_kwargs, context):
-        module = context.module
-        if isinstance(module, nn.Dropout) and context.method_name == "__call__" and module.rate > 0:
-            calls.add((type(module.parent).__name__, module.rate, tuple(module.broadcast_dims)))
-        return next_fun(*fn_args, **fn_kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(apply, *args)
-    return calls
-
-
-@contextlib.contextmanager
-def xla_optimizations(enabled: bool):
-    """XLA's optimizations on or off for what is compiled inside the block."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", not enabled)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", previous)
-
-
-def quantize_for_setup(w, kind: str, transposed: bool = False):
-    """Narrow weights for a test's set-up, not under test (a module under ``optimized_compile``):
-    ``quantize`` as one program per shape, compiled without XLA's optimizations."""
-    from terra.quantization import quantize_compiled
-
-    with xla_optimizations(False):
-        return quantize_compiled(w, kind, transposed=transposed)
-
-
-@functools.cache
-def _quantize_params_compiled():
-    from terra.quantization import quantize_params
-
-    return jax.jit(quantize_params, static_argnums=1)
-
-
-def quantize_params_for_setup(params, kind: str):
-    """A parameter tree narrowed for a test's set-up: ``quantize_params`` compiled whole (leaf by
-    leaf it compiles one program per weight shape), without XLA's optimizations."""
-    with xla_optimizations(False):
-        return _quantize_params_compiled()(params, kind)
 
 
 @pytest.fixture(scope="module")
@@ -518,12 +326,3 @@ def tiny_model():
     """A tiny dense encoder-decoder and its random parameters, shared by the suite."""
     model = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config()))
     return model, model.init_params(jax.random.key(0))
-
-
-# A study's smoke batches of 4 train on one device whatever the process has.
-ONE_DEVICE = "--gin.terra.training.ParallelSettings.num_devices=1"
-
-
-def is_png(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"

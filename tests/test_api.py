@@ -29,7 +29,7 @@ from terra.models import (
 )
 from terra.quantization import dequantize_params
 
-from conftest import REPO_ROOT, TINY_COPY_MODEL, tiny_config
+from helpers import REPO_ROOT, TINY_COPY_MODEL, tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -13,7 +13,7 @@ from terra.decoding import IncrementalDecoder, beam_search, generate
 from terra.decoding.beam_search import cache_batch_axes, length_normalized_score, length_penalty_divisor
 from terra.models import EncoderDecoderTransformer, Terraformer, shift_right
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -17,7 +17,7 @@ from terra.decoding.decode_step import IncrementalDecoder
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 from terra.quantization import quantize_params
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile", "native_kernels_on")
 

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+
 from cheap_init_prng import init_key
 
 

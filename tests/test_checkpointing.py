@@ -57,7 +57,7 @@ def batches():
 
 
 @pytest.mark.multi_device
-@pytest.mark.slow  # in the multi_device child session, a process of its own
+@pytest.mark.slow  # 8-way programs, in make test's multi_device session
 def test_save_and_restore_round_trips_state_with_shardings(tmp_path, mesh):
     assert mesh.size == 4, "a state split over four devices"
     state = make_state(mesh, seed=1, step=7)

@@ -40,7 +40,7 @@ from terra.cli import (
 from terra.gin_utils import GinConfigError
 from terra.reproduce import presets as study_presets
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 COMMANDS = {
     "terra-train": train,

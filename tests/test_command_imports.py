@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 DENSE = os.path.join(REPO_ROOT, "tests", "fixtures", "trax", "dense")
 DATA_PACKAGES = ("tensorflow", "seqio", "tensorflow_datasets")

@@ -20,7 +20,7 @@ from terra.cli import data as data_cli
 from terra.data import fixtures, json_lines, pipeline, sources
 from terra.errors import DataNotFoundError, InputError
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 LENGTHS = {"inputs": 32, "targets": 8}
 

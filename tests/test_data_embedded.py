@@ -27,7 +27,7 @@ from terra.cli import vocab as vocab_cli
 from terra.data import embedded, vocabularies, vocabulary_training
 from terra.errors import DataNotFoundError
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 NEWLINE_TEXT = "first sentence .\nsecond sentence ."
 UNICODE_TEXT = "naïve café — ☃ 日本語 😀\ttabbed\n\n  indented line  "

@@ -299,7 +299,7 @@ def test_summarization_batches_train_the_model(tiny_config_for_vocab):
 
 @pytest.fixture
 def tiny_config_for_vocab():
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     return lambda vocab_size: tiny_config(vocab_size=vocab_size)
 

@@ -11,7 +11,7 @@ import pytest
 from terra.benchmarks import decode_speed, presets, report
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
-from conftest import is_png, tiny_config
+from helpers import is_png, tiny_config
 
 # Timings are printed, never asserted: XLA's optimisations would only cost compile time here.
 # The module shares a benchmark run: the slow tier.

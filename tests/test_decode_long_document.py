@@ -15,7 +15,7 @@ from terra.backends.decode_state import KVCache, LSHCache
 from terra.benchmarks import decode_speed, presets, report
 from terra.decoding.decode_step import IncrementalDecoder
 
-from conftest import is_png
+from helpers import is_png
 
 pytestmark = pytest.mark.usefixtures("fast_compile", "clean_gin")
 

@@ -10,7 +10,7 @@ import pytest
 
 from terra.backends.decode_state import KVCache
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("optimized_compile")
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 TOP_FILES = ("README.md", "CHANGELOG.md", "LICENSE", "Makefile", "setup.cfg", "pyproject.toml", "requirements.txt")
 # A repository path: a top-level folder of the checkout followed by a path, or a shipped config

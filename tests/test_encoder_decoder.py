@@ -11,7 +11,7 @@ import pytest
 
 from terra.models import shift_right
 
-from conftest import dropout_calls, tiny_config
+from helpers import dropout_calls, tiny_config
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")

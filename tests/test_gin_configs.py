@@ -15,7 +15,7 @@ import pytest
 from terra import gin_utils
 from terra.models import ConfigError, TransformerConfig
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 # Instantiating every config compiles each model's loss: XLA's optimisations only cost time here.
 pytestmark = pytest.mark.usefixtures("fast_compile")

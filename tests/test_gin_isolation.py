@@ -23,7 +23,7 @@ import terra
 from terra import frozen_configurables, gin_utils
 from terra.layers import SparseFeedForward
 
-from conftest import TINY_COPY_MODEL
+from helpers import TINY_COPY_MODEL
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

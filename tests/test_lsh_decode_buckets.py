@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key
 
 from terra.backends import decode_state, native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
@@ -22,7 +21,8 @@ from terra.layers.lsh_attention import (
 )
 from terra.models import Terraformer, TerraformerModel
 
-from conftest import tiny_config
+from cheap_init_prng import init_key
+from helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

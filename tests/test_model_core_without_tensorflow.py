@@ -13,7 +13,7 @@ import pytest
 
 from terra.benchmarks import accelerator_check
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 NOT_INSTALLED = ("tensorflow", "seqio", "tensorflow_datasets", "tensorflow_text")
 # Installed as sitecustomize, so it is in place before anything else is imported (the script's

@@ -21,7 +21,7 @@ from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, Terrafo
 from terra.models.config import TransformerConfig
 from terra.quantization import quantize_params
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

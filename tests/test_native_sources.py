@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # a subprocess that imports jax and writes an sdist
 

@@ -15,7 +15,7 @@ import pytest
 
 from terra import gin_utils
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 # Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
 pytestmark = pytest.mark.slow

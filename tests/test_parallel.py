@@ -33,7 +33,7 @@ from terra.parallel.sharding import (
     sharded_init,
 )
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 N_DEVICES = len(jax.devices())
 DATA = N_DEVICES // 2
@@ -59,8 +59,8 @@ def _abstract(params):
 
 # XLA's optimisation passes dominate this file's time and do not change what it proves; every
 # array compared below is computed under the same setting, so values match exactly.
-# Meshes over eight devices: these tests run in the multi_device child session (conftest), a
-# process of its own, hence slow.
+# Meshes over eight devices: these tests run in make test's multi_device session (conftest), each
+# compiling 8-way programs, hence slow.
 pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.multi_device, pytest.mark.slow]
 
 

@@ -202,7 +202,7 @@ def assert_same_training(run, reference) -> None:
 
 # ----- one process, several meshes ------------------------------------------------------------
 
-# The 8x1, 4x2 and 2x4 meshes need eight devices: the multi_device child session (conftest); each
+# The 8x1, 4x2 and 2x4 meshes need eight devices: make test's multi_device session (conftest); each
 # test trains.
 pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.multi_device, pytest.mark.slow]
 

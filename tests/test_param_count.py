@@ -9,7 +9,7 @@ import pytest
 from terra import gin_utils
 from terra.models.param_count import closed_form_param_count
 
-from conftest import REPO_ROOT, tiny_config
+from helpers import REPO_ROOT, tiny_config
 
 
 def test_800m_parameter_count_from_abstract_shapes_matches_the_closed_form():

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key
 from jax import lax
 
 from terra import backends, gin_utils
@@ -24,7 +23,8 @@ from terra.quantization import (
     quantize_params,
 )
 
-from conftest import quantize_params_for_setup
+from cheap_init_prng import init_key
+from helpers import quantize_params_for_setup
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile); each side of
 # every comparison below is compiled alike.

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key
 
 from terra import gin_utils
 from terra.backends import native_kernels
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
 
-from conftest import quantize_for_setup, quantize_params_for_setup, xla_optimizations
+from cheap_init_prng import init_key
+from helpers import quantize_for_setup, quantize_params_for_setup, xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).

@@ -19,7 +19,7 @@ from terra import backends
 from terra.backends import native_kernels, xla
 from terra.quantization import dequantize, quantize
 
-from conftest import quantize_for_setup, xla_optimizations
+from helpers import quantize_for_setup, xla_optimizations
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).

@@ -17,7 +17,7 @@ from terra import backends
 from terra.backends import native_kernels
 from terra.quantization import dequantize
 
-from conftest import quantize_for_setup
+from helpers import quantize_for_setup
 
 # These tests read optimized programs or compare hand-written kernels with XLA's optimized
 # products (conftest.optimized_compile).

@@ -13,7 +13,7 @@ import pytest
 from terra.benchmarks import presets
 from terra.cli import quickstart
 
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 # Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
 pytestmark = pytest.mark.slow

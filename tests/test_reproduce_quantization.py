@@ -11,7 +11,7 @@ from terra.cli import reproduce as cli
 from terra.errors import ConfigError
 from terra.reproduce import quantization, runs
 
-from conftest import ONE_DEVICE
+from helpers import ONE_DEVICE
 
 # Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
 pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]

@@ -9,7 +9,7 @@ from terra.cli import reproduce as cli
 from terra.errors import ConfigError, DataNotFoundError, UsageError
 from terra.reproduce import runs, sparsity
 
-from conftest import ONE_DEVICE, is_png
+from helpers import ONE_DEVICE, is_png
 
 # Every test here shares an end-to-end run (a training, a study or a built wheel): the slow tier.
 pytestmark = [pytest.mark.usefixtures("fast_compile"), pytest.mark.slow]

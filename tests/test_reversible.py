@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key
 
 from terra.layers.attention import CausalSelfAttention, SelfAttention
 from terra.layers.feedforward import FeedForward
 from terra.layers.reversible import HalfResidual, ReversibleStack
 from terra.layers.sparse_feedforward import SparseFeedForward
+
+from cheap_init_prng import init_key
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from cheap_init_prng import initialised_once
 
 from terra import gin_utils
 from terra.models import shift_right
+
+from cheap_init_prng import initialised_once
 
 VARIANTS = [
     "models/tiny_sparse_ff.gin",

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cheap_init_prng import init_key, initialised_once
 
 from terra import gin_utils
 from terra.benchmarks import reversible_memory
@@ -18,7 +17,8 @@ from terra.layers.length_concat import concat_with_padding, strip_to_decoder
 from terra.models import Terraformer, TerraformerModel
 from terra.models.terraformer import shared_qk_from_dense_attention
 
-from conftest import dropout_calls, tiny_config
+from cheap_init_prng import init_key, initialised_once
+from helpers import dropout_calls, tiny_config
 
 VOCAB = 64
 

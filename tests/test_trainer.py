@@ -25,7 +25,7 @@ from terra.errors import ConfigError, UsageError
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
 
-from conftest import REPO_ROOT, TINY_COPY_MODEL, without_device_count
+from helpers import REPO_ROOT, TINY_COPY_MODEL, without_device_count
 
 # A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
 TINY = TINY_COPY_MODEL + [
