@@ -13,8 +13,8 @@ from cheap_init_prng import init_key
 
 from terra.backends import decode_state, native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.layers.lsh_attention import (
-    LSHSelfAttention,
+from terra.layers.lsh_attention import LSHSelfAttention
+from terra.layers.lsh_bucket_lists import (
     append_position,
     latest_positions,
     select_from_bucket_lists,
