@@ -21,9 +21,10 @@ a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
 multiplicative layer's modules times the batch): each weight is widened once and multiplied into
-every row, so their arithmetic grows with the rows (int8 turns compute-bound from about 4 rows,
-yet at 8 rows still measured 2.5x faster than XLA's blocked product); larger products, prefill and
-training keep XLA's products, which are real matrix products (``terra-bench products --rows 8``).
+every row, so their arithmetic grows with the rows (int8 turns compute-bound from a few rows, yet
+at 8 rows still beats XLA's blocked product: docs/design/cpu_decoding.md); larger products,
+prefill and training keep XLA's products, which are real matrix products (``terra-bench products
+--rows 8``).
 """
 
 import contextlib
