@@ -2,10 +2,10 @@
 checks ``--gin.Configurable.param=VALUE`` overrides before importing anything heavy.
 
 gin learns terra's configurables when ``terra/configurables.py`` is imported, and that imports
-TensorFlow and JAX (7-30 s). ``gin_registry.json`` beside this module lists every configurable
-that module registers, its selector with its parameter names (``null`` where it takes
-``**kwargs``); a test checks that it equals the live list (``terra.configurables.live_registry``),
-another that the list is what gin knows, and ``make gin-registry``
+TensorFlow and JAX (seconds: docs/commands.md). ``gin_registry.json`` beside this module lists
+every configurable that module registers, its selector with its parameter names (``null`` where
+it takes ``**kwargs``); a test checks that it equals the live list
+(``terra.configurables.live_registry``), another that the list is what gin knows, and ``make gin-registry``
 (``scripts/write_gin_registry.py``) rewrites it after a configurable is added or changed. This
 module imports nothing of terra's, so the commands' early checks and the run-config check
 (``terra/run_config.py``) read the registry without the library.

@@ -14,12 +14,12 @@ compiling and running small programs allocate slow them down (the measurements a
 docs/architecture.md, "Large buffers back to the system").
 
 Each mapped block's pages are zero-filled by the kernel on first touch, one fault per 4 KiB page:
-a 15,360-token prefill of the 2+24-layer Terraformer LSH touches about 8 GB of fresh pages per
-call, millions of faults. Where the kernel gives transparent huge pages to regions that ask for
-them (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``), glibc asks for its mapped
-blocks when the tunable ``glibc.malloc.hugetlb=1`` is set, which it reads only as a process starts:
-:func:`restart_with_huge_pages` restarts a command with it (one fault per 2 MiB page). Plain
-Python, no JAX.
+a long document's prefill touches gigabytes of fresh pages per call, millions of faults
+(docs/architecture.md, "Huge pages for a prefill's fresh memory"). Where the kernel gives
+transparent huge pages to regions that ask for them (``/sys/kernel/mm/transparent_hugepage/enabled``
+is ``madvise``), glibc asks for its mapped blocks when the tunable ``glibc.malloc.hugetlb=1`` is
+set, which it reads only as a process starts: :func:`restart_with_huge_pages` restarts a command
+with it (one fault per 2 MiB page). Plain Python, no JAX.
 """
 
 import ctypes

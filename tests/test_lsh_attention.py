@@ -11,19 +11,16 @@ import pytest
 from terra.backends import lsh_chunk_attention, native_kernels
 from terra.errors import ConfigError
 from terra.layers import SparseQKVAttention, axes
-from terra.layers.lsh_attention import (
-    LSHSelfAttention,
-    _buckets,
+from terra.layers.lsh_attention import LSHSelfAttention
+from terra.layers.lsh_chunked_attention import (
     attention_in_chunks,
-    bucket_factors,
     full_shared_qk_attention,
-    hash_vectors,
     inverse_permutation,
     length_normalized,
     lsh_attention,
-    signed_argmax,
     stable_order,
 )
+from terra.layers.lsh_hashing import _buckets, bucket_factors, hash_vectors, signed_argmax
 from terra.layers.multiplicative import MultiplicativeDense
 from terra.layers.selection import block_argmax
 from terra.layers.sparse_qkv import ModuleConvolution

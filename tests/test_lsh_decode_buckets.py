@@ -12,8 +12,8 @@ import pytest
 
 from terra.backends import decode_state, native_kernels
 from terra.decoding.decode_step import IncrementalDecoder
-from terra.layers.lsh_attention import (
-    LSHSelfAttention,
+from terra.layers.lsh_attention import LSHSelfAttention
+from terra.layers.lsh_bucket_lists import (
     append_position,
     latest_positions,
     select_from_bucket_lists,

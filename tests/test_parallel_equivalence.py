@@ -244,7 +244,7 @@ def test_every_mesh_layout_trains_the_same_model_as_one_device(model, one_device
 
 def _draws(key):
     """Draws of the kinds the layers make: a dropout mask, Gumbel noise, and normal bits from an
-    'rbg' key (LSH attention's random rotations, terra/layers/lsh_attention.py)."""
+    'rbg' key (LSH attention's random rotations, terra/layers/lsh_hashing.py)."""
     mask_key, gumbel_key, rbg_seed = jax.random.split(key, 3)
     rbg_key = jax.random.wrap_key_data(jnp.tile(jax.random.key_data(rbg_seed), 2), impl="rbg")
     shape = (8, 4, 16)

@@ -9,9 +9,10 @@ primitives (``terra/backends/primitives.py``) run a native form only in the prog
 the CPU; elsewhere the XLA form.
 
 The native kernels widen 16 narrow weights at a time in registers: the dense output-major product
-streams int8 weights about twice as fast as XLA's blocked product (``terra-bench products``), the
-sparse layers' products read their narrow weights in place, with no float32 copy of a kernel or of
-the gathered rows, and a sparse layer's decode step is one call (docs/architecture.md, decisions).
+streams int8 weights faster than XLA's blocked product (``terra-bench products``;
+docs/design/cpu_decoding.md), the sparse layers' products read their narrow weights in place, with
+no float32 copy of a kernel or of the gathered rows, and a sparse layer's decode step is one call
+(docs/architecture.md, decisions).
 """
 
 import dataclasses
@@ -80,8 +81,8 @@ def transposed_chunk_rows(x: jax.Array) -> Optional[int]:
     """Rows per output-major product for an input-major kernel stored transposed, where ``x`` has
     more rows than the output-major kernel takes (a beam search's sparse loss: beams x S modules):
     each chunk reads the weights again, yet with the sparse loss's ``[1024, 8000]`` kernel in int8
-    that is faster than the input-major kernel at 16 rows and within 1.2x of it at 32, where XLA's
-    blocked product is 1.3-1.5x slower. ``None``: one product."""
+    that beats the input-major kernel at 16 rows and stays close to it at 32, where XLA's blocked
+    product is slower (docs/design/cpu_decoding.md). ``None``: one product."""
     rows = math.prod(x.shape[:-1])
     if rows <= native_kernels.MAX_ROWS or not native_applies(x, rows, native_kernels.MAX_INPUT_MAJOR_ROWS):
         return None

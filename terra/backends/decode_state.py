@@ -17,9 +17,9 @@ cross-attention's encoder keys/values) more than its weights, so their bytes set
 - ``bfloat16``: the values rounded to bfloat16, no scale (relative error <= 2^-9 per element), kept
   as their 16 bits in a ``uint16`` array, as the weights' bfloat16 store keeps them
   (``terra/quantization/quantized.py``): XLA:CPU slices and widens a ``bfloat16`` array through a
-  float32 copy of all of it (a 16 x 8192 x 64 cache step measured 8-11 ms against 2.3 ms for
-  float32), while ``bitcast(uint32(bits) << 16)`` widens the bits exactly inside the fused loop
-  (2.3-2.5 ms).
+  float32 copy of all of it, several times float32's step, while ``bitcast(uint32(bits) << 16)``
+  widens the bits exactly inside the fused loop, as fast as float32 (docs/architecture.md, "Narrow
+  caches").
 - ``int8``: symmetric int8 with one float32 scale per row of ``d_head`` values (per batch, head and
   position): ``scale = max|row| / 127`` (1 for an all-zero row), ``values = round(row / scale)``;
   the error per element is at most ``scale / 2 = max|row| / 254``.

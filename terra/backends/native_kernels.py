@@ -21,9 +21,10 @@ a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
 multiplicative layer's modules times the batch): each weight is widened once and multiplied into
-every row, so their arithmetic grows with the rows (int8 turns compute-bound from about 4 rows,
-yet at 8 rows still measured 2.5x faster than XLA's blocked product); larger products, prefill and
-training keep XLA's products, which are real matrix products (``terra-bench products --rows 8``).
+every row, so their arithmetic grows with the rows (int8 turns compute-bound from a few rows, yet
+at 8 rows still beats XLA's blocked product: docs/design/cpu_decoding.md); larger products,
+prefill and training keep XLA's products, which are real matrix products (``terra-bench products
+--rows 8``).
 """
 
 import contextlib
@@ -329,7 +330,7 @@ def sparse_attention(
 def lsh_decode_attention(
     q, keys, key_scale, values, value_scale, buckets, lists, counts, recent, recent_count, q_buckets
 ):
-    """An LSH layer's decode-step attention over the past keys it keeps (``terra/layers/lsh_attention.py``,
+    """An LSH layer's decode-step attention over the past keys it keeps (``terra/layers/lsh_bucket_lists.py``,
     ``select_from_bucket_lists``), in one call that reads each kept row of the cache where it lies.
 
     ``q f32 [B, H, Dh]`` scaled by ``Dh ** -0.5``; ``keys``, ``values`` ``[B, H, L, Dh]`` float32,
@@ -402,7 +403,7 @@ def blocked_attention(q, k, v, bias, causal: bool):
 
 
 def lsh_chunk_attention(q, k, v, positions, valid, before: int, after: int, causal: bool):
-    """An LSH layer's attention over its sorted entries in one call (``terra/layers/lsh_attention.py``,
+    """An LSH layer's attention over its sorted entries in one call (``terra/layers/lsh_chunked_attention.py``,
     ``lsh_attention``): each chunk of ``C`` entries against its own and its ``before`` previous and
     ``after`` next chunks (cyclically), with the layer's masks (its own position −1e5, a later
     position when ``causal`` and a padding key −1e9), softmax over the window.
@@ -422,7 +423,7 @@ def lsh_chunk_attention(q, k, v, positions, valid, before: int, after: int, caus
 
 
 def lsh_hash(vecs, rotations, factors) -> jax.Array:
-    """An LSH layer's angular hash in one call (``terra/layers/lsh_attention.py``, ``hash_vectors``):
+    """An LSH layer's angular hash in one call (``terra/layers/lsh_hashing.py``, ``hash_vectors``):
     ``vecs f32 [B, H, L, D]``, ``rotations f32 [H, D, R, sum(factors) / 2]`` -> buckets ``s32 [B, H,
     R, L]``, per round ``sum_f radix_f · argmax([x R_f, -x R_f])`` (the first index of the maximum,
     NaN counting as the maximum). At most ``MAX_LSH_FACTORS`` even factors."""

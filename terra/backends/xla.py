@@ -3,9 +3,9 @@ form applies (training, prefill, more rows than a kernel takes, the kernels not 
 
 XLA:CPU turns ``w.astype(float32) @ x`` into a conversion of the whole matrix to a float32 buffer
 in memory followed by the product: the narrow weights are read once and a 4-byte copy written and
-read again, 10× slower than the float32 product (``docs/design/cpu_decoding.md``). Converting
+read again, many times slower than the float32 product (``docs/design/cpu_decoding.md``). Converting
 block by block inside a loop keeps each widened block in cache, so memory traffic is the narrow
-bytes alone; that still runs at about half the bandwidth, which is why the CPU backend
+bytes alone; that still runs well below the bandwidth, which is why the CPU backend
 (``terra/backends/cpu.py``) replaces these forms in decoding.
 """
 
@@ -23,8 +23,8 @@ from terra.quantization.quantized import QuantizedTensor, widen
 # slice, where the measured time stops improving (docs/design/cpu_decoding.md).
 BLOCK_ELEMENTS = 1 << 20
 # Widened float32 elements per block of cache positions (8 MiB; 2048 positions of 16 heads x 64):
-# a 16 x 8192 x 64 int8 cache step measured 1.9 ms at this size, 2.7 ms at 2^19, 4.0 ms at 2^17
-# (each block is a loop iteration) and 7.4 ms widened whole (a float32 copy in memory).
+# the fastest size measured for an int8 cache step, where smaller blocks add loop iterations and
+# widening whole writes a float32 copy in memory (docs/architecture.md, "Narrow caches").
 CACHE_BLOCK_ELEMENTS = 1 << 21
 # Rows of x from which a narrow kernel is widened whole, in one product (a prefill, training): the
 # product's arithmetic is then many times the widening's, and the blocks' loop only added a zeroed
@@ -48,7 +48,7 @@ def widened_output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind
 
     The blocks are dynamic slices of ``values`` in a ``fori_loop``: a ``lax.map`` over
     ``values[:head].reshape(blocks, ...)`` (``head`` short of ``out`` when a shorter last block
-    remains) measured 5x slower on XLA:CPU ([32000, 1024] int8: 14.9 ms against 2.4 ms)."""
+    remains) copies the matrix and is several times slower on XLA:CPU (docs/design/cpu_decoding.md)."""
     n_out = values.shape[0]
     per_row = kind == "int8"  # bfloat16 has one unused scale, passed whole to every block
 
@@ -121,7 +121,7 @@ def take_rows(matrix, rows: jax.Array) -> jax.Array:
     """``matrix[rows]`` along axis 0 as float32, for a float32 array or a :class:`QuantizedTensor`
     (the gathered rows are widened with their own scales: a few rows, in cache).
     ``mode='clip'``: the rows are in range by construction, and the default bounds handling
-    ('fill') makes XLA:CPU's gather about twice as slow."""
+    ('fill') makes XLA:CPU's gather slower (docs/design/cpu_decoding.md)."""
     return read_rows(matrix, lambda a: jnp.take(a, rows, axis=0, mode="clip"))
 
 

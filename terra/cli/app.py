@@ -158,7 +158,7 @@ class Command:
 
     def _check_gin_overrides(self, flag_values: flags.FlagValues) -> None:
         """A mistyped ``--gin`` value or macro reported in a fraction of a second: the heavy
-        imports (10-30 s) come after."""
+        imports (seconds: docs/commands.md, "How soon a command answers") come after."""
         if "gin_bindings" not in flag_values:
             return
         files = self.gin_files(flag_values) if self.gin_files else None

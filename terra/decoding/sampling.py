@@ -81,8 +81,7 @@ def sample_next_token(logits: jax.Array, rng: jax.Array, temperature, top_k=0, t
         # jax.random.categorical's own draw (the argmax of logits plus Gumbel noise), same samples.
         return block_argmax(scaled + jax.random.gumbel(rng, scaled.shape, scaled.dtype))
 
-    # Greedy decoding draws no noise: the Gumbel draw and its argmax over a 32k vocabulary cost
-    # about 1 ms per token on a 2-core CPU, a sixth of a fully sparse int8 800M step
-    # (docs/decode_speed.md). Under vmap both branches run.
+    # Greedy decoding draws no noise: the Gumbel draw and its argmax over the vocabulary are a
+    # sizeable share of a fully sparse step (docs/decode_speed.md). Under vmap both branches run.
     token = jax.lax.cond(temperature > 0, sample, block_argmax, logits)
     return token.astype(jnp.int32)

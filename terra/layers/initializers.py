@@ -32,7 +32,7 @@ def stacked_glorot_uniform():
 
 
 # XLA:CPU compiles the threefry hash behind every random draw (20 unrolled rounds) once per
-# parameter, and its optimization passes make each copy about 3x costlier to compile, while the
+# parameter, and its optimization passes make each copy several times costlier to compile, while the
 # initializer runs once: up to INITIALIZER_UNOPTIMIZED_PARAMETERS the optimizations cost far more
 # compile time than they save run time, at the paper's 800M widths the two are about even
 # (docs/architecture.md, "Decisions taken from measurements"). Without them, values differ from an

@@ -73,8 +73,8 @@ class MultiplicativeDense(nn.Module):
         if math.prod(x.shape[:-1]) >= COMBINED_KERNEL_ROWS:
             # Many rows (a prefill, training): D folded into E once, K[i, s, m] = D[s, i] E[i, m],
             # and one [d_in, S·M] product, where the gated form multiplies S scaled copies of
-            # every row (the same sums; XLA:CPU ran that product at about a third of this one's
-            # rate at 15,360 rows; docs/architecture.md).
+            # every row (the same sums; XLA:CPU runs that product far below this one's rate at a
+            # prefill's rows; docs/architecture.md).
             combined = as_float(gate, self.dtype).T[:, :, None] * as_float(kernel, self.dtype)[:, None, :]
             y = (x @ combined.reshape(d_in, -1)).reshape(x.shape[:-1] + (self.n_modules, size))
         else:

@@ -115,8 +115,8 @@ def convolve_modules(u: jax.Array, kernel, bias, dtype=jnp.float32) -> jax.Array
         y = jax.lax.conv_general_dilated(u, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return y + bias
 
-    # A backend may convolve in one call (XLA:CPU's convolution op ran this shape at about a third
-    # of its small products' rate on an AVX2 machine; docs/architecture.md).
+    # A backend may convolve in one call (XLA:CPU's convolution op runs this shape well below its
+    # small products' rate; docs/architecture.md, "The LSH prefill's bookkeeping").
     return module_convolution(
         u.astype(dtype), as_float(kernel, dtype), jnp.asarray(as_float(bias, dtype), dtype), unfused
     )

@@ -16,10 +16,10 @@ sparse feed-forward controller's up-projection ``[d_lowrank, d_ff / N, N]`` and 
 multiplicative kernel ``[d_model, vocab / S]``. Read by a few rows of activations (one; S), an
 input-major product reads each tile of outputs from one line per input, each line in its own DRAM
 page, while output-major (``[*out, in]``, one scale per output) they stream: the fully sparse
-int8 800M step is 1.1 ms (9%) faster (``docs/architecture.md``, decisions).
+int8 800M step is faster (``docs/architecture.md``, decisions).
 
 bfloat16 is kept as ``uint16`` bits because XLA:CPU converts a bfloat16 matrix to float32 whole
-before a product (3–10× slower than float32), while ``bitcast(uint32(bits) << 16)`` widens it
+before a product (several times slower than float32), while ``bitcast(uint32(bits) << 16)`` widens it
 exactly in a fused loop (``docs/design/cpu_decoding.md``).
 """
 
