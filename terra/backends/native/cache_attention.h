@@ -14,8 +14,8 @@
 // tree for 16 rows on AVX-512, not 16 reductions), the exponentials 16 lanes at a time, and the
 // weighted sum of values keeps its accumulators in registers.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -282,4 +282,4 @@ ffi::Error CacheAttention(ffi::ThreadPool& pool, const CacheAttentionOperands<T>
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_

@@ -3,8 +3,8 @@
 // [heads, queries, keys] scores are ever held (terra/layers/attention.py, blocked_attention);
 // and an LSH layer's attention over its sorted chunks, each with its adjacent ones.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_
 
 #include <cstdint>
 
@@ -56,4 +56,4 @@ ffi::Error LshChunkAttention(ffi::ThreadPool& pool, const LshChunkOperands& oper
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_

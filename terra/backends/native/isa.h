@@ -7,8 +7,8 @@
 // once per set. The set is chosen at run time (__builtin_cpu_supports), never by -march=native,
 // so one build runs on any x86-64 machine.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_ISA_H_
-#define TERRA_QUANTIZATION_NATIVE_ISA_H_
+#ifndef TERRA_BACKENDS_NATIVE_ISA_H_
+#define TERRA_BACKENDS_NATIVE_ISA_H_
 
 #include <atomic>
 #include <cstdint>
@@ -38,7 +38,7 @@ enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The best instruction set this CPU supports.
 int SupportedIsa();
-// What the handlers use: the best supported, or a lower one asked for (terra_narrow_products_isa).
+// What the handlers use: the best supported, or a lower one asked for (terra_cpu_kernels_isa).
 extern std::atomic<int> g_isa;
 inline int ActiveIsa() { return g_isa.load(std::memory_order_relaxed); }
 
@@ -429,4 +429,4 @@ void WithIsa(int isa, const Body& body) {
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_ISA_H_
+#endif  // TERRA_BACKENDS_NATIVE_ISA_H_
