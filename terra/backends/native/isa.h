@@ -77,8 +77,8 @@ typedef uint32_t Uint32Lanes __attribute__((vector_size(kLanes * sizeof(uint32_t
 // N lanes of float32 and of int32 for code that compares and selects (a ? b : c over a vector
 // comparison): GCC compiles such selects to vector instructions only at a width the target's
 // registers hold, and one lane at a time through the stack beyond it (16 lanes under AVX2 made the
-// LSH chunk attention's masks and softmax several times slower than its products). Each tag's
-// kSelectLanes is its register width.
+// LSH chunk attention's masks and softmax slower than its products: docs/architecture.md,
+// "Decisions taken from measurements"). Each tag's kSelectLanes is its register width.
 template <int64_t N>
 struct SelectLanes {
   typedef float Float __attribute__((vector_size(N * sizeof(float))));
@@ -135,8 +135,8 @@ TERRA_INLINE void AddScaledRow(float* y, float w, const T* row, int64_t n) {
 
 // 16 float32 lanes as two halves of 8: what the AVX2 kernels hold where the others hold Lanes.
 // GCC has no register for a 16-lane vector under AVX2 and keeps one in memory, so kernels written
-// over Lanes ran their accumulators through the stack there (an input-major product of a 64 KiB
-// int8 kernel for 16 rows: 0.92 ms, slower than the portable build); each half is one register.
+// over Lanes ran their accumulators through the stack there, slower than the portable build
+// (docs/architecture.md, "Decisions taken from measurements"); each half is one register.
 // The operations are the same lane by lane, so the results are the same as over Lanes.
 typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 struct SplitLanes {

@@ -4,9 +4,9 @@
 // of their values, with each kept row of the cache read once where it lies.
 //
 // Why in one native call: the rule is a merge of sorted lists, which XLA can only express as a
-// ranking (a bisection over every candidate), and XLA's gather of the kept rows costs several times
-// the rows' bytes; here the rows are prefetched a few positions ahead of their use and the heads are
-// shared between the pool's threads (docs/architecture.md, "Long inputs").
+// ranking (a bisection over every candidate), and XLA's gather of the kept rows costs more than
+// reading the rows' bytes; here the rows are prefetched a few positions ahead of their use and the
+// heads are shared between the pool's threads (docs/architecture.md, "Long inputs").
 
 #include "lsh_attention.h"
 
