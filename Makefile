@@ -16,7 +16,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.cfg setup.py pyproject.toml $(wildcard terra/quantization/native/*.cc terra/quantization/native/*.h)
+$(STAMP): requirements.txt setup.cfg setup.py pyproject.toml $(wildcard terra/backends/native/*.cc terra/backends/native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check --quiet --upgrade pip
 	$(PY) -m pip install --disable-pip-version-check --quiet -r requirements.txt

@@ -1,7 +1,8 @@
 """Build of terra's optional native kernels and the package list; the rest of the package
 metadata lives in setup.cfg.
 
-The C++ sources in ``terra/quantization/native/`` become one shared library that
+The C++ sources in ``terra/backends/native/`` (the CPU's narrow-weight products, attention, LSH
+hashing and convolutions) become one shared library, ``_cpu_kernels``, that
 ``terra/backends/native_kernels.py`` loads with ctypes and registers as XLA FFI custom calls. It is an
 optional extension: without a C++17 compiler, or without jax (whose headers it includes), the
 install still succeeds and terra decodes with its XLA products, after one warning at run time.
@@ -43,10 +44,10 @@ class OptionalBuildExt(build_ext):
 
 # Every .cc of the folder is one library; its headers are `depends`: a change rebuilds the library,
 # and the sdist carries them. Relative paths, as setuptools wants them (pip builds from this folder).
-NATIVE_DIR = "terra/quantization/native"
+NATIVE_DIR = "terra/backends/native"
 include = _ffi_include_dir()
 NATIVE = Extension(
-    "terra.quantization.native._narrow_products",
+    "terra.backends.native._cpu_kernels",
     sources=sorted(glob.glob(f"{NATIVE_DIR}/*.cc")),
     depends=sorted(glob.glob(f"{NATIVE_DIR}/*.h")),
     include_dirs=[include] if include else [],

@@ -82,7 +82,7 @@ def test_every_cited_repository_path_exists():
     assert not missing, "cited paths that do not exist:\n  " + "\n  ".join(sorted(set(missing)))
 
 
-NATIVE = os.path.join(REPO_ROOT, "terra", "quantization", "native")
+NATIVE = os.path.join(REPO_ROOT, "terra", "backends", "native")
 # A file of the native kernels named in their comments without a folder (isa.h, products.cc).
 SIBLING = re.compile(r"(?<![\w./<-])(\w+\.(?:cc|h))\b")
 

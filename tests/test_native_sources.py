@@ -1,5 +1,5 @@
 """The native kernels' sources travel with the source distribution: every ``.cc`` and ``.h`` of
-``terra/quantization/native/``, so that a build from the sdist (a user's ``pip install`` of it)
+``terra/backends/native/``, so that a build from the sdist (a user's ``pip install`` of it)
 compiles the same library as a build from the checkout."""
 
 import glob
@@ -14,7 +14,7 @@ from helpers import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # a subprocess that imports jax and writes an sdist
 
-NATIVE = os.path.join("terra", "quantization", "native")
+NATIVE = os.path.join("terra", "backends", "native")
 
 
 def test_the_sdist_carries_every_native_source_and_header(tmp_path):

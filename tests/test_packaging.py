@@ -51,7 +51,7 @@ def _tracked_files():
 
 def _built_kernel_library():
     """The native kernels the checkout's install built in place (None without a compiler)."""
-    found = glob.glob(os.path.join(REPO_ROOT, "terra", "quantization", "native", "_narrow_products*.so"))
+    found = glob.glob(os.path.join(REPO_ROOT, "terra", "backends", "native", "_cpu_kernels*.so"))
     return found[0] if found else None
 
 
@@ -63,7 +63,7 @@ def _reuse_kernel_library(source) -> bool:
     if library is None:
         return False
     build_lib = source / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
-    target = build_lib / "terra" / "quantization" / "native" / os.path.basename(library)
+    target = build_lib / "terra" / "backends" / "native" / os.path.basename(library)
     os.makedirs(target.parent, exist_ok=True)
     shutil.copy2(library, target)
     later = time.time() + 1
@@ -114,7 +114,7 @@ def test_the_wheel_carries_every_config_the_licence_and_the_commands(installed):
     assert not any(n.startswith(("tests/", "docs/", "scripts/")) for n in names)
     library = _built_kernel_library()
     if library is not None:  # the kernels the install built travel in the wheel
-        assert f"terra/quantization/native/{os.path.basename(library)}" in names
+        assert f"terra/backends/native/{os.path.basename(library)}" in names
 
 
 def _run(site, command, cwd, *args):

@@ -1,5 +1,5 @@
-"""The native narrow-weight products (the C++ of ``terra/quantization/native/``) as XLA FFI
-custom calls on the CPU: what the CPU backend (``terra/backends/cpu.py``) calls.
+"""The native CPU kernels (the C++ of ``terra/backends/native/``, built as ``_cpu_kernels``) as XLA
+FFI custom calls on the CPU: what the CPU backend (``terra/backends/cpu.py``) calls.
 
 The shared library is built by the package's install (``setup.py``, an optional extension placed
 next to its source). It is loaded with ctypes on first use and its handlers registered with
@@ -44,9 +44,9 @@ MAX_ROWS = 8
 # is widened once and used by every row, so its arithmetic grows with them; past this, XLA's matrix
 # product is the faster one.
 MAX_INPUT_MAJOR_ROWS = 256
-# The library is built next to its source, in the quantization package (setup.py's extension path).
-LIBRARY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization", "native")
-LIBRARY_STEM = "_narrow_products"  # the extension module setup.py builds: terra.quantization.native._narrow_products
+# The library is built next to its source, in this package's native/ (setup.py's extension path).
+LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+LIBRARY_STEM = "_cpu_kernels"  # the extension module setup.py builds: terra.backends.native._cpu_kernels
 REBUILD = (
     "rebuild it with `make install` (after `rm .venv/.terra-installed`) or "
     "`.venv/bin/python -m pip install --no-deps --no-build-isolation -e .` (needs a C++17 compiler)"
@@ -131,8 +131,8 @@ def _library():
             library = ctypes.CDLL(path)
             for target in sorted(set(TARGETS.values())):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
-            library.terra_narrow_products_isa.argtypes = [ctypes.c_int]
-            library.terra_narrow_products_isa.restype = ctypes.c_int
+            library.terra_cpu_kernels_isa.argtypes = [ctypes.c_int]
+            library.terra_cpu_kernels_isa.restype = ctypes.c_int
             return library
         except Exception as error:  # an optional speed-up: whatever fails, the XLA path remains
             reason = f"terra's native kernels could not be loaded from {path} ({error})"
@@ -197,7 +197,7 @@ def isa() -> str:
     library = _library()
     if library is None:
         raise RuntimeError("terra's native kernels are not available")
-    return ISAS[library.terra_narrow_products_isa(-1)]
+    return ISAS[library.terra_cpu_kernels_isa(-1)]
 
 
 def use_isa(name: str) -> str:
@@ -207,8 +207,8 @@ def use_isa(name: str) -> str:
     library = _library()
     if library is None:
         raise RuntimeError("terra's native kernels are not available")
-    before = ISAS[library.terra_narrow_products_isa(-1)]
-    library.terra_narrow_products_isa(ISAS.index(name))
+    before = ISAS[library.terra_cpu_kernels_isa(-1)]
+    library.terra_cpu_kernels_isa(ISAS.index(name))
     return before
 
 

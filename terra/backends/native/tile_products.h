@@ -2,8 +2,8 @@
 // q k^T with k transposed, out += weights v; prefill_attention.cc) and an LSH hash's rotations
 // (lsh_hash.cc). Inlined into each instruction set's function (isa.h).
 
-#ifndef TERRA_QUANTIZATION_NATIVE_TILE_PRODUCTS_H_
-#define TERRA_QUANTIZATION_NATIVE_TILE_PRODUCTS_H_
+#ifndef TERRA_BACKENDS_NATIVE_TILE_PRODUCTS_H_
+#define TERRA_BACKENDS_NATIVE_TILE_PRODUCTS_H_
 
 #include <cstdint>
 
@@ -70,4 +70,4 @@ TERRA_INLINE void Product(const ProductOperands& m, int64_t rows, int64_t width)
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_TILE_PRODUCTS_H_
+#endif  // TERRA_BACKENDS_NATIVE_TILE_PRODUCTS_H_

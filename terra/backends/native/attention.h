@@ -1,8 +1,8 @@
 // A sparse QKV layer's decode step in one call, with the attention over its cache
 // (terra/layers/sparse_qkv.py, terra/layers/attention.py).
 
-#ifndef TERRA_QUANTIZATION_NATIVE_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_ATTENTION_H_
 
 #include <cstdint>
 
@@ -61,4 +61,4 @@ ffi::Error SparseAttention(ffi::ThreadPool& pool, const SparseAttentionOperands<
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_ATTENTION_H_

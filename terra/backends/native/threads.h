@@ -3,12 +3,12 @@
 //
 // A call's work is one or more phases run in order (a fused layer's chain of products, each
 // needing the last one's output), each cut into chunks that every participant claims from one
-// atomic counter, so a helper that starts late (a sleeping pool thread takes tens of microseconds
-// to wake) simply finds fewer chunks left: the caller never waits for a helper to start, only for
-// chunks already claimed to finish.
+// atomic counter, so a helper that starts late (a sleeping pool thread is slow to wake, next to
+// a call's length) simply finds fewer chunks left: the caller never waits for a helper to start,
+// only for chunks already claimed to finish.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_THREADS_H_
-#define TERRA_QUANTIZATION_NATIVE_THREADS_H_
+#ifndef TERRA_BACKENDS_NATIVE_THREADS_H_
+#define TERRA_BACKENDS_NATIVE_THREADS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -47,4 +47,4 @@ void Chunked(ffi::ThreadPool& pool, int64_t n, int64_t chunk, int64_t work_bytes
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_THREADS_H_
+#endif  // TERRA_BACKENDS_NATIVE_THREADS_H_

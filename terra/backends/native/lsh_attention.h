@@ -2,8 +2,8 @@
 // the choice of past keys from its per-bucket position lists, and the softmax over those keys' rows
 // of the cache, read where they lie.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_LSH_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_LSH_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_LSH_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_LSH_ATTENTION_H_
 
 #include <cstdint>
 
@@ -45,4 +45,4 @@ ffi::Error LshDecodeAttention(ffi::ThreadPool& pool, const LshDecodeOperands<T>&
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_LSH_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_LSH_ATTENTION_H_

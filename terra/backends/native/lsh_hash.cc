@@ -2,8 +2,8 @@
 // head), multiplies them by the head's rotations into a [kHashBlock, W] buffer that stays in L1,
 // and reduces each round's factors to their signed argmax. Why native: XLA:CPU writes the rotated
 // [B, H, R, L, K] floats to memory, transposed, and reads them back for a max, a min and two
-// selects; at 15,360 positions that is several times the product's own time per layer
-// (docs/decode_speed.md, "Long documents").
+// selects, passes over memory that take longer than the product itself (docs/decode_speed.md,
+// "Long documents").
 
 #include "lsh_hash.h"
 

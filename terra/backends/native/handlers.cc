@@ -27,7 +27,7 @@
 //                                          a sparse QKV layer's decode step (with one to three
 //                                          convolutions) or with its self- or cross-attention too
 //                                          (attention.h names the operands, attention.cc runs it)
-// and terra_narrow_products_isa, which reads or lowers the instruction set the handlers use.
+// and terra_cpu_kernels_isa, which reads or lowers the instruction set the handlers use.
 
 #include <algorithm>
 #include <cstdint>
@@ -577,7 +577,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_module_convolution, ModuleConvolutionImpl,
 // The instruction set the handlers use: 0 portable C++, 1 AVX2+FMA, 2 AVX-512. request < 0 only
 // asks; otherwise the handlers switch to min(request, the best this CPU supports), so that one
 // machine can check every variant. Returns the set now in use.
-extern "C" int terra_narrow_products_isa(int request) {
+extern "C" int terra_cpu_kernels_isa(int request) {
   if (request >= 0) g_isa.store(std::min(request, SupportedIsa()));
   return g_isa.load();
 }

@@ -52,9 +52,9 @@ struct Phases {
   // operation off for a scheduler time slice. Past kYields yields it sleeps between checks: on
   // oversubscribed cores (another process, or XLA's own parallel operations over long caches)
   // a yield hands the core to another yielding thread rather than to the one being waited for,
-  // and threads that only yield starved each other for minutes (docs/decode_speed.md, "Long
-  // documents"). `spins` counts on every platform: LingeringHelpers::Wait reads it to know when
-  // to look at the clock.
+  // and threads that only yield starved each other (docs/decode_speed.md, "Long documents").
+  // `spins` counts on every platform: LingeringHelpers::Wait reads it to know when to look at the
+  // clock.
   static TERRA_INLINE void Pause(int64_t& spins) {
     ++spins;
 #if TERRA_X86
@@ -70,7 +70,7 @@ struct Phases {
 
 // Helpers stay for the next call. A pool thread woken for a call starts its chunks well into the
 // call (a sizeable part of a fused sparse layer's call, during which one core works alone), and
-// the calls of a decode step come a few microseconds apart. So a helper that has finished waits up
+// the calls of a decode step follow each other closely. So a helper that has finished waits up
 // to kLingerNs for the next call's phases before it gives its pool thread back, and a call that
 // finds a helper waiting hands its phases to it instead of scheduling one. A call never waits for
 // a helper: one that arrives late finds the phases closed.

@@ -2,8 +2,7 @@
 // positions of one (batch row, module) and accumulates the F k window terms into their output rows
 // with the register-tiled product (tile_products.h), each term a [rows, M] by [M, N] product of
 // rows S M apart. Why native: XLA:CPU's convolution op runs this shape (S = 16 modules, M = N = 64,
-// a 3 x 3 window) at about a third of its small products' rate on an AVX2 machine
-// (docs/decode_speed.md, "Long documents").
+// a 3 x 3 window) well below its small products' rate (docs/decode_speed.md, "Long documents").
 
 #include "module_convolution.h"
 

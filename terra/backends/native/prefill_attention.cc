@@ -2,9 +2,9 @@
 // one (batch row, head) and walks the key tiles, holding the block's scores against one tile, its
 // running maxima and sums, and its float32 output rows (the online softmax of long-context
 // prefill). Why native: XLA:CPU runs the query-chunked form as a product that writes a chunk's
-// [heads, chunk, keys] scores to memory, a separate exponential pass and a second product, about
-// 50 GFLOP/s on a 2-core VM where its small products reach 229 (docs/decode_speed.md, "Long
-// documents"); here the scores never leave L2, and a causal block stops at its last query's key.
+// [heads, chunk, keys] scores to memory, a separate exponential pass and a second product, far
+// below the rate of its small products (docs/decode_speed.md, "Long documents"); here the scores
+// never leave L2, and a causal block stops at its last query's key.
 
 #include "prefill_attention.h"
 

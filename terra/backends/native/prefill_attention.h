@@ -3,8 +3,8 @@
 // [heads, queries, keys] scores are ever held (terra/layers/attention.py, blocked_attention);
 // and an LSH layer's attention over its sorted chunks, each with its adjacent ones.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_
 
 #include <cstdint>
 
@@ -33,7 +33,7 @@ struct BlockedAttentionOperands {
 ffi::Error BlockedAttention(ffi::ThreadPool& pool, const BlockedAttentionOperands& operands);
 
 // The operands and results of one terra_lsh_chunk_attention call: an LSH layer's attention over its
-// sorted entries (terra/layers/lsh_attention.py, lsh_attention), each chunk of C entries attending
+// sorted entries (terra/layers/lsh_chunked_attention.py, lsh_attention), each chunk of C entries attending
 // to its own chunk and the `before` previous and `after` next ones, cyclically, with the layer's
 // masks: a key that is the query's own position (and real) gets kSelfLogit added, a later one
 // (causal) or a padding key kMaskLogit.
@@ -56,4 +56,4 @@ ffi::Error LshChunkAttention(ffi::ThreadPool& pool, const LshChunkOperands& oper
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_PREFILL_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_PREFILL_ATTENTION_H_

@@ -7,8 +7,8 @@
 // once per set. The set is chosen at run time (__builtin_cpu_supports), never by -march=native,
 // so one build runs on any x86-64 machine.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_ISA_H_
-#define TERRA_QUANTIZATION_NATIVE_ISA_H_
+#ifndef TERRA_BACKENDS_NATIVE_ISA_H_
+#define TERRA_BACKENDS_NATIVE_ISA_H_
 
 #include <atomic>
 #include <cstdint>
@@ -38,7 +38,7 @@ enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The best instruction set this CPU supports.
 int SupportedIsa();
-// What the handlers use: the best supported, or a lower one asked for (terra_narrow_products_isa).
+// What the handlers use: the best supported, or a lower one asked for (terra_cpu_kernels_isa).
 extern std::atomic<int> g_isa;
 inline int ActiveIsa() { return g_isa.load(std::memory_order_relaxed); }
 
@@ -77,8 +77,8 @@ typedef uint32_t Uint32Lanes __attribute__((vector_size(kLanes * sizeof(uint32_t
 // N lanes of float32 and of int32 for code that compares and selects (a ? b : c over a vector
 // comparison): GCC compiles such selects to vector instructions only at a width the target's
 // registers hold, and one lane at a time through the stack beyond it (16 lanes under AVX2 made the
-// LSH chunk attention's masks and softmax several times slower than its products). Each tag's
-// kSelectLanes is its register width.
+// LSH chunk attention's masks and softmax slower than its products: docs/architecture.md,
+// "Decisions taken from measurements"). Each tag's kSelectLanes is its register width.
 template <int64_t N>
 struct SelectLanes {
   typedef float Float __attribute__((vector_size(N * sizeof(float))));
@@ -135,8 +135,8 @@ TERRA_INLINE void AddScaledRow(float* y, float w, const T* row, int64_t n) {
 
 // 16 float32 lanes as two halves of 8: what the AVX2 kernels hold where the others hold Lanes.
 // GCC has no register for a 16-lane vector under AVX2 and keeps one in memory, so kernels written
-// over Lanes ran their accumulators through the stack there (an input-major product of a 64 KiB
-// int8 kernel for 16 rows: 0.92 ms, slower than the portable build); each half is one register.
+// over Lanes ran their accumulators through the stack there, slower than the portable build
+// (docs/architecture.md, "Decisions taken from measurements"); each half is one register.
 // The operations are the same lane by lane, so the results are the same as over Lanes.
 typedef float HalfLanes __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 struct SplitLanes {
@@ -429,4 +429,4 @@ void WithIsa(int isa, const Body& body) {
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_ISA_H_
+#endif  // TERRA_BACKENDS_NATIVE_ISA_H_

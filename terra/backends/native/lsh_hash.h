@@ -1,9 +1,9 @@
-// An LSH layer's angular hash of a whole sequence in one call (terra/layers/lsh_attention.py,
+// An LSH layer's angular hash of a whole sequence in one call (terra/layers/lsh_hashing.py,
 // hash_vectors): each vector's product with its head's random rotations and, per hash round and
 // bucket factor, the signed argmax, combined mixed-radix into the bucket id.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_LSH_HASH_H_
-#define TERRA_QUANTIZATION_NATIVE_LSH_HASH_H_
+#ifndef TERRA_BACKENDS_NATIVE_LSH_HASH_H_
+#define TERRA_BACKENDS_NATIVE_LSH_HASH_H_
 
 #include <cstdint>
 
@@ -33,4 +33,4 @@ ffi::Error LshHash(ffi::ThreadPool& pool, const LshHashOperands& operands);
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_LSH_HASH_H_
+#endif  // TERRA_BACKENDS_NATIVE_LSH_HASH_H_

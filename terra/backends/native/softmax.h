@@ -1,8 +1,8 @@
 // The softmax's exponential and sums over float32 lanes, shared by the attention kernels
 // (prefill_attention.cc, cache_attention.h): inlined into each instruction set's function (isa.h).
 
-#ifndef TERRA_QUANTIZATION_NATIVE_SOFTMAX_H_
-#define TERRA_QUANTIZATION_NATIVE_SOFTMAX_H_
+#ifndef TERRA_BACKENDS_NATIVE_SOFTMAX_H_
+#define TERRA_BACKENDS_NATIVE_SOFTMAX_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -93,4 +93,4 @@ TERRA_INLINE float ExpAndSum(float* s, int64_t n, float top) {
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_SOFTMAX_H_
+#endif  // TERRA_BACKENDS_NATIVE_SOFTMAX_H_

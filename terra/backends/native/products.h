@@ -7,8 +7,8 @@
 // a vector at a time in registers and multiply-add them into float32 accumulators, so memory
 // traffic is the narrow bytes alone. Activations stay float32 and are never quantized.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_PRODUCTS_H_
-#define TERRA_QUANTIZATION_NATIVE_PRODUCTS_H_
+#ifndef TERRA_BACKENDS_NATIVE_PRODUCTS_H_
+#define TERRA_BACKENDS_NATIVE_PRODUCTS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -20,8 +20,9 @@ namespace terra::native {
 
 namespace ffi = xla::ffi;
 
-// Rows of x the handlers take: decoding's batch or beams (kernels.MAX_ROWS), and for the
-// input-major product a multiplicative layer's modules times the batch (kernels.MAX_INPUT_MAJOR_ROWS).
+// Rows of x the handlers take: decoding's batch or beams (native_kernels.MAX_ROWS), and for the
+// input-major product a multiplicative layer's modules times the batch
+// (native_kernels.MAX_INPUT_MAJOR_ROWS).
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMaxInputMajorRows = 256;
 
@@ -101,4 +102,4 @@ void GatheredSum(ffi::ThreadPool& pool, const GatheredRows<W>& p);
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_PRODUCTS_H_
+#endif  // TERRA_BACKENDS_NATIVE_PRODUCTS_H_

@@ -1,12 +1,12 @@
 // The LSH decode-attention handler: for each (batch row, head), the keys the layer's rule keeps
-// (terra/layers/lsh_attention.py, select_from_bucket_lists: those sharing the query's bucket in any
+// (terra/layers/lsh_bucket_lists.py, select_from_bucket_lists: those sharing the query's bucket in any
 // hash round, newest first, then the newest others, n_keep = C in all) and the softmax-weighted sum
 // of their values, with each kept row of the cache read once where it lies.
 //
 // Why in one native call: the rule is a merge of sorted lists, which XLA can only express as a
-// ranking (a bisection over every candidate), and XLA's gather of the kept rows costs several times
-// the rows' bytes; here the rows are prefetched a few positions ahead of their use and the heads are
-// shared between the pool's threads (docs/architecture.md, "Long inputs").
+// ranking (a bisection over every candidate), and XLA's gather of the kept rows costs more than
+// reading the rows' bytes; here the rows are prefetched a few positions ahead of their use and the
+// heads are shared between the pool's threads (docs/architecture.md, "Long inputs").
 
 #include "lsh_attention.h"
 

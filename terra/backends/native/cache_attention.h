@@ -8,14 +8,14 @@
 //
 // Why native: a step over a long context is a read of the cache, so its time is the cache's bytes
 // at the memory's rate, if the arithmetic keeps up. XLA:CPU reads a narrow cache through widened
-// float32 blocks written to memory (4-7x the int8 cache's floor at 15,360 positions,
-// docs/decode_speed.md "Long documents"); here each row is widened in registers as it is read. The
+// float32 blocks written to memory, far more bytes than the cache holds (docs/decode_speed.md,
+// "Long documents"); here each row is widened in registers as it is read. The
 // keys' dots are taken a vector-width of rows at a time and reduced together (one transpose-and-add
 // tree for 16 rows on AVX-512, not 16 reductions), the exponentials 16 lanes at a time, and the
 // weighted sum of values keeps its accumulators in registers.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
-#define TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_
+#define TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -282,4 +282,4 @@ ffi::Error CacheAttention(ffi::ThreadPool& pool, const CacheAttentionOperands<T>
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_CACHE_ATTENTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_CACHE_ATTENTION_H_

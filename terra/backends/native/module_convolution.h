@@ -3,8 +3,8 @@
 // first position), the module axis zero-padded by (k - 1) / 2 on each side, the kernel shared
 // across modules.
 
-#ifndef TERRA_QUANTIZATION_NATIVE_MODULE_CONVOLUTION_H_
-#define TERRA_QUANTIZATION_NATIVE_MODULE_CONVOLUTION_H_
+#ifndef TERRA_BACKENDS_NATIVE_MODULE_CONVOLUTION_H_
+#define TERRA_BACKENDS_NATIVE_MODULE_CONVOLUTION_H_
 
 #include <cstdint>
 
@@ -28,4 +28,4 @@ ffi::Error ModuleConvolution(ffi::ThreadPool& pool, const ModuleConvolutionOpera
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_MODULE_CONVOLUTION_H_
+#endif  // TERRA_BACKENDS_NATIVE_MODULE_CONVOLUTION_H_

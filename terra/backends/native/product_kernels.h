@@ -2,8 +2,8 @@
 // the function WithIsa compiles for that set. Included by the files that compile them:
 // products.cc, and attention.cc (whose projections are input-major products).
 
-#ifndef TERRA_QUANTIZATION_NATIVE_PRODUCT_KERNELS_H_
-#define TERRA_QUANTIZATION_NATIVE_PRODUCT_KERNELS_H_
+#ifndef TERRA_BACKENDS_NATIVE_PRODUCT_KERNELS_H_
+#define TERRA_BACKENDS_NATIVE_PRODUCT_KERNELS_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -413,4 +413,4 @@ TERRA_INLINE void GatheredSumColumns(const GatheredRows<W>& p, int64_t c0, int64
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_PRODUCT_KERNELS_H_
+#endif  // TERRA_BACKENDS_NATIVE_PRODUCT_KERNELS_H_

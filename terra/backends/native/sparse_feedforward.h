@@ -1,7 +1,7 @@
 // A sparse feed-forward layer's decode step in one call (terra/layers/sparse_feedforward.py).
 
-#ifndef TERRA_QUANTIZATION_NATIVE_SPARSE_FEEDFORWARD_H_
-#define TERRA_QUANTIZATION_NATIVE_SPARSE_FEEDFORWARD_H_
+#ifndef TERRA_BACKENDS_NATIVE_SPARSE_FEEDFORWARD_H_
+#define TERRA_BACKENDS_NATIVE_SPARSE_FEEDFORWARD_H_
 
 #include <cstdint>
 
@@ -26,4 +26,4 @@ ffi::Error SparseFeedForward(ffi::ThreadPool& pool, const float* x, ffi::Span<co
 
 }  // namespace terra::native
 
-#endif  // TERRA_QUANTIZATION_NATIVE_SPARSE_FEEDFORWARD_H_
+#endif  // TERRA_BACKENDS_NATIVE_SPARSE_FEEDFORWARD_H_
