@@ -92,13 +92,13 @@ def programs(name: str):
     """``{"prefill": hlo, "step": hlo}`` for one variant."""
     import jax.numpy as jnp
 
-    from terra import gin_utils
+    from terra.gin_config import parsing
     from terra.quantization import quantize_params
 
     gin_file, weights_dtype, cache_dtype = VARIANTS[name]
     bindings = [f"TransformerConfig.cache_dtype = '{cache_dtype}'"] if cache_dtype != "float32" else []
-    gin_utils.parse_gin([gin_file], bindings, finalize=False)
-    model = gin_utils.build_model()
+    parsing.parse_gin([gin_file], bindings, finalize=False)
+    model = parsing.build_model()
     params = quantize_params(model.init_params(jax.random.key(0)), weights_dtype)
     decoder = model.decoder(DECODE_LENGTH)
     tokens = jnp.ones((BATCH, INPUT_LENGTH), jnp.int32)

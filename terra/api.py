@@ -40,10 +40,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from terra import files, gin_utils  # noqa: E402
+from terra import files  # noqa: E402
 from terra.data import catalog  # noqa: E402  (no seqio: the tasks' names and objectives)
 from terra.data.python_vocabulary import PythonSentencePieceVocabulary  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
+from terra.gin_config import parsing  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
 from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
 from terra.text_encoding import clean_article, encode_text  # noqa: E402
@@ -376,7 +377,7 @@ class InteractiveModel:
 def _tasks():
     """``terra.data.tasks``, the data layer registered first (seqio on TensorFlow: loaded only
     for a model with a task, so a model config alone builds without it)."""
-    gin_utils.register_terra_configurables(data_layer=True)
+    parsing.register_terra_configurables(data_layer=True)
     from terra.data import tasks
 
     return tasks
@@ -402,11 +403,11 @@ def _from_parsed_config(
     """The model the parsed config builds, its task and vocabulary, and ``params_from(model)``.
     ``text_vocabulary``: ``(SentencePiece model file, extra_ids)`` of a summarization run opened
     without the data layer; its task is then built by ``build_task`` on first use."""
-    model = gin_utils.build_model()
-    task_name = gin_utils.bound_value("%TASK")
+    model = parsing.build_model()
+    task_name = parsing.bound_value("%TASK")
     if require_summarization and (task_name is None or catalog.objective(task_name) != catalog.SUMMARIZATION):
         _summarization_required(task_name)
-    lengths = dict(gin_utils.bound_value("%TASK_FEATURE_LENGTHS", {}) or {})
+    lengths = dict(parsing.bound_value("%TASK_FEATURE_LENGTHS", {}) or {})
     task = None
     if text_vocabulary is not None:
         vocabulary = PythonSentencePieceVocabulary(*text_vocabulary)
@@ -444,12 +445,12 @@ def _text_vocabulary(statements: Sequence[Any]) -> Optional[Tuple[str, int]]:
     write its texts without building the task (or loading seqio and TensorFlow). None otherwise."""
     from gin import config_parser
 
-    from terra import gin_registry
+    from terra.gin_config import registry_file
 
     values = {}
     for statement in statements:
         if isinstance(statement, config_parser.BindingStatement) and not statement.scope:
-            selector = gin_registry.full_selector(statement.selector) if statement.arg_name else statement.selector
+            selector = registry_file.full_selector(statement.selector) if statement.arg_name else statement.selector
             values[(selector, statement.arg_name)] = statement.value
     vocabulary = "terra.data.text_vocabulary"
     task, path = values.get(("TASK", "")), values.get((vocabulary, "spm_path"))
@@ -466,7 +467,7 @@ def _text_vocabulary(statements: Sequence[Any]) -> Optional[Tuple[str, int]]:
 
 
 def _binding_statements(bindings: Sequence[str]) -> List[Any]:
-    from terra.gin_text import read_statements
+    from terra.gin_config.reading import read_statements
 
     statements = []
     for binding in bindings:
@@ -523,11 +524,11 @@ def load(
 
     def build_task():
         with _CONFIG_LOCK:
-            gin_utils.parse_gin([config], opening, finalize=False)
-            return _tasks().get_task(gin_utils.bound_value("%TASK"))
+            parsing.parse_gin([config], opening, finalize=False)
+            return _tasks().get_task(parsing.bound_value("%TASK"))
 
     with _CONFIG_LOCK:
-        gin_utils.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)
+        parsing.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)
         run = _from_parsed_config(
             lambda model: checkpointing.load_params(model, model_dir, step),
             model_dir,
@@ -572,7 +573,7 @@ def build(
         return model.init_params(jax.random.key(seed)), None
 
     with _CONFIG_LOCK:
-        gin_utils.parse_gin(gin_files, bindings, finalize=False, search_paths=search_paths)
+        parsing.parse_gin(gin_files, bindings, finalize=False, search_paths=search_paths)
         run = _from_parsed_config(
             params_from,
             require_summarization=require_summarization,

@@ -21,7 +21,7 @@ again) is what gin parses:
 
 Anything else is one :class:`~terra.errors.ConfigError` naming the file, the line and the
 selector; nothing has been imported, called or written when it is raised. The roles cover the
-registry exactly (``terra/gin_registry.json``; a test keeps them in step), so a configurable
+registry exactly (``terra/gin_config/registry.json``; a test keeps them in step), so a configurable
 added later is refused here until it is given a role.
 """
 
@@ -30,8 +30,9 @@ from typing import Any, Dict, List, Sequence
 
 from gin import config_parser
 
-from terra import files, gin_registry, gin_text
+from terra import files
 from terra.errors import ConfigError
+from terra.gin_config import reading, registry_file
 
 CONFIG_FILE = "config.gin"
 # A run's config.gin is a few to tens of kilobytes (an 800M Terraformer's: about 10 KB).
@@ -92,11 +93,11 @@ def role(selector: str) -> str:
 
 def roles() -> Dict[str, str]:
     """``{selector: role}`` of every configurable in terra's stored registry."""
-    return {selector: role(selector) for selector in gin_registry.stored_registry()}
+    return {selector: role(selector) for selector in registry_file.stored_registry()}
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(gin_text.GinText):
+class RunConfig(reading.GinText):
     """A run's ``config.gin``, read once and checked: ``path`` (where it was read), ``text`` (what
     gin parses) and ``statements`` (gin's reading of it, nothing resolved)."""
 
@@ -110,7 +111,7 @@ class RunConfig(gin_text.GinText):
             if (
                 isinstance(statement, config_parser.BindingStatement)
                 and statement.arg_name == parameter
-                and gin_registry.full_selector(statement.selector) == selector
+                and registry_file.full_selector(statement.selector) == selector
             ):
                 value = statement.value
         return value
@@ -137,7 +138,7 @@ def check_text(text: str, path: str) -> List[Any]:
     """gin's statements of a run config's ``text`` (read from ``path``), each checked; a
     :class:`ConfigError` at the first that terra would not write into a run."""
     try:
-        statements = gin_text.read_statements(text)
+        statements = reading.read_statements(text)
     except SyntaxError as error:
         line = f", line {error.lineno}" if error.lineno else ""
         reason = " ".join(str(error.msg or error).split())[:200]
@@ -190,7 +191,7 @@ def _check_import(statement) -> None:
 
 
 def _check_bound_selector(selector: str) -> None:
-    full = gin_registry.full_selector(selector)
+    full = registry_file.full_selector(selector)
     if full is None:
         raise _Refusal(f"binds {selector}, which is not one of terra's configurables")
     if role(full) == REFUSED:
@@ -200,7 +201,7 @@ def _check_bound_selector(selector: str) -> None:
 def _check_value(value, name: str, depth: int) -> None:
     if depth > MAX_VALUE_DEPTH:
         raise _Refusal(f"{name} nests its value more than {MAX_VALUE_DEPTH} deep")
-    if value is None or isinstance(value, (bool, int, float, str, gin_text.MacroUse)):
+    if value is None or isinstance(value, (bool, int, float, str, reading.MacroUse)):
         return
     if isinstance(value, (list, tuple)):
         for item in value:
@@ -212,8 +213,8 @@ def _check_value(value, name: str, depth: int) -> None:
                 raise _Refusal(f"{name} has a dict key that is not a string or an integer")
             _check_value(item, name, depth + 1)
         return
-    if isinstance(value, gin_text.Reference):
-        full = gin_registry.full_selector(value.name)
+    if isinstance(value, reading.Reference):
+        full = registry_file.full_selector(value.name)
         if full is None:
             raise _Refusal(f"{name} refers to @{value.name}, which is not one of terra's configurables")
         if role(full) != REFERABLE:

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import terra
-from terra import api, configurables, gin_utils
+from terra import api
 from terra.errors import ConfigError
+from terra.gin_config import parsing, registration
 from terra.models import (
     EncoderDecoderModel,
     EncoderDecoderTransformer,
@@ -173,7 +174,7 @@ def test_build_takes_one_gin_file_as_a_string():
 def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):
     # Thread A pauses inside its build, after parsing; without the lock, thread B's parse would
     # replace A's bindings in gin's global config while A still reads them.
-    real_build_model = gin_utils.build_model
+    real_build_model = parsing.build_model
     a_is_building = threading.Event()
 
     def build_model(*args, **kwargs):
@@ -182,7 +183,7 @@ def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):
             time.sleep(0.5)
         return real_build_model(*args, **kwargs)
 
-    monkeypatch.setattr(gin_utils, "build_model", build_model)
+    monkeypatch.setattr(parsing, "build_model", build_model)
     built, errors = {}, []
 
     def build(d_ff):
@@ -284,8 +285,8 @@ def _registered_terra_configurables():
 
 
 def test_the_registration_module_lists_every_terra_configurable_gin_knows():
-    # terra/gin_registry.json is written from this list, not from gin's private registry.
-    listed = configurables.registered()
+    # terra/gin_config/registry.json is written from this list, not from gin's private registry.
+    listed = registration.registered()
     known = _registered_terra_configurables()
     assert sorted(listed) == sorted(known)
     assert all(listed[selector] is known[selector].wrapped for selector in listed)
@@ -315,13 +316,13 @@ def test_every_terra_name_in_the_shipped_gin_files_is_registered():
 
 @pytest.mark.slow
 def test_importing_any_module_after_parsing_registers_nothing_new():
-    """What makes ``terra.load``/``terra.build`` safe in a notebook: after ``terra.configurables``
+    """What makes ``terra.load``/``terra.build`` safe in a notebook: after ``terra.gin_config.registration``
     has registered every name (parsing imports it), importing every terra module adds no
     configurable, so none can hit gin's lock."""
     script = (
         "import gin, importlib, pkgutil, terra\n"
-        "from terra import gin_utils\n"
-        "gin_utils.parse_gin(['models/tiny.gin'])\n"
+        "from terra.gin_config import parsing\n"
+        "parsing.parse_gin(['models/tiny.gin'])\n"
         "before = {s for s, _ in gin.config._REGISTRY.items()}\n"
         "for m in pkgutil.walk_packages(terra.__path__, 'terra.'):\n"
         "    if not m.name.endswith('__main__'):\n"

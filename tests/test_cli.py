@@ -29,7 +29,6 @@ from terra.cli import (
     convert,
     data,
     evaluate,
-    gin_checks,
     params,
     quickstart,
     reproduce,
@@ -37,7 +36,8 @@ from terra.cli import (
     train,
     vocab,
 )
-from terra.gin_utils import GinConfigError
+from terra.gin_config import override_checks
+from terra.gin_config.parsing import GinConfigError
 from terra.reproduce import presets as study_presets
 
 from helpers import REPO_ROOT
@@ -81,7 +81,7 @@ def test_every_console_script_is_a_command_module_and_names_itself():
         "terra.cli.__init__",
         "terra.cli.app",
         "terra.cli.flag_groups",
-        "terra.cli.gin_checks",
+        "terra.gin_config.override_checks",
     }
     assert command_modules == {m.__name__ for m in COMMANDS.values()}
 
@@ -411,27 +411,27 @@ def test_an_unquoted_string_gets_a_hint_to_quote_it_and_a_bad_value_names_the_li
     ],
 )
 def test_overrides_the_configs_declare_with_values_of_their_type_pass(binding):
-    gin_checks.check_overrides([binding], ["experiments/quickstart.gin"])
+    override_checks.check_overrides([binding], ["experiments/quickstart.gin"])
 
 
 def test_a_users_config_is_read_with_its_includes_and_the_macros_it_only_uses(tmp_path):
     (tmp_path / "mine.gin").write_text("include 'models/tiny.gin'\nRATE = 0.5\nTrainer.init_from = %FROM_CLI\n")
-    macros = gin_checks.declared_macros(["mine.gin"], [str(tmp_path)])
+    macros = override_checks.declared_macros(["mine.gin"], [str(tmp_path)])
     assert {"MODEL", "RATE", "FROM_CLI"} <= set(macros.names)  # MODEL from dense_800m.gin, two includes down
-    gin_checks.check_overrides(["RATE = 1", "FROM_CLI = 'runs/x'"], ["mine.gin"], [str(tmp_path)])  # int for float
+    override_checks.check_overrides(["RATE = 1", "FROM_CLI = 'runs/x'"], ["mine.gin"], [str(tmp_path)])  # int for float
     with pytest.raises(GinConfigError, match=r"--gin.RATE='fast' is a str, but RATE is a float in .*mine.gin"):
-        gin_checks.check_overrides(["RATE = 'fast'"], ["mine.gin"], [str(tmp_path)])
+        override_checks.check_overrides(["RATE = 'fast'"], ["mine.gin"], [str(tmp_path)])
     with pytest.raises(GinConfigError, match="Did you mean RATE?"):
-        gin_checks.check_overrides(["RATES = 1"], ["mine.gin"], [str(tmp_path)])
+        override_checks.check_overrides(["RATES = 1"], ["mine.gin"], [str(tmp_path)])
 
 
 def test_a_config_the_reader_cannot_follow_is_left_to_the_full_parse(tmp_path):
     broken = tmp_path / "broken.gin"
     broken.write_text("include 'no/such/file.gin'\n")
-    assert gin_checks.declared_macros([str(broken)]) is None
-    gin_checks.check_overrides(["ANY_MACRO = 1"], [str(broken)])  # gin's parse reports the include
+    assert override_checks.declared_macros([str(broken)]) is None
+    override_checks.check_overrides(["ANY_MACRO = 1"], [str(broken)])  # gin's parse reports the include
     with pytest.raises(GinConfigError, match="not found"):
-        gin_checks.check_overrides(["ANY_MACRO = 1"], ["no_such_experiment.gin"])
+        override_checks.check_overrides(["ANY_MACRO = 1"], ["no_such_experiment.gin"])
 
 
 def test_evaluate_checks_overrides_against_the_runs_own_config(tmp_path, no_tensorflow, capsys):
@@ -534,7 +534,7 @@ def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(mo
     # quiets TensorFlow first, in a notebook as in a command.
     (tasks,) = [node for node in body if isinstance(node, ast.FunctionDef) and node.name == "_tasks"]
     calls = [ast.unparse(node) for node in tasks.body]
-    assert calls.index("gin_utils.register_terra_configurables(data_layer=True)") < calls.index(
+    assert calls.index("parsing.register_terra_configurables(data_layer=True)") < calls.index(
         "from terra.data import tasks"
     )
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
@@ -544,9 +544,9 @@ def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(mo
 
 
 def test_the_stored_gin_registry_is_the_live_one():
-    from terra import configurables, gin_registry
+    from terra.gin_config import registration, registry_file
 
-    assert gin_registry.stored_registry() == configurables.live_registry(), "run make gin-registry"
+    assert registry_file.stored_registry() == registration.live_registry(), "run make gin-registry"
 
 
 @pytest.mark.parametrize(
@@ -576,14 +576,14 @@ def test_the_stored_gin_registry_is_the_live_one():
 def test_an_unknown_parameter_or_configurable_is_reported_before_tensorflow_loads(
     binding, message, no_tensorflow, capsys
 ):
-    assert train.main([QUICKSTART, gin_checks.as_flag(binding)]) == 2
+    assert train.main([QUICKSTART, override_checks.as_flag(binding)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 def test_known_parameters_and_configurables_taking_any_keyword_pass():
     known = ["TransformerConfig.d_model = 64", "Trainer.steps = 3", "MODEL/SparseFeedForward.ff_sparsity = 8"]
-    gin_checks.check_overrides(known, None)
+    override_checks.check_overrides(known, None)
 
 
 def test_a_syntax_error_in_a_gin_file_is_reported_before_tensorflow_loads(tmp_path, no_tensorflow, capsys):

@@ -67,8 +67,8 @@ def _summarization_run(run) -> str:
     import gin
     import jax
 
-    from terra import gin_utils
     from terra.data import vocabularies
+    from terra.gin_config import parsing
     from terra.training import checkpointing, run_directory
 
     texts = [f"A summary line {i} of a document about operating systems, files and paths." for i in range(50)]
@@ -78,8 +78,8 @@ def _summarization_run(run) -> str:
         f"terra.data.text_vocabulary.spm_path = {model_file!r}",
         "TASK_FEATURE_LENGTHS = {'inputs': 32, 'targets': 8}",
     ]
-    gin_utils.parse_gin(["models/tiny.gin", "tasks/embedded_summarization.gin"], bindings, finalize=False)
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/tiny.gin", "tasks/embedded_summarization.gin"], bindings, finalize=False)
+    model = parsing.build_model()
     run_directory.write_config(str(run), gin.config_str())
     (run / "vocabulary").mkdir()
     shutil.copy(model_file, run / "vocabulary" / "sentencepiece.model")

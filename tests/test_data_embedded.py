@@ -275,12 +275,12 @@ def test_the_vocabulary_library_has_no_command_line_and_no_task_import():
 
 
 def test_task_texts_reads_the_raw_text_of_a_task(tmp_path):
-    from terra import gin_utils
     from terra.data import fixtures
+    from terra.gin_config import parsing
 
     docs = [f"Document {i} is about sparse layers.\nSecond line {i}." for i in range(6)]
     fixtures.write_c4_json(str(tmp_path), {"train": docs, "validation": docs[:2]}, shards=2)
-    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {str(tmp_path)!r}"])
+    parsing.parse_gin([], [f"terra.data.c4_source.json_path = {str(tmp_path)!r}"])
     texts = vocabulary_training.task_texts("c4_span_corruption", max_documents=100)
     assert sorted(texts) == sorted(docs)
     assert vocabulary_training.task_texts("c4_span_corruption", max_documents=100) == texts  # fixed order

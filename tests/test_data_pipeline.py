@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import seqio
 
-from terra import gin_utils
 from terra.benchmarks.decode_speed import random_params
 from terra.cli import data as data_cli
 from terra.cli import flag_groups
 from terra.data import feature_converters, fixtures, pipeline, tasks
 from terra.errors import ConfigError, DataNotFoundError
+from terra.gin_config import parsing
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-TASK_CONFIGS = sorted(glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "tasks", "*.gin")))
+TASK_CONFIGS = sorted(glob.glob(os.path.join(parsing.CONFIGS_DIR, "tasks", "*.gin")))
 DOCS = [f"Document {i}: sparse layers make decoding fast. " * 8 for i in range(40)]
 
 
@@ -47,7 +47,7 @@ def _assert_same_batches(a, b):
 @pytest.mark.parametrize("path", TASK_CONFIGS, ids=os.path.basename)
 @pytest.mark.slow
 def test_every_task_config_builds_its_task(path):
-    gin_utils.parse_gin([path], [])
+    parsing.parse_gin([path], [])
     name = gin.query_parameter("%TASK")
     lengths = gin.query_parameter("%TASK_FEATURE_LENGTHS")
     task = tasks.get_task(name)
@@ -80,7 +80,7 @@ def test_unknown_task_suggests_the_closest_name():
 
 
 def test_data_flags_bind_the_sources(c4_json_dir):
-    gin_utils.parse_gin([], flag_groups.data_bindings({"c4_json": c4_json_dir, "tfds_data_dir": "/x"}))
+    parsing.parse_gin([], flag_groups.data_bindings({"c4_json": c4_json_dir, "tfds_data_dir": "/x"}))
     task = tasks.get_task("c4_span_corruption")
     assert len(task.source.list_shards("train")) == 2
     assert tasks.arxiv_source().data_dir == "/x"
@@ -88,7 +88,7 @@ def test_data_flags_bind_the_sources(c4_json_dir):
 
 @pytest.mark.slow
 def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4_json_dir):
-    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+    parsing.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
     ds = pipeline.get_dataset("c4_span_corruption", feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)
     batch = next(pipeline.BatchIterator(ds))
     assert batch["encoder_input_tokens"].shape == (2, 64)
@@ -101,7 +101,7 @@ def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4
 @pytest.mark.parametrize("task", ["embedded_span_corruption", "c4_span_corruption"])
 @pytest.mark.slow
 def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir, tmp_path):
-    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+    parsing.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
 
     def stream():
         return pipeline.BatchIterator(
@@ -177,7 +177,7 @@ def _first_addition_batch(batch_size, converter):
 
 
 def test_length_concat_moves_the_input_padding_after_the_targets():
-    gin_utils.parse_gin([], [])
+    parsing.parse_gin([], [])
     b = _first_addition_batch(2, feature_converters.length_concat_converter())
     for i in range(2):
         n = int(b["encoder_lengths"][i])
@@ -210,7 +210,7 @@ def test_lm_format_puts_the_loss_on_the_answer_only():
 def test_the_language_model_form_makes_both_model_families_causal_language_models(model_file, bindings):
     # The reference trains its Table 4 baseline as a language model over "0 w 0 w"; the
     # language-model converter feeds it to the encoder-decoder families with an empty encoder.
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         [model_file, "tasks/synthetic_copy_digits_lm.gin"],
         [
             "TransformerConfig.vocab_size = 16",
@@ -219,7 +219,7 @@ def test_the_language_model_form_makes_both_model_families_causal_language_model
             *bindings,
         ],
     )
-    model = gin_utils.build_model()
+    model = parsing.build_model()
     lengths = {"inputs": 10, "targets": 8}
     batch = next(
         pipeline.BatchIterator(
@@ -254,7 +254,7 @@ def test_the_language_model_form_makes_both_model_families_causal_language_model
 
 
 def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
-    gin_utils.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {str(tmp_path)!r}"])
+    parsing.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {str(tmp_path)!r}"])
     with pytest.raises(DataNotFoundError, match=str(tmp_path / "scientific_papers" / "arxiv" / "1.1.1")):
         pipeline.get_dataset("arxiv_summarization", feature_lengths={"inputs": 64, "targets": 16}, batch_size=1)
 
@@ -382,7 +382,7 @@ def test_batches_built_without_autograph_equal_those_autograph_converts(task, c4
 
     from terra.data import graph_functions
 
-    gin_utils.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
+    parsing.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
 
     def first_batches():
         stream = pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3)

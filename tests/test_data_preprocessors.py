@@ -9,9 +9,9 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from terra import configurables
 from terra.data import preprocessors as prep
 from terra.errors import ConfigError
+from terra.gin_config import registration
 
 VOCAB_SIZE = 1000
 EOS_ID = 1
@@ -238,7 +238,7 @@ def test_same_seed_gives_the_same_corruption():
 
 
 def test_gin_bindings_reach_span_corruption_when_seqio_calls_it():
-    configurables.register_data_layer()  # registers terra.data.span_corruption with gin
+    registration.register_data_layer()  # registers terra.data.span_corruption with gin
     gin.parse_config(
         """
         terra.data.span_corruption.noise_density = 0.25

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import seqio
 
-from terra import gin_utils
 from terra.data import feature_converters, fixtures, tasks
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 
 
 def test_every_task_has_one_of_the_objectives():
@@ -211,7 +211,7 @@ def test_the_paper_c4_task_cuts_fixed_chunks_and_reuses_the_top_pieces_as_sentin
         fixtures.write_c4_tfds(str(tmp_path / "tfds"), {"validation": C4_DOCS})
         data = f"terra.data.c4_source.tfds_data_dir = {str(tmp_path / 'tfds')!r}"
     # 64-token chunks here, so that a few short documents make several full ones.
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         ["tasks/c4_span_corruption_paper.gin"],
         [
             data,

@@ -110,12 +110,12 @@ def test_flops_per_token_count_every_product_of_a_dense_model(dense_decode):
 
 
 def test_every_preset_names_existing_configs():
-    from terra import gin_utils
+    from terra.gin_config import parsing
 
     for name, make in presets.PRESETS.items():
         for row in make().rows:
             for f in row.gin_files:
-                assert os.path.exists(gin_utils.resolve_gin_file(f)), (name, f)
+                assert os.path.exists(parsing.resolve_gin_file(f)), (name, f)
 
 
 def test_an_in_loop_difference_lost_in_jitter_is_flagged_not_reported():

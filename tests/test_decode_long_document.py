@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from terra import errors, gin_utils
+from terra import errors
 from terra.backends.decode_state import KVCache, LSHCache
 from terra.benchmarks import decode_speed, presets, report
 from terra.decoding.decode_step import IncrementalDecoder
+from terra.gin_config import parsing
 
 from helpers import is_png
 
@@ -103,8 +104,8 @@ def test_the_long_document_path_times_each_row_at_each_length(tmp_path):
 @pytest.mark.slow
 def test_a_row_that_does_not_fit_the_memory_is_skipped_with_the_reason_and_the_run_goes_on(tmp_path, monkeypatch):
     # The rows' model, as _long_config binds it and the benchmark builds it (no data layer).
-    gin_utils.parse_gin(["models/tiny.gin"], ONE_LAYER, finalize=False)
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/tiny.gin"], ONE_LAYER, finalize=False)
+    model = parsing.build_model()
     decoder = IncrementalDecoder(model.module, 6)
     small, large = (decode_speed.estimate_memory(model, decoder, n)["total"] for n in (8, 200))
     assert small < large
@@ -227,8 +228,8 @@ def test_cache_reads_count_an_lsh_layers_kept_rows_and_narrow_caches_at_their_it
 
 
 def test_the_lsh_layers_a_step_runs_are_found_with_their_settings():
-    gin_utils.parse_gin(["models/tiny_terraformer_lsh.gin"], [], finalize=False)  # as the benchmark builds it
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/tiny_terraformer_lsh.gin"], [], finalize=False)  # as the benchmark builds it
+    model = parsing.build_model()
     decoder = IncrementalDecoder(model.module, 6)
     params = model.abstract_params()
     cache = jax.eval_shape(decoder.prefill, params, _s((1, 100), jnp.int32))

@@ -167,11 +167,11 @@ def test_encoder_decoder_dropout_masks_follow_the_reference_configurable_transfo
     "gin_file", ["models/dense_800m.gin", "models/fully_sparse_800m.gin", "models/moe_ff_800m.gin"]
 )
 def test_encoder_decoder_configs_draw_dropout_masks_per_position_as_the_reference(gin_file):
-    from terra import gin_utils
+    from terra.gin_config import parsing
 
     # sparse_c4_pretrain_16gb_adafactor.gin keeps ConfigurableTransformer's dropout_shared_axes=None.
-    gin_utils.parse_gin([gin_file, "sizes/tiny.gin"])
-    assert gin_utils.build_model().config.share_dropout_over_length is False
+    parsing.parse_gin([gin_file, "sizes/tiny.gin"])
+    assert parsing.build_model().config.share_dropout_over_length is False
 
 
 @pytest.mark.slow

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from rouge_score import rouge_scorer, scoring
 
-from terra import gin_utils
 from terra.cli import evaluate as evaluate_cli
 from terra.cli import summarize
 from terra.data import fixtures
 from terra.errors import ConfigError, InputError, UsageError
 from terra.evaluation import evaluator, rouge, summaries
+from terra.gin_config import parsing
 from terra.training import checkpointing, trainer
 
 TARGETS = [
@@ -101,7 +101,7 @@ def finetuned(tmp_path_factory):
         str(root), {"train": _papers(12, 0), "validation": _papers(5, 100), "test": _papers(3, 200)}
     )
     model_dir = str(root / "run")
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         ["models/tiny.gin", "tasks/arxiv_summarization.gin", "runs/train.gin"],
         [
             f"terra.data.arxiv_source.cohan_path = {cohan!r}",
@@ -251,7 +251,7 @@ def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetu
 
 def _copy_task_run(root) -> str:
     """A run directory whose config.gin trains the copy task (no checkpoint: nothing is read)."""
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         ["models/tiny.gin", "tasks/synthetic_copy.gin", "runs/train.gin"],
         ["TransformerConfig.vocab_size = 259", f"MODEL_DIR = {str(root)!r}", "BATCH_SIZE = 2", "TRAIN_STEPS = 1"],
     )

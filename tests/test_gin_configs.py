@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra import gin_utils
+from terra.gin_config import parsing
 from terra.models import ConfigError, TransformerConfig
 
 from helpers import REPO_ROOT
@@ -21,8 +21,8 @@ from helpers import REPO_ROOT
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 GIN_FILES = sorted(
-    os.path.relpath(p, gin_utils.CONFIGS_DIR)
-    for p in glob.glob(os.path.join(gin_utils.CONFIGS_DIR, "**", "*.gin"), recursive=True)
+    os.path.relpath(p, parsing.CONFIGS_DIR)
+    for p in glob.glob(os.path.join(parsing.CONFIGS_DIR, "**", "*.gin"), recursive=True)
 )
 MODEL_FILES = [f for f in GIN_FILES if f.startswith("models/")]
 # Smaller than sizes/tiny.gin, so that instantiating every config stays fast; the sparsity
@@ -46,12 +46,12 @@ def test_the_shipped_configs_are_the_package_terra_configs_from_the_top_level_co
     import terra.configs
 
     top = os.path.join(REPO_ROOT, "configs")
-    assert gin_utils.CONFIGS_DIR == top == os.path.dirname(os.path.abspath(terra.configs.__file__))
+    assert parsing.CONFIGS_DIR == top == os.path.dirname(os.path.abspath(terra.configs.__file__))
     assert not os.path.exists(os.path.join(REPO_ROOT, "terra", "configs"))
     # gin finds an include's package path (terra/configs/models/tiny.gin) as a package resource.
-    assert all(os.path.isfile(os.path.join(top, folder, "__init__.py")) for folder in gin_utils.CONFIG_FOLDERS)
-    assert gin_utils.resolve_gin_file("terra/configs/models/tiny.gin") == os.path.join(top, "models", "tiny.gin")
-    assert gin_utils.shown_name(os.path.join(top, "models", "tiny.gin")) == "terra/configs/models/tiny.gin"
+    assert all(os.path.isfile(os.path.join(top, folder, "__init__.py")) for folder in parsing.CONFIG_FOLDERS)
+    assert parsing.resolve_gin_file("terra/configs/models/tiny.gin") == os.path.join(top, "models", "tiny.gin")
+    assert parsing.shown_name(os.path.join(top, "models", "tiny.gin")) == "terra/configs/models/tiny.gin"
 
 
 @pytest.mark.slow
@@ -62,10 +62,10 @@ def test_a_shipped_configs_package_path_resolves_in_a_checkout_on_sys_path_witho
     code = (
         "import sys; sys.path[:0] = sys.argv[1:]\n"
         "import importlib.util, gin\n"
-        "from terra import gin_utils\n"
+        "from terra.gin_config import parsing\n"
         "assert importlib.util.find_spec('terra.configs') is None\n"
         "gin.parse_config_file('terra/configs/experiments/quickstart.gin', skip_unknown=True)\n"
-        "print(gin_utils.CONFIGS_DIR, gin.query_parameter('%TASK'))\n"
+        "print(parsing.CONFIGS_DIR, gin.query_parameter('%TASK'))\n"
     )
     result = subprocess.run(
         [sys.executable, "-S", "-c", code, REPO_ROOT, *site.getsitepackages()],
@@ -93,8 +93,8 @@ def _is_size_overlay(gin_file: str) -> bool:
 @pytest.mark.parametrize("gin_file", MODEL_FILES)
 @pytest.mark.slow
 def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
-    gin_utils.parse_gin([gin_file], TEST_SIZES)
-    model = gin_utils.build_model()
+    parsing.parse_gin([gin_file], TEST_SIZES)
+    model = parsing.build_model()
     assert model.config.d_model == 32
     batch = {
         "encoder_input_tokens": jnp.ones((2, 5), jnp.int32),
@@ -124,16 +124,16 @@ def test_size_overlays_apply_to_every_model_config(size_file):
     # parse to the same config (gin's config_str, every binding), which is built once.
     built = {}
     for model_file in MODEL_FILES:
-        gin_utils.parse_gin([model_file, size_file])
+        parsing.parse_gin([model_file, size_file])
         config = gin.config_str()
         if config not in built:
-            built[config] = gin_utils.build_model()  # validates every layer abstractly
+            built[config] = parsing.build_model()  # validates every layer abstractly
         assert built[config].config.d_model < 1024, model_file
 
 
 def test_files_parse_in_order_and_later_bindings_win():
-    gin_utils.parse_gin(["models/dense_800m.gin", "models/tiny.gin"], ["TransformerConfig.d_model = 128"])
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/dense_800m.gin", "models/tiny.gin"], ["TransformerConfig.d_model = 128"])
+    model = parsing.build_model()
     assert model.config.d_model == 128 and model.config.n_encoder_layers == 2
 
 
@@ -148,8 +148,8 @@ def test_gin_flags_are_rewritten_into_bindings():
 
 
 def test_a_misspelled_binding_names_the_closest_parameter():
-    with pytest.raises(gin_utils.GinConfigError) as info:
-        gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.d_modle = 64"])
+    with pytest.raises(parsing.GinConfigError) as info:
+        parsing.parse_gin(["models/tiny.gin"], ["TransformerConfig.d_modle = 64"])
     assert "d_modle" in str(info.value) and "Did you mean 'd_model'" in str(info.value)
 
 
@@ -157,14 +157,14 @@ def test_gin_files_that_include_each_other_are_one_error_naming_both(tmp_path):
     a, b = tmp_path / "a.gin", tmp_path / "b.gin"
     a.write_text(f"include '{b}'\n")
     b.write_text(f"include '{a}'\n")
-    with pytest.raises(gin_utils.GinConfigError, match="includes form a loop") as info:
-        gin_utils.parse_gin([str(a)])
+    with pytest.raises(parsing.GinConfigError, match="includes form a loop") as info:
+        parsing.parse_gin([str(a)])
     assert str(a) in str(info.value) and str(b) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_a_misspelled_layer_reference_names_the_closest_configurable():
-    with pytest.raises(gin_utils.GinConfigError, match="Did you mean 'FeedForward'"):
-        gin_utils.parse_gin(["models/tiny.gin"], ["EncoderDecoderTransformer.feed_forward = @FeedForwrd"])
+    with pytest.raises(parsing.GinConfigError, match="Did you mean 'FeedForward'"):
+        parsing.parse_gin(["models/tiny.gin"], ["EncoderDecoderTransformer.feed_forward = @FeedForwrd"])
 
 
 @pytest.mark.parametrize(
@@ -197,13 +197,13 @@ def test_a_misspelled_layer_reference_names_the_closest_configurable():
     ],
 )
 def test_a_wrong_typed_binding_names_the_parameter_and_its_type_before_the_library_runs(binding, message):
-    with pytest.raises(gin_utils.GinConfigError) as info:
-        gin_utils.parse_gin(["experiments/quickstart.gin"], [binding], finalize=False)
+    with pytest.raises(parsing.GinConfigError) as info:
+        parsing.parse_gin(["experiments/quickstart.gin"], [binding], finalize=False)
     assert message in str(info.value) and binding in str(info.value)
 
 
 def test_bindings_of_a_compatible_type_pass_the_type_check():
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         ["experiments/quickstart.gin"],
         [
             "TransformerConfig.dropout = 0",  # an int is a float
@@ -224,16 +224,16 @@ def test_the_cli_reports_a_wrong_typed_parameter_with_exit_status_2(capsys):
 
 
 def test_a_missing_gin_file_lists_the_available_configs():
-    with pytest.raises(gin_utils.GinConfigError, match="tiny.gin"):
-        gin_utils.parse_gin(["models/no_such_model.gin"])
+    with pytest.raises(parsing.GinConfigError, match="tiny.gin"):
+        parsing.parse_gin(["models/no_such_model.gin"])
 
 
 def test_d_model_not_divisible_by_heads_is_a_config_error_with_the_fix():
     with pytest.raises(ConfigError, match="d_model=100 is not divisible by n_heads=16"):
         TransformerConfig(d_model=100, n_heads=16)
-    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.n_heads = 5"])
-    with pytest.raises(gin_utils.GinConfigError, match="choose n_heads from"):
-        gin_utils.build_model()
+    parsing.parse_gin(["models/tiny.gin"], ["TransformerConfig.n_heads = 5"])
+    with pytest.raises(parsing.GinConfigError, match="choose n_heads from"):
+        parsing.build_model()
 
 
 @pytest.mark.parametrize(
@@ -270,7 +270,7 @@ def test_a_runs_directory_in_the_working_directory_does_not_break_includes(tmp_p
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    gin_utils.parse_gin(["experiments/quickstart.gin"], ["MODEL_DIR = 'runs/q'"])
+    parsing.parse_gin(["experiments/quickstart.gin"], ["MODEL_DIR = 'runs/q'"])
     assert gin.query_parameter("%TASK") == "embedded_span_corruption"
 
 
@@ -290,7 +290,7 @@ def paper_vocabulary(tmp_path_factory):
 
 def _uses_the_paper_vocabulary(gin_file: str) -> bool:
     """Whether an experiment's own command line (its header comment) passes ``--vocabulary``."""
-    with open(os.path.join(gin_utils.CONFIGS_DIR, gin_file), encoding="utf-8") as f:
+    with open(os.path.join(parsing.CONFIGS_DIR, gin_file), encoding="utf-8") as f:
         return "--vocabulary=" in f.read()
 
 
@@ -301,17 +301,17 @@ def _mismatches(gin_files, bindings) -> list:
     The model is built abstractly (nothing is allocated), so the 800M configs cost no memory."""
     from terra.data import tasks
 
-    gin_utils.parse_gin(gin_files, ["MODEL_DIR = '/unused'", "INIT_FROM = '/unused'", *bindings])
+    parsing.parse_gin(gin_files, ["MODEL_DIR = '/unused'", "INIT_FROM = '/unused'", *bindings])
     try:
-        model = gin_utils.build_model()
-    except (ConfigError, gin_utils.GinConfigError) as error:
+        model = parsing.build_model()
+    except (ConfigError, parsing.GinConfigError) as error:
         return [f"the model does not build: {error}"]
     task = tasks.get_task(gin.query_parameter("%TASK"))
-    converter = gin_utils.build_macro("FEATURE_CONVERTER", "building the feature converter")
+    converter = parsing.build_macro("FEATURE_CONVERTER", "building the feature converter")
     problems = []
     for lengths in (
         gin.query_parameter("%TASK_FEATURE_LENGTHS"),
-        gin_utils.bound_value("%EVAL_FEATURE_LENGTHS"),
+        parsing.bound_value("%EVAL_FEATURE_LENGTHS"),
     ):
         try:
             if lengths:

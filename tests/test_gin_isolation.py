@@ -20,7 +20,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 import terra
-from terra import frozen_configurables, gin_utils
+from terra.gin_config import frozen, parsing
 from terra.layers import SparseFeedForward
 
 from helpers import TINY_COPY_MODEL
@@ -73,8 +73,8 @@ def build(bindings, seed=0):
 
 def build_model(bindings):
     """Another model, as ``terra.build`` and ``terra.load`` make it before its parameters."""
-    gin_utils.parse_gin(SPARSE_FF, TINY + bindings, finalize=False)
-    return gin_utils.build_model()
+    parsing.parse_gin(SPARSE_FF, TINY + bindings, finalize=False)
+    return parsing.build_model()
 
 
 @pytest.mark.slow
@@ -181,9 +181,9 @@ def test_a_class_decorated_in_place_is_refused_with_the_fix():
     # Calling such a class reads gin whatever is passed to it: nothing could stand for it.
     gin.parse_config("tests.gin_isolation.Tree.branch_factory = @tests.gin_isolation.DecoratedInPlace")
     with pytest.raises(TypeError, match="DecoratedInPlace is decorated with @gin.configurable.*gin.register"):
-        frozen_configurables.freeze_configurables(gin.get_configurable(Tree)())
+        frozen.freeze_configurables(gin.get_configurable(Tree)())
     with pytest.raises(TypeError, match="register it with gin.register"):
-        frozen_configurables.freeze_configurables(Tree(branch_factory=DecoratedInPlace))
+        frozen.freeze_configurables(Tree(branch_factory=DecoratedInPlace))
 
 
 def test_references_inside_the_bindings_are_frozen_too():
@@ -201,7 +201,7 @@ def test_references_inside_the_bindings_are_frozen_too():
         """
     )
     with gin.config_scope("MODEL"):
-        tree = frozen_configurables.freeze_configurables(gin.get_configurable(Tree)())
+        tree = frozen.freeze_configurables(gin.get_configurable(Tree)())
 
     gin.clear_config()
     gin.parse_config("tests.gin_isolation.Leaf.size = 99\ntests.gin_isolation.Branch.width = 99")
@@ -211,4 +211,4 @@ def test_references_inside_the_bindings_are_frozen_too():
     assert branch.leaf_factory() == Leaf(2, "model") and branch.leaf_factory(size=5) == Leaf(5, "model")
     assert tree.more[0]() == Leaf(2, "outer")  # a scoped reference keeps its own scope
     assert tree.more[1] == Leaf(2, "model")  # already a value
-    assert frozen_configurables.freeze_configurables(tree) is tree  # nothing left to freeze
+    assert frozen.freeze_configurables(tree) is tree  # nothing left to freeze

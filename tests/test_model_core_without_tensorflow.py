@@ -84,14 +84,14 @@ def test_a_model_builds_trains_a_step_and_decodes_without_tensorflow(tmp_path):
         tmp_path,
         """
 import jax, jax.numpy as jnp, numpy as np
-from terra import gin_utils
+from terra.gin_config import parsing
 from terra.decoding import IncrementalDecoder, generate
 from terra.training import optimizers
 from terra.training.train_state import TrainState
 from terra.training.train_step import train_step
 
-gin_utils.parse_gin(["models/tiny_fully_sparse.gin"])
-model = gin_utils.build_model()
+parsing.parse_gin(["models/tiny_fully_sparse.gin"])
+model = parsing.build_model()
 tx = optimizers.adafactor().transform
 params = model.init_params(jax.random.key(0))
 state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))

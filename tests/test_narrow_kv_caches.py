@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra import gin_utils
 from terra.backends import cache_logits, cache_weighted_values, cached_attention, decode_state, native_kernels, xla
 from terra.backends.decode_state import KVCache
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 from terra.layers import CausalSelfAttention, SparseQKVAttention
 from terra.layers.sparse_qkv import SparseQueryCrossAttention
 from terra.models import EncoderDecoderModel, EncoderDecoderTransformer, Terraformer, TerraformerModel
@@ -175,9 +175,9 @@ def test_a_bad_cache_dtype_is_one_config_error_naming_the_allowed_values():
 
 def test_the_setting_is_a_gin_binding():
     # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
-    gin_utils.parse_gin(["models/tiny.gin"], ["TransformerConfig.cache_dtype = 'int8'"], finalize=False)
+    parsing.parse_gin(["models/tiny.gin"], ["TransformerConfig.cache_dtype = 'int8'"], finalize=False)
     try:
-        assert gin_utils.build_model().module.config.cache_dtype == "int8"
+        assert parsing.build_model().module.config.cache_dtype == "int8"
     finally:
         gin.clear_config()
 

@@ -13,7 +13,7 @@ import zipfile
 
 import pytest
 
-from terra import gin_utils
+from terra.gin_config import parsing
 
 from helpers import REPO_ROOT
 
@@ -102,11 +102,11 @@ def installed(tmp_path_factory):
 def test_the_wheel_carries_every_config_the_licence_and_the_commands(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"terra/configs/{n}" for folder in gin_utils.CONFIG_FOLDERS for n in gin_utils.shipped_configs(folder)}
+    shipped = {f"terra/configs/{n}" for folder in parsing.CONFIG_FOLDERS for n in parsing.shipped_configs(folder)}
     assert len(shipped) > 40 and shipped <= names
     # configs/ of the checkout is the package terra.configs in the wheel, not a package of its own.
     assert not any(n.startswith("configs/") for n in names)
-    assert "terra/gin_registry.json" in names  # --gin overrides are checked against it before the imports
+    assert "terra/gin_config/registry.json" in names  # --gin overrides are checked against it before the imports
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from terra import gin_utils
+from terra.gin_config import parsing
 from terra.models.param_count import closed_form_param_count
 
 from helpers import REPO_ROOT, tiny_config
 
 
 def test_800m_parameter_count_from_abstract_shapes_matches_the_closed_form():
-    gin_utils.parse_gin(["models/dense_800m.gin"])
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/dense_800m.gin"])
+    model = parsing.build_model()
     counts = model.param_count()  # from eval_shape: nothing allocated
     assert counts["total"] == closed_form_param_count(model.config)
     assert 700e6 < counts["total"] < 850e6  # the paper's "800M" class (T5-large shapes)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from jax import lax
 
-from terra import backends, gin_utils
+from terra import backends
 from terra.backends import native_kernels, xla
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 from terra.layers.dense import Dense
 from terra.layers.embedding import TokenEmbedding
 from terra.quantization import (
@@ -233,8 +234,8 @@ def _tiny_family(gin_file):
     # checked below); each further layer would only repeat them at the cost of compiling them.
     sizes = ["vocab_size = 96", "max_len = 32", "n_encoder_layers = 1", "n_decoder_layers = 1"]
     # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
-    gin_utils.parse_gin([gin_file], [f"TransformerConfig.{size}" for size in sizes], finalize=False)
-    model = gin_utils.build_model()
+    parsing.parse_gin([gin_file], [f"TransformerConfig.{size}" for size in sizes], finalize=False)
+    model = parsing.build_model()
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(2, 96, size=(2, 9)), jnp.int32).at[1, -3:].set(0)
     targets = jnp.asarray(rng.integers(2, 96, size=(2, 6)), jnp.int32)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra import gin_utils
 from terra.backends import native_kernels
+from terra.gin_config import parsing
 from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCrossAttention
 
 from cheap_init_prng import init_key
@@ -301,8 +301,8 @@ def fully_sparse():
     configs do not reach it."""
     # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
     bindings = ["vocab_size = 96", "n_encoder_layers = 1", "n_decoder_layers = 1"]
-    gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], [f"TransformerConfig.{b}" for b in bindings], finalize=False)
-    model = gin_utils.build_model()
+    parsing.parse_gin(["models/tiny_fully_sparse.gin"], [f"TransformerConfig.{b}" for b in bindings], finalize=False)
+    model = parsing.build_model()
     with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
         return model, model.init_params(init_key(0))
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from terra import gin_utils
 from terra.cli import reproduce as cli
 from terra.data import pipeline, synthetic, tasks
+from terra.gin_config import parsing
 from terra.reproduce import length_generalization
 
 from helpers import ONE_DEVICE, is_png
@@ -43,8 +43,8 @@ def test_length_generalization_writes_table_4_analogue_for_both_models(tmp_path)
 def test_addition_bindings_give_untruncated_sums_at_both_lengths(split):
     cfg = length_generalization.config("small")
     bindings = length_generalization._task_bindings(cfg, "addition")
-    gin_utils.parse_gin(["experiments/synthetic_addition_transformer.gin"], [*bindings, "MODEL_DIR = '/unused'"])
-    lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS" if split == "train" else "%EVAL_FEATURE_LENGTHS")
+    parsing.parse_gin(["experiments/synthetic_addition_transformer.gin"], [*bindings, "MODEL_DIR = '/unused'"])
+    lengths = parsing.gin.query_parameter("%TASK_FEATURE_LENGTHS" if split == "train" else "%EVAL_FEATURE_LENGTHS")
     task = tasks.get_task("synthetic_addition")
     vocabulary = task.output_features["targets"].vocabulary
     batch = next(

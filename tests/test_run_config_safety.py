@@ -12,10 +12,11 @@ import gin
 import pytest
 
 import terra
-from terra import gin_registry, run_config
+from terra import run_config
 from terra.cli import evaluate as evaluate_cli
 from terra.cli import summarize as summarize_cli
 from terra.errors import ConfigError, InputError
+from terra.gin_config import registry_file
 from terra.training import run_directory
 
 # What terra writes at the top of a run's config.gin, so the hostile line is line 5.
@@ -70,7 +71,7 @@ def _registry_by_role(role):
 
 
 def test_every_configurable_in_the_registry_has_a_role_and_every_named_one_exists():
-    registry = gin_registry.stored_registry()
+    registry = registry_file.stored_registry()
     assert set(run_config.roles()) == set(registry)
     named = set(run_config._REFUSED) | set(run_config._REFERABLE)
     assert named <= set(registry), named - set(registry)
@@ -98,7 +99,7 @@ def _refused(hostile, line: str, *expected: str) -> str:
 
 @pytest.mark.parametrize("selector", _registry_by_role(run_config.REFUSED))
 def test_a_configurable_that_writes_or_reads_its_own_path_is_refused_bound_or_referenced(hostile_run, selector):
-    parameters = gin_registry.stored_registry()[selector] or ["path"]
+    parameters = registry_file.stored_registry()[selector] or ["path"]
     target = os.path.join(hostile_run.victim, "existing.model")
     _refused(hostile_run, f"{selector}.{parameters[0]} = {target!r}", f"binds {selector}, which ")
     short = selector.rsplit(".", 1)[-1]
@@ -172,15 +173,15 @@ def test_a_run_config_that_is_not_a_small_regular_file_is_refused_unread(tmp_pat
 
 def test_the_configs_terra_writes_pass_the_check(tmp_path):
     """The operative config of every shipped experiment and model config, as a run records it."""
-    from terra import gin_utils
+    from terra.gin_config import parsing
 
-    names = sorted(f"experiments/{n}" for n in os.listdir(os.path.join(gin_utils.CONFIGS_DIR, "experiments")))
-    names += gin_utils.shipped_configs("models")
+    names = sorted(f"experiments/{n}" for n in os.listdir(os.path.join(parsing.CONFIGS_DIR, "experiments")))
+    names += parsing.shipped_configs("models")
     for name in names:
         if not name.endswith(".gin"):
             continue
         bindings = ["MODEL_DIR = '/runs/x'"] if name.startswith("experiments/") else []
-        gin_utils.parse_gin([name], bindings, finalize=False)
+        parsing.parse_gin([name], bindings, finalize=False)
         text = gin.config_str()
         statements = run_config.check_text(text, name)
         assert statements, name

@@ -11,14 +11,15 @@ import pytest
 from etils import epath
 from etils.epath import gpath
 
-from terra import gin_utils, run_config
+from terra import run_config
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 from terra.training import run_directory
 
 
 def test_relative_data_paths_become_absolute_when_a_config_is_parsed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         ["models/tiny.gin"],
         [
             "terra.data.text_vocabulary.spm_path = 'vocab/c4.model'",
@@ -112,7 +113,7 @@ def test_a_run_under_a_url_is_read_through_epath_with_its_url_intact(tmp_path):
             "MODEL_DIR = 'gs://bucket/run'",
             "terra.data.text_vocabulary.spm_path = 'gs://bucket/run/vocabulary/sentencepiece.model'",
         ]
-        gin_utils.parse_gin([config], [], finalize=False)
+        parsing.parse_gin([config], [], finalize=False)
         assert gin.query_parameter("%TASK_FEATURE_LENGTHS") == {"inputs": 7}
         with pytest.raises(ConfigError, match="gs://bucket/other/config.gin does not exist"):
             run_directory.config_path("gs://bucket/other")

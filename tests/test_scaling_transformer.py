@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from terra import gin_utils
+from terra.gin_config import parsing
 from terra.models import shift_right
 
 from cheap_init_prng import initialised_once
@@ -36,8 +36,8 @@ def _build(variant):
     files, bindings = [variant.split("+")[0]], list(SMALL)
     if variant.endswith("+loss"):
         bindings += ["EncoderDecoderTransformer.logits_layer = @SparseLossLogits", "SparseLossLogits.loss_sparsity = 4"]
-    gin_utils.parse_gin(files, bindings)
-    return gin_utils.build_model()
+    parsing.parse_gin(files, bindings)
+    return parsing.build_model()
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def test_tiny_sparse_model_trains(built, variant):
 def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, message):
     # fully_sparse_800m.gin at tiny sizes (d_ff 256, d_model 64, vocabulary 512: none divisible by
     # the bound sparsity either): the failing check is the same, reached before tracing 2 x 24 layers.
-    gin_utils.parse_gin(["models/tiny_fully_sparse.gin"], [binding])
-    with pytest.raises(gin_utils.GinConfigError, match=message):
-        gin_utils.build_model()
+    parsing.parse_gin(["models/tiny_fully_sparse.gin"], [binding])
+    with pytest.raises(parsing.GinConfigError, match=message):
+        parsing.build_model()
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def reads():
 
     def read(gin_file):
         if gin_file not in built:
-            gin_utils.parse_gin([gin_file], ["TransformerConfig.n_encoder_layers = 1"])
-            built[gin_file] = gin_utils.build_model().params_read_per_token()
+            parsing.parse_gin([gin_file], ["TransformerConfig.n_encoder_layers = 1"])
+            built[gin_file] = parsing.build_model().params_read_per_token()
         return built[gin_file]
 
     return read

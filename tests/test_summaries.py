@@ -7,9 +7,9 @@ import re
 import pytest
 import seqio
 
-from terra import gin_utils
 from terra.data import embedded, feature_converters, fixtures, pipeline, sources, tasks
 from terra.evaluation import summaries
+from terra.gin_config import parsing
 
 LENGTHS = {"inputs": 64, "targets": 16}
 ENCODER_DECODER_FEATURES = {
@@ -55,7 +55,7 @@ def _abstract(record):
 
 
 def test_cohan_examples_carry_their_article_id(arxiv_dirs):
-    gin_utils.parse_gin([], [f"terra.data.arxiv_source.cohan_path = {arxiv_dirs['cohan']!r}"])
+    parsing.parse_gin([], [f"terra.data.arxiv_source.cohan_path = {arxiv_dirs['cohan']!r}"])
     examples = summaries.read_examples("arxiv_summarization", "validation", LENGTHS)
     assert [e.id for e in examples] == [r["article_id"] for r in PAPERS["validation"]]  # file order, unshuffled
     by_id = {r["article_id"]: r for r in PAPERS["validation"]}
@@ -68,7 +68,7 @@ def test_cohan_examples_carry_their_article_id(arxiv_dirs):
 
 
 def test_tfds_examples_carry_the_tfds_record_id(arxiv_dirs):
-    gin_utils.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"])
+    parsing.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"])
     examples = summaries.read_examples("arxiv_summarization", "validation", LENGTHS)
     assert len(examples) == len(PAPERS["validation"])
     ids = [e.id for e in examples]
@@ -108,7 +108,7 @@ def test_training_batches_have_exactly_the_model_features(data, arxiv_dirs):
         "tfds": [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"],
         "embedded": [],
     }[data]
-    gin_utils.parse_gin([], bindings)
+    parsing.parse_gin([], bindings)
     task = "embedded_summarization" if data == "embedded" else "arxiv_summarization"
     assert "id" in tasks.get_task(task).get_dataset(LENGTHS, split="train", shuffle=False).element_spec
     for converter, expected in (
@@ -122,7 +122,7 @@ def test_training_batches_have_exactly_the_model_features(data, arxiv_dirs):
 
 
 def test_the_tfds_ids_survive_per_host_sharding(arxiv_dirs):
-    gin_utils.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"])
+    parsing.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"])
     task = tasks.get_task("arxiv_summarization")
     everything = {e.id for e in summaries.read_examples(task, "train", LENGTHS)}
     parts = [

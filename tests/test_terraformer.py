@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra import gin_utils
 from terra.benchmarks import reversible_memory
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 from terra.layers import LSHSelfAttention, SparseFeedForward, SparseLossLogits, SparseQKVAttention
 from terra.layers.length_concat import concat_with_padding, strip_to_decoder
 from terra.models import Terraformer, TerraformerModel
@@ -202,8 +202,8 @@ def test_terraformer_dropouts_follow_the_reference_configurable_terraformer(shar
 @pytest.mark.parametrize("gin_file", ["models/terraformer_800m.gin", "models/terraformer_lsh_800m.gin"])
 def test_terraformer_configs_chunk_the_feed_forward_and_share_dropout_as_the_reference(gin_file):
     # terraformer_c4_medium.gin: ff_chunk_size=512; ConfigurableTerraformer: dropout_shared_axes=[-2].
-    gin_utils.parse_gin([gin_file, "sizes/tiny.gin"])
-    model = gin_utils.build_model()
+    parsing.parse_gin([gin_file, "sizes/tiny.gin"])
+    model = parsing.build_model()
     assert gin.query_parameter("SparseFeedForward.ff_chunk_size") == 512
     assert model.config.share_dropout_over_length is True
     assert model.module.attention_output_dropout is False

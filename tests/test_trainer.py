@@ -18,10 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from terra import gin_utils
 from terra.cli import reproduce as reproduce_cli
 from terra.cli import train as train_cli
 from terra.errors import ConfigError, UsageError
+from terra.gin_config import parsing
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
 
@@ -54,7 +54,7 @@ def _bindings(model_dir, steps, *extra):
 
 
 def _parse(model_dir, steps, *extra):
-    gin_utils.parse_gin(FILES, _bindings(model_dir, steps, *extra))
+    parsing.parse_gin(FILES, _bindings(model_dir, steps, *extra))
 
 
 def _losses(model_dir):
@@ -167,7 +167,7 @@ def test_training_writes_metrics_events_checkpoints_and_a_reproducing_config(six
     assert any(name.startswith("events.out.tfevents") for _, _, names in os.walk(run / "tensorboard") for name in names)
     assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
     # The written operative config alone reproduces the run.
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         [str(run / "config.gin")],
         [f"MODEL_DIR = {str(tmp_path / 'b')!r}", f"terra.training.Trainer.model_dir = {str(tmp_path / 'b')!r}"],
     )

@@ -17,13 +17,13 @@ import pytest
 from flax.core import meta
 
 import terra
-from terra import gin_utils
 from terra.cli import convert as convert_cli
 from terra.convert import convert_trax_checkpoint
 from terra.convert.trax_arguments import trax_gin
 from terra.convert.trax_file import read_trax_weights
 from terra.convert.trax_layout import to_terra_params, trax_leaves
 from terra.errors import CheckpointError, ConfigError
+from terra.gin_config import parsing
 from terra.layers.lsh_attention import LSHSelfAttention
 from terra.training import checkpointing
 
@@ -118,8 +118,8 @@ def test_converted_run_is_a_fine_tuning_starting_point(converted, loaded):
 def test_sparse_ff_units_are_columns_of_w1_but_rows_of_w2_in_trax_order():
     """Unit (block b, element j) is w1[:, b, j] and w2[j, b, :] in Trax; terra's [d_ff/N, N, d]."""
     files, bindings = trax_gin(*_arguments("scaling_transformer"))
-    gin_utils.parse_gin(files, bindings, finalize=False)
-    abstract = gin_utils.build_model().abstract_params()
+    parsing.parse_gin(files, bindings, finalize=False)
+    abstract = parsing.build_model().abstract_params()
     leaves = trax_leaves(abstract)
     flat = [np.zeros(leaf.shape, np.float32) for leaf in leaves]
     w1_at = next(i for i, leaf in enumerate(leaves) if "w1" in leaf.describe)
@@ -529,8 +529,8 @@ def test_center_layernorm_false_converts_with_traxs_norm_choices(tmp_path):
     constructor, kwargs = _arguments("terraformer")
     kwargs = {**kwargs, "center_layernorm": False, "reversible_encoder": False}
     files, bindings = trax_gin(constructor, kwargs)
-    gin_utils.parse_gin(files, bindings, finalize=False)
-    abstract = gin_utils.build_model().abstract_params()
+    parsing.parse_gin(files, bindings, finalize=False)
+    abstract = parsing.build_model().abstract_params()
     assert "bias" in abstract["decoder_norm"] and "bias" in abstract["encoder_norm"]
     half = abstract["decoder_stack"]["layer_2"]["layer"]  # the decoder's first feed-forward half
     assert "bias" not in half["norm"] and "bias" not in half["sru"]["norm"]
@@ -752,8 +752,8 @@ def test_lsh_projections_are_per_head_in_trax_and_fused_in_terra():
     """Trax's w_q, w_v [heads, d_model, d_head] fill terra's qv [heads, 2, d_head, d_model];
     w_o [heads, d_head, d_model] is out [d_model, heads, d_head]."""
     files, bindings = trax_gin(*_arguments(LSH))
-    gin_utils.parse_gin(files, bindings, finalize=False)
-    abstract = gin_utils.build_model().abstract_params()
+    parsing.parse_gin(files, bindings, finalize=False)
+    abstract = parsing.build_model().abstract_params()
     leaves = trax_leaves(abstract)
     flat = [np.arange(np.prod(leaf.shape), dtype=np.float32).reshape(leaf.shape) for leaf in leaves]
     at = {name: next(i for i, leaf in enumerate(leaves) if f"LSH {name}" in leaf.describe) for name in ("w_q", "w_v")}
@@ -772,9 +772,9 @@ def test_a_terra_lsh_layer_with_biases_is_refused_by_the_layout():
     """A terra config of the same architecture but LSHSelfAttention.use_bias = True (the 800M
     encoder's) has an output bias no Trax LSHSelfAttention stores."""
     files, bindings = trax_gin(*_arguments(LSH))
-    gin_utils.parse_gin(files, [*bindings, "encoder/LSHSelfAttention.use_bias = True"], finalize=False)
+    parsing.parse_gin(files, [*bindings, "encoder/LSHSelfAttention.use_bias = True"], finalize=False)
     with pytest.raises(CheckpointError, match="LSHSelfAttention with use_bias=True: not supported"):
-        trax_leaves(gin_utils.build_model().abstract_params())
+        trax_leaves(parsing.build_model().abstract_params())
 
 
 # ----- what terra does not convert: one line saying so, and what it does convert -----------------

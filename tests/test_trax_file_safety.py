@@ -306,13 +306,13 @@ def test_a_file_cannot_change_the_allowed_names_for_the_next_file():
 
 
 def _dense_leaves():
-    from terra import gin_utils
     from terra.convert.trax_arguments import read_trax_arguments, trax_gin
     from terra.convert.trax_layout import trax_leaves
+    from terra.gin_config import parsing
 
     files, bindings = trax_gin(*read_trax_arguments(os.path.join(DENSE, "config.json")))
-    gin_utils.parse_gin(files, bindings, finalize=False)
-    return trax_leaves(gin_utils.build_model().abstract_params())
+    parsing.parse_gin(files, bindings, finalize=False)
+    return trax_leaves(parsing.build_model().abstract_params())
 
 
 def _gzip(path, data: bytes) -> str:

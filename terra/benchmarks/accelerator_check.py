@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra import files, gin_utils
+from terra import files
 from terra.benchmarks import decode_speed, train_speed
 from terra.benchmarks.presets import TRAIN_SPEED_SMALL_SIZE, TRAIN_SPEED_SMOKE_SIZE
 from terra.decoding.decode_step import IncrementalDecoder
+from terra.gin_config import parsing
 
 # Dense bfloat16 FLOP/s of one chip (the vendors' figures without structured sparsity), by a
 # substring of ``jax.Device.device_kind``; the first match wins, so specific names come first.
@@ -135,8 +136,8 @@ def train_row(name: str, gin_file: str, size: CheckSize, peak: Optional[float]) 
 
 def decode_row(name: str, gin_file: str, size: CheckSize) -> dict:
     """One row's batch-1 greedy decode on random weights held in bfloat16."""
-    gin_utils.parse_gin([gin_file], list(size.bindings), finalize=False)  # a model alone
-    model = gin_utils.build_model()
+    parsing.parse_gin([gin_file], list(size.bindings), finalize=False)  # a model alone
+    model = parsing.build_model()
     # Plain bfloat16 arrays: what an accelerator reads (terra.quantization's narrow storage
     # serves the CPU kernels).
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), decode_speed.random_params(model, 0))

@@ -53,11 +53,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from terra import errors, gin_utils, process_memory
+from terra import errors, process_memory
 from terra.backends.decode_state import LSHCache
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
 from terra.decoding.decode_step import IncrementalDecoder
+from terra.gin_config import parsing
 from terra.quantization import check_weights_dtype, quantize_leaf, quantize_params
 
 
@@ -447,8 +448,8 @@ def random_params(model, seed: int, weights_dtype: str = "float32"):
 
 
 def _build(gin_files, bindings):
-    gin_utils.parse_gin(gin_files, bindings, finalize=False)  # a model alone: no data layer
-    return gin_utils.build_model()
+    parsing.parse_gin(gin_files, bindings, finalize=False)  # a model alone: no data layer
+    return parsing.build_model()
 
 
 def _gb(n: float) -> str:
@@ -692,13 +693,13 @@ def _preflight(config, lengths: Sequence[int]) -> None:
         if key in seen:
             continue
         seen.add(key)
-        gin_utils.parse_gin(row.gin_files, bindings, finalize=False)
+        parsing.parse_gin(row.gin_files, bindings, finalize=False)
         try:
             import gin
 
             max_len = gin.query_parameter("TransformerConfig.max_len")
         except ValueError:  # not bound: the model's default
-            max_len = gin_utils.build_model().config.max_len
+            max_len = parsing.build_model().config.max_len
         cfg = types.SimpleNamespace(max_len=max_len)
         check_fits(cfg, max(lengths), decode_length, f"row '{row.name}': ", "input_lengths")
 

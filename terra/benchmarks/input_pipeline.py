@@ -16,8 +16,8 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from terra import gin_utils
 from terra.benchmarks import report
+from terra.gin_config import parsing
 
 
 def _write_local_datasets(root: str, copies: int) -> Dict[str, str]:
@@ -129,7 +129,7 @@ def run(
                 "c4_json": given["c4_json"] if key == "c4_json" else None,
                 "arxiv_cohan": given["arxiv_cohan"] if key == "arxiv_cohan" else None,
             }
-            gin_utils.parse_gin(list(gin_files), bindings_for(row_data) + list(gin_bindings))
+            parsing.parse_gin(list(gin_files), bindings_for(row_data) + list(gin_bindings))
             row = {
                 "name": name,
                 "task": task,

@@ -8,15 +8,15 @@ are cached), plus one embedding row and one positional row. ``terra-params`` pri
 
 from typing import Dict, List, Sequence
 
-from terra import gin_utils
+from terra.gin_config import parsing
 from terra.models.param_count import closed_form_param_count
 
 
 def model_counts(gin_files: Sequence[str], bindings: Sequence[str] = (), search_paths: Sequence[str] = ()) -> Dict:
     """``{"params": {group: count, "total"}, "read_per_token": {part: count, "total"},
     "closed_form": the dense closed form of the same sizes}`` of the model the files build."""
-    gin_utils.parse_gin(list(gin_files), list(bindings), finalize=False, search_paths=search_paths)
-    model = gin_utils.build_model()
+    parsing.parse_gin(list(gin_files), list(bindings), finalize=False, search_paths=search_paths)
+    model = parsing.build_model()
     return {
         "params": model.param_count(),
         "read_per_token": model.params_read_per_token(),
@@ -27,7 +27,7 @@ def model_counts(gin_files: Sequence[str], bindings: Sequence[str] = (), search_
 def all_model_counts(bindings: Sequence[str] = ()) -> List[Dict]:
     """One row per shipped model config: ``{"config", "params", "read_per_token"}`` (totals)."""
     rows = []
-    for name in gin_utils.shipped_configs("models"):
+    for name in parsing.shipped_configs("models"):
         counts = model_counts([name], bindings)
         rows.append(
             {"config": name, "params": counts["params"]["total"], "read_per_token": counts["read_per_token"]["total"]}

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra import gin_utils
 from terra.benchmarks import report
 from terra.benchmarks.presets import TRAIN_SPEED_ROWS as ROWS
 from terra.benchmarks.presets import TRAIN_SPEED_SMALL_SIZE as SMALL_SIZE
 from terra.benchmarks.presets import TRAIN_SPEED_SMOKE_SIZE as SMOKE_SIZE
+from terra.gin_config import parsing
 from terra.training import metrics as metrics_lib
 from terra.training import optimizers
 from terra.training.train_state import TrainState
@@ -38,8 +38,8 @@ def measure(
     targets: int,
     steps: int,
 ) -> dict:
-    gin_utils.parse_gin(list(gin_files), list(size) + list(bindings), finalize=False)  # a model alone
-    model = gin_utils.build_model()
+    parsing.parse_gin(list(gin_files), list(size) + list(bindings), finalize=False)  # a model alone
+    model = parsing.build_model()
     tx = optimizers.adafactor().transform
     params = model.init_params(jax.random.key(0))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))

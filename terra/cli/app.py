@@ -7,7 +7,7 @@ called again in the same process (tests, notebooks) and define flags that depend
 command line (a benchmark preset's ``--config.*`` fields). Everything heavy (JAX, TensorFlow,
 seqio, the models) is imported by ``run`` after the flags are parsed, so ``--help``, ``--version``
 and a mistyped flag answer at once; so do the ``--gin`` overrides, checked before those imports
-against the gin files the command names (:mod:`terra.cli.gin_checks`).
+against the gin files the command names (:mod:`terra.gin_config.override_checks`).
 
 ``main(argv)`` is the console entry point: it prints ``error: ...`` for bad input and returns
 the exit status (2 for bad flags, configuration, data, checkpoints or inputs; 1 for a run that
@@ -28,8 +28,8 @@ from absl import flags
 
 import terra
 from terra import errors, process_memory
-from terra.cli import gin_checks
-from terra.gin_utils import GinConfigError
+from terra.gin_config import override_checks
+from terra.gin_config.parsing import GinConfigError
 
 HELP_FLAGS = ("--help", "-h", "--helpfull", "-help", "-?")
 USAGE_ERRORS = (
@@ -163,7 +163,7 @@ class Command:
             return
         files = self.gin_files(flag_values) if self.gin_files else None
         search_paths = flag_values["gin_search_paths"].value if "gin_search_paths" in flag_values else []
-        gin_checks.check_overrides(flag_values.gin_bindings, files, search_paths, complete=self.complete_config)
+        override_checks.check_overrides(flag_values.gin_bindings, files, search_paths, complete=self.complete_config)
 
     def _dispatch(self, argv: List[str]) -> int:
         """The subcommand is the first argument: ``terra-bench decode --preset tiny``."""

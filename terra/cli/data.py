@@ -39,11 +39,11 @@ def define_show_flags(flag_values: flags.FlagValues, argv) -> None:
 
 
 def run_show(flag_values: flags.FlagValues, _) -> int:
-    from terra import gin_utils
     from terra.data import json_lines, pipeline, sources, tasks
+    from terra.gin_config import parsing
 
     gin = flag_groups.gin_arguments(flag_values)
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
     )
     provider = tasks.get_task(flag_values.task)

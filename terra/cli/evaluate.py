@@ -68,8 +68,8 @@ def _check_run_named(values) -> bool:
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
-    from terra import gin_utils
     from terra.evaluation import evaluator
+    from terra.gin_config import parsing
     from terra.training import run_directory
 
     gin = flag_groups.gin_arguments(flag_values)
@@ -79,13 +79,13 @@ def run(flag_values: flags.FlagValues, _) -> int:
         files = files or [config]
         # The run's own MODEL_DIR and vocabulary copy, then the user's flags (which win).
         bindings = [*run_directory.load_bindings(flag_values.checkpoint, config, bindings), *bindings]
-    gin_utils.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])
+    parsing.parse_gin([*files, "runs/evaluate.gin"], bindings, search_paths=gin["search_paths"])
     overrides = {k: flag_values[k].value for k in OVERRIDES if flag_values[k].value is not None}
     try:
         evaluator.evaluate(**overrides, **({"force": True} if flag_values.force else {}))
     except RuntimeError as e:
         if "Required bindings" in str(e):
-            raise gin_utils.explain_gin_error(e, "running terra-evaluate") from None
+            raise parsing.explain_gin_error(e, "running terra-evaluate") from None
         raise
     return 0
 

@@ -68,10 +68,10 @@ def _losses(model_dir: str, key: str) -> List[float]:
 
 
 def _train(gin_file: str, model_dir: str, steps: int, bindings: List[str]):
-    from terra import gin_utils
+    from terra.gin_config import parsing
     from terra.training import trainer
 
-    gin_utils.parse_gin([gin_file], [f"MODEL_DIR = {model_dir!r}", f"TRAIN_STEPS = {steps}", *bindings])
+    parsing.parse_gin([gin_file], [f"MODEL_DIR = {model_dir!r}", f"TRAIN_STEPS = {steps}", *bindings])
     return trainer.Trainer().run()
 
 
@@ -107,8 +107,8 @@ def _decode_speed() -> None:
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
-    from terra import gin_utils
     from terra.evaluation import evaluator
+    from terra.gin_config import parsing
 
     out, extra = flag_values.out, list(flag_values.gin_bindings)
     pretrain_dir, finetune_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
@@ -130,8 +130,8 @@ def run(flag_values: flags.FlagValues, _) -> int:
         print(f"   eval log-perplexity {evals[0]:.3f} -> {evals[-1]:.3f} (nats per target token)")
 
     print("== 3/4 evaluating on the validation split: greedy summaries, ROUGE (rouge-score), log-perplexity")
-    model = gin_utils.build_model()
-    lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
+    model = parsing.build_model()
+    lengths = parsing.gin.query_parameter("%TASK_FEATURE_LENGTHS")
     evaluation = evaluator.evaluate(
         model=model,
         task="embedded_summarization",

@@ -37,23 +37,23 @@ def run(flag_values: flags.FlagValues, _) -> int:
         num_processes=flag_values.num_processes,
         process_id=flag_values.process_id,
     )
-    from terra import gin_utils
+    from terra.gin_config import parsing
     from terra.training import trainer
 
     gin = flag_groups.gin_arguments(flag_values)
     if not gin["gin_files"]:
-        raise gin_utils.GinConfigError(
+        raise parsing.GinConfigError(
             "name the run's configs: --gin_file=experiments/NAME.gin (or model, task and "
             "run files); see terra-train --help."
         )
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
     )
     try:
         result = trainer.Trainer().run()
     except RuntimeError as e:
         if "Required bindings" in str(e):  # a %gin.REQUIRED macro or Trainer argument left unset
-            raise gin_utils.explain_gin_error(e, "running terra-train") from None
+            raise parsing.explain_gin_error(e, "running terra-train") from None
         raise
     print(
         f"terra-train: finished at step {result.step}" + (" (preempted; rerun to resume)" if result.preempted else "")

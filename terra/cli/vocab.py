@@ -71,9 +71,9 @@ def texts(flag_values: flags.FlagValues):
     from terra.data import vocabulary_training
 
     if flag_values.task:
-        from terra import gin_utils
+        from terra.gin_config import parsing
 
-        gin_utils.parse_gin([], flag_groups.data_bindings(flag_values))
+        parsing.parse_gin([], flag_groups.data_bindings(flag_values))
         return vocabulary_training.task_texts(
             flag_values.task, split=flag_values.split, max_documents=flag_values.max_documents
         )

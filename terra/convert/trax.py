@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 
 import gin
 
-from terra import gin_utils
 from terra.convert.trax_arguments import read_trax_arguments, trax_gin
 from terra.convert.trax_file import read_trax_weights
 from terra.convert.trax_layout import to_terra_params, trax_leaves
 from terra.errors import CheckpointError, ConfigError
+from terra.gin_config import parsing
 
 
 def _model_gin(trax_config: Optional[str], gin_files: Sequence[str]):
@@ -78,8 +78,8 @@ def convert_trax_checkpoint(
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise CheckpointError(f"{out} already exists and is not empty; convert into a new directory.")
     files, bindings = _model_gin(trax_config, gin_files)
-    gin_utils.parse_gin(files, [*bindings, *gin_bindings], finalize=False, search_paths=search_paths)
-    model = gin_utils.build_model("building the model for the Trax checkpoint")
+    parsing.parse_gin(files, [*bindings, *gin_bindings], finalize=False, search_paths=search_paths)
+    model = parsing.build_model("building the model for the Trax checkpoint")
     abstract = model.abstract_params()
     leaves = trax_leaves(abstract)  # the limits and shape checks of the read come from the model
     flat = read_trax_weights(checkpoint, leaves)

@@ -1,7 +1,7 @@
 """Data: seqio sources, preprocessors, tasks, vocabularies and the embedded default corpus.
 
 Every gin-configurable data function is re-exported here under the name gin knows it by
-(``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...); ``terra.configurables``
+(``terra.data.copy_dataset``, ``terra.data.arxiv_source``, ...); ``terra.gin_config.registration``
 registers them with gin (``register_data_layer``) before a config that names them is parsed.
 The re-exports load on first use, with seqio and TensorFlow (command-line tools load TensorFlow
 through ``terra.tensorflow_setup`` first), so the submodules that need neither

@@ -1,6 +1,6 @@
 """Flax linen layers, one concept per module.
 
-Plain Flax modules: no layer imports gin. ``terra/configurables.py`` registers them with gin
+Plain Flax modules: no layer imports gin. ``terra/gin_config/registration.py`` registers them with gin
 (module ``terra.layers``), so gin files can inject them at the model's swap points.
 """
 

@@ -22,12 +22,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from terra import frozen_configurables
 from terra.backends import native_kernels
 from terra.decoding.beam_search import beam_search
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.decoding.generate import Generation, generate
 from terra.errors import ConfigError
+from terra.gin_config import frozen
 from terra.layers.initializers import compile_initializer
 from terra.models import losses
 from terra.models.config import TransformerConfig
@@ -96,7 +96,7 @@ class Seq2SeqModel(abc.ABC):
         # bindings whenever Flax constructs them (init, apply, tracing), i.e. from whatever
         # config is parsed then: freeze them to this build's config and scope (``MODEL``), the
         # values the check above used, so that building another model changes nothing here.
-        self.module = frozen_configurables.freeze_configurables(module)
+        self.module = frozen.freeze_configurables(module)
 
     @abc.abstractmethod
     def default_module(self) -> nn.Module:

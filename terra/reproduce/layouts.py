@@ -15,8 +15,8 @@ from typing import Dict, List, Sequence, Tuple
 import jax
 import numpy as np
 
-from terra import gin_utils
 from terra.errors import ConfigError
+from terra.gin_config import parsing
 from terra.training import ParallelSettings, StepHook, Trainer
 
 Record = List[Tuple[float, list]]  # per step: (loss, parameter arrays)
@@ -54,7 +54,7 @@ def _train(gin_files: Sequence[str], bindings: Sequence[str], steps: int, parall
             "terra.training.LoggingSettings.progress = False",
             *bindings,
         ]
-        gin_utils.parse_gin(list(gin_files), run_bindings)
+        parsing.parse_gin(list(gin_files), run_bindings)
         recorder = _StepRecorder(perturb=perturb)
         Trainer(parallel=ParallelSettings(**parallel), step_hooks=[recorder]).run()
         return recorder.record

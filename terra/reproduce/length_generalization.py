@@ -24,12 +24,12 @@ from typing import List, Sequence
 
 import ml_collections
 
-from terra import gin_utils
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
 from terra.data import synthetic
 from terra.errors import ConfigError
 from terra.files import write_atomically
+from terra.gin_config import parsing
 from terra.reproduce import runs
 from terra.reproduce.presets import LENGTH_MODEL_SIZES, LENGTH_MODELS, LENGTH_TASKS, PAPER_TABLE_4
 from terra.reproduce.presets import length_generalization_config as config  # noqa: F401  (the settings, by preset)
@@ -114,8 +114,8 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
                     name, seed, os.path.join(out_dir, "runs", name, f"seed{seed}"), [gin_file], bindings, log=log
                 )
                 # The run's gin config is still the parsed one: the same model, the train lengths.
-                model = gin_utils.build_model()
-                lengths = gin_utils.gin.query_parameter("%TASK_FEATURE_LENGTHS")
+                model = parsing.build_model()
+                lengths = parsing.gin.query_parameter("%TASK_FEATURE_LENGTHS")
                 in_dist = runs.evaluate_split(
                     model,
                     result.params,

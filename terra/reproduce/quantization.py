@@ -31,9 +31,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from terra import api, gin_utils
+from terra import api
 from terra.errors import ConfigError
 from terra.files import write_atomically
+from terra.gin_config import parsing
 from terra.quantization import QuantizedTensor, check_weights_dtype
 from terra.reproduce import runs
 from terra.reproduce.presets import quantization_config as config  # noqa: F401  (the study's settings, by preset)
@@ -117,11 +118,11 @@ def _read_batches(run: api.InteractiveModel, cfg, count: int):
     (``Trainer.read_eval_batches``): unshuffled, its evaluation lengths, batch size, feature
     converter and data seed. Must be called while the run's config is the parsed gin config
     (right after ``api.load``)."""
-    lengths = dict(gin_utils.bound_value("terra.training.EvaluationSettings.feature_lengths") or run.feature_lengths)
-    batch_size = cfg.eval_batch_size or int(gin_utils.bound_value("%BATCH_SIZE"))
-    seed = gin_utils.bound_value("terra.training.Trainer.data_seed")
-    seed = gin_utils.bound_value("terra.training.Trainer.seed", 0) if seed is None else seed
-    converter = gin_utils.build_macro("FEATURE_CONVERTER", "building the run's feature converter")
+    lengths = dict(parsing.bound_value("terra.training.EvaluationSettings.feature_lengths") or run.feature_lengths)
+    batch_size = cfg.eval_batch_size or int(parsing.bound_value("%BATCH_SIZE"))
+    seed = parsing.bound_value("terra.training.Trainer.data_seed")
+    seed = parsing.bound_value("terra.training.Trainer.seed", 0) if seed is None else seed
+    converter = parsing.build_macro("FEATURE_CONVERTER", "building the run's feature converter")
     batches = runs.read_split_batches(run.task, cfg.split, lengths, batch_size, count, converter, seed)
     return batches, {"feature_lengths": lengths, "batch_size": batch_size, "data_seed": seed}
 
@@ -129,7 +130,7 @@ def _read_batches(run: api.InteractiveModel, cfg, count: int):
 def measure_run(label: str, model_dir: str, cfg, weights: Sequence[str], bindings: Sequence[str] = (), log=print):
     """One row per width of ``weights`` (float32 first) for the run in ``model_dir``."""
     wide = api.load(model_dir, bindings=bindings)
-    decode_batches = -(-cfg.decode_examples // (cfg.eval_batch_size or int(gin_utils.bound_value("%BATCH_SIZE"))))
+    decode_batches = -(-cfg.decode_examples // (cfg.eval_batch_size or int(parsing.bound_value("%BATCH_SIZE"))))
     batches, reading = _read_batches(wide, cfg, max(cfg.eval_batches, decode_batches))
     eval_batches = batches[: cfg.eval_batches]
     inputs = np.concatenate([b["encoder_input_tokens"] for b in batches])[: cfg.decode_examples]  # [N, inputs]

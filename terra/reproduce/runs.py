@@ -16,10 +16,10 @@ from typing import Dict, List, Sequence
 import jax
 import numpy as np
 
-from terra import gin_utils
 from terra.data import pipeline, tasks
 from terra.errors import ConfigError
 from terra.files import write_atomically
+from terra.gin_config import parsing
 from terra.training import metrics as metrics_lib
 from terra.training import trainer
 from terra.training.settings import LoggingSettings
@@ -70,7 +70,7 @@ def train_run(
     name: str, seed: int, model_dir: str, gin_files: Sequence[str], bindings: Sequence[str], log=print
 ) -> RunResult:
     """Parses the run's gin config (files, then bindings, then the seed and model_dir) and trains."""
-    gin_utils.parse_gin(
+    parsing.parse_gin(
         list(gin_files),
         [*bindings, f"MODEL_DIR = {os.path.abspath(model_dir)!r}", f"terra.training.Trainer.seed = {seed}"],
     )

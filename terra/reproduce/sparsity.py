@@ -25,13 +25,13 @@ from typing import Dict, List, Sequence
 
 import ml_collections
 
-from terra import gin_utils
 from terra.benchmarks import decode_speed, report
 from terra.benchmarks import presets as preset_lib
 from terra.benchmarks.bandwidth import describe_machine
 from terra.data import tasks
 from terra.errors import ConfigError
 from terra.files import write_atomically
+from terra.gin_config import parsing
 from terra.reproduce import runs
 from terra.reproduce.presets import SPARSITY_SIZES, VARIANTS, Variant
 from terra.reproduce.presets import sparsity_config as config  # noqa: F401  (the study's settings, by preset)
@@ -57,8 +57,8 @@ def _size_bindings(size: str, variant: Variant, vocab_size: int, dropout: float)
 def _checked_task_vocab_size(task_gin: str, data_bindings: Sequence[str]) -> int:
     """The task's vocabulary size, after checking both splits' data are there (a missing
     dataset fails here, naming the path tried, before anything is written)."""
-    gin_utils.parse_gin([task_gin], list(data_bindings))
-    task = tasks.get_task(gin_utils.gin.query_parameter("%TASK"))
+    parsing.parse_gin([task_gin], list(data_bindings))
+    task = tasks.get_task(parsing.gin.query_parameter("%TASK"))
     for split in ("train", "validation"):
         tasks.check_task_data(task, split)
     return task.output_features["targets"].vocabulary.vocab_size

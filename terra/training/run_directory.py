@@ -1,7 +1,7 @@
 """What a training run's directory keeps for whoever opens it later, from any folder or machine.
 
 - ``config.gin``: the operative gin config. The data and vocabulary paths in it are absolute
-  (``terra.gin_utils`` makes them so when the config is parsed), so the run does not depend on
+  (``terra.gin_config.parsing`` makes them so when the config is parsed), so the run does not depend on
   the folder it was started from.
 - ``vocabulary/sentencepiece.model``: a copy of the SentencePiece model the run tokenized with, as
   T5X and Hugging Face keep theirs. ``terra.load``, ``terra-evaluate --checkpoint`` and
@@ -17,8 +17,9 @@ from typing import List, Optional, Sequence
 from etils import epath
 from gin import config_parser
 
-from terra import files, gin_registry, gin_text, run_config
+from terra import files, run_config
 from terra.errors import ConfigError
+from terra.gin_config import reading, registry_file
 
 CONFIG_FILE = run_config.CONFIG_FILE
 VOCABULARY_FILE = "vocabulary/sentencepiece.model"
@@ -48,7 +49,7 @@ def _config_file(model_dir: str) -> epath.Path:
 
 def read_config(model_dir: str) -> run_config.RunConfig:
     """A run's ``config.gin``, read once and checked as data (:mod:`terra.run_config`):
-    parse the returned text (``terra.gin_utils.parse_gin`` takes it as a file), not the file."""
+    parse the returned text (``terra.gin_config.parsing.parse_gin`` takes it as a file), not the file."""
     return run_config.read_run_config(str(_config_file(model_dir)))
 
 
@@ -124,14 +125,14 @@ def _names_vocabulary(bindings: Sequence[str]) -> bool:
     """Whether ``bindings`` bind the SentencePiece model's path."""
     for binding in bindings:
         try:
-            statements = gin_text.read_statements(binding)
+            statements = reading.read_statements(binding)
         except SyntaxError:
             continue
         for statement in statements:
             if (
                 isinstance(statement, config_parser.BindingStatement)
                 and statement.arg_name == "spm_path"
-                and gin_registry.full_selector(statement.selector) == VOCABULARY_CONFIGURABLE
+                and registry_file.full_selector(statement.selector) == VOCABULARY_CONFIGURABLE
             ):
                 return True
     return False

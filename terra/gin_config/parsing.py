@@ -14,7 +14,7 @@ Only gin's public API is used (its parser, ``gin.config_parser``, reads texts wi
 references, so a config can be read before the modules it names are imported).
 
 What :func:`build_macro` builds is frozen to the config it was built under
-(``terra/frozen_configurables.py``).
+(``terra/gin_config/frozen.py``).
 """
 
 import contextlib
@@ -32,8 +32,9 @@ from typing import Any, Iterable, List, Optional, Sequence
 import gin
 from gin import config_parser
 
-from terra import files, frozen_configurables
-from terra.gin_text import (
+from terra import files
+from terra.gin_config import frozen
+from terra.gin_config.reading import (
     GinConfigError,
     GinText,
     MacroUse,
@@ -150,14 +151,14 @@ def parameter_type(fn, name: str) -> Optional[type]:
 
 
 def register_terra_configurables(data_layer: bool = True) -> None:
-    """Register terra's configurables with gin (``terra/configurables.py``, the one place that
+    """Register terra's configurables with gin (``terra/gin_config/registration.py``, the one place that
     does): the model core always, the data layer (seqio on TensorFlow) when ``data_layer``.
     Imported here, not at the top, so that reading and checking gin text imports neither JAX nor
     TensorFlow."""
-    from terra import configurables  # importing it registers the model core
+    from terra.gin_config import registration  # importing it registers the model core
 
     if data_layer:
-        configurables.register_data_layer()
+        registration.register_data_layer()
 
 
 def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], search_paths: Sequence[str] = ()) -> bool:
@@ -165,7 +166,7 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
     configurable of the data layer (``terra.data``, ``terra.evaluation``; by the stored
     registry, nothing imported). A text this reader cannot follow counts as naming it: the full
     parse then has every name and reports the problem."""
-    from terra import gin_registry
+    from terra.gin_config import registry_file
 
     def names(statement) -> bool:
         if isinstance(statement, config_parser.ImportStatement):
@@ -173,7 +174,7 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
         if isinstance(statement, config_parser.BindingStatement):
             selectors = [statement.selector] if statement.arg_name else []
             selectors += [r.name for r in _references(statement.value)]
-            return any((gin_registry.full_selector(s) or "").startswith(_DATA_LAYER_PACKAGES) for s in selectors)
+            return any((registry_file.full_selector(s) or "").startswith(_DATA_LAYER_PACKAGES) for s in selectors)
         return False
 
     texts, seen, pending = list(gin_bindings), set(), list(gin_files)
@@ -208,7 +209,7 @@ _DATA_LAYER_PACKAGES = ("terra.data", "terra.evaluation")
 def _data_layer_names(texts: Sequence[str]) -> List[str]:
     """The names, as written in ``texts``, of bindings and references to the data layer's
     configurables (what gin is told to skip when it parses without them)."""
-    from terra import gin_registry
+    from terra.gin_config import registry_file
 
     names = set()
     for text in texts:
@@ -219,7 +220,7 @@ def _data_layer_names(texts: Sequence[str]) -> List[str]:
                 r.name for r in _references(statement.value)
             ]
             for name in written:
-                if (gin_registry.full_selector(name) or "").startswith(_DATA_LAYER_PACKAGES):
+                if (registry_file.full_selector(name) or "").startswith(_DATA_LAYER_PACKAGES):
                     names.add(name)
                     names.add(name.rsplit("/", 1)[-1])
     return sorted(names)
@@ -583,7 +584,7 @@ def build_macro(name: str, where: str):
     # (unscoped bindings still apply there).
     with gin.config_scope(name):
         built = build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
-        return frozen_configurables.freeze_configurables(built, reference=reference)
+        return frozen.freeze_configurables(built, reference=reference)
 
 
 def build_model(where: str = "building the model"):

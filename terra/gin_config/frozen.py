@@ -1,6 +1,6 @@
 """Built objects frozen to the gin config they were built under: what gin cannot do.
 
-The layers are plain Flax modules (``terra/configurables.py`` registers them with gin), but an
+The layers are plain Flax modules (``terra/gin_config/registration.py`` registers them with gin), but an
 unevaluated reference (``EncoderDecoderTransformer.feed_forward = @SparseFeedForward``) hands the
 model gin's registered form of the class, which reads gin's global bindings whenever it is called
 (for a layer, when Flax initialises, applies or traces the model), and gin has no way to hand out
@@ -8,7 +8,7 @@ the class with the values in force at build time instead. :func:`freeze_configur
 each such form by a :class:`FrozenConfigurable` holding the values gin supplied at build time, in
 the scope it supplied them (``MODEL/...`` bindings included). The models of ``terra.models``
 freeze their network when they are constructed (so also where gin injects ``%MODEL``: the
-trainer, the evaluator), and ``terra.gin_utils.build_macro`` freezes what it builds. Parsing
+trainer, the evaluator), and ``terra.gin_config.parsing.build_macro`` freezes what it builds. Parsing
 another config afterwards (``terra.build``, ``terra.load``) then changes nothing in a model
 already built. Only gin's public API is used.
 """
@@ -165,7 +165,7 @@ def _decorated_in_place(cls) -> TypeError:
     return TypeError(
         f"{cls.__qualname__} is decorated with @gin.configurable, so a built model holding it would read the "
         "gin config in force whenever it is called; register it with gin.register instead (as "
-        "terra/configurables.py registers terra's layers)."
+        "terra/gin_config/registration.py registers terra's layers)."
     )
 
 

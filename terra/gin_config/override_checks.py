@@ -14,10 +14,10 @@ enough to report, before TensorFlow, seqio, JAX or a model load:
 
 - a parameter of a configurable that does not exist (``--gin.TransformerConfig.d_modle=64``) or
   a configurable terra does not have, with the closest names, from the stored registry of terra's
-  configurables (:mod:`terra.gin_registry`).
+  configurables (:mod:`terra.gin_config.registry_file`).
 
 The types of parameter values (``--gin.TransformerConfig.d_model="'64'"``) are checked against
-their signatures once the modules are imported (``terra.gin_utils.check_binding_types``).
+their signatures once the modules are imported (``terra.gin_config.parsing.check_binding_types``).
 """
 
 import dataclasses
@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence, Set
 from gin import config_parser
 
 import terra
-from terra import gin_registry, gin_utils
-from terra.gin_utils import GinConfigError
+from terra.gin_config import parsing, registry_file
+from terra.gin_config.parsing import GinConfigError
 
 # A value that fails to parse and has none of these characters is meant as a string.
 _NOT_A_WORD = re.compile(r"""['"\[\]{}()@%,=]""")
@@ -71,7 +71,7 @@ def check_overrides(
     parsed = [(binding, _parse(binding)) for binding in bindings]
     parameters = [(b, s) for b, statements in parsed for s in statements if s.arg_name]
     if parameters:
-        registry = gin_registry.stored_registry()
+        registry = registry_file.stored_registry()
         for binding, statement in parameters:
             _check_parameter(binding, statement, registry)
     if not gin_files:
@@ -92,7 +92,7 @@ def _check_required(macros: Macros, overridden: Set[str]) -> None:
     missing = [
         name
         for name, (value, _) in macros.declared.items()
-        if isinstance(value, gin_utils.MacroUse) and value.name == "gin.REQUIRED" and name not in overridden
+        if isinstance(value, parsing.MacroUse) and value.name == "gin.REQUIRED" and name not in overridden
     ]
     if missing:
         examples = " ".join(f"--gin.{name}=..." for name in missing)
@@ -105,7 +105,7 @@ def _check_required(macros: Macros, overridden: Set[str]) -> None:
 
 def _parse(binding: str) -> list:
     try:
-        statements = gin_utils.read_statements(binding)
+        statements = parsing.read_statements(binding)
     except SyntaxError as e:
         raise GinConfigError(_unparsable(binding, e)) from None
     return [s for s in statements if isinstance(s, config_parser.BindingStatement)]
@@ -142,9 +142,9 @@ def _check_macro(binding: str, statement, macros: Macros) -> None:
     if name not in macros.declared and name not in macros.used:
         raise GinConfigError(_unknown_macro(binding, name, macros))
     default, path = macros.declared.get(name, (None, None))
-    expected = gin_utils.literal_type(default)
-    if expected is not None and not gin_utils.fits(value, expected):
-        kind, given = gin_utils.type_name(expected), gin_utils.type_name(value)
+    expected = parsing.literal_type(default)
+    if expected is not None and not parsing.fits(value, expected):
+        kind, given = parsing.type_name(expected), parsing.type_name(value)
         raise GinConfigError(
             f"{as_flag(binding)} is {given}, but {name} is {kind} in {_shown(path)} (default {default!r}): "
             f"give {kind}, e.g. {_example(name, default)}."
@@ -163,7 +163,7 @@ def _check_parameter(binding: str, statement, registry) -> None:
         hint = f" Did you mean {close[0]}?" if close else ""
         raise GinConfigError(
             f"{as_flag(binding)}: terra has no configurable named {selector}.{hint} Every configurable and its "
-            "parameters: terra/gin_registry.json."
+            "parameters: terra/gin_config/registry.json."
         )
     known = registry[matches[0]] if len(matches) == 1 else None  # ambiguous: gin itself reports it
     if known is None or name in known:
@@ -196,7 +196,7 @@ def _example(name: str, default) -> str:
 
 def _shown(path: str) -> str:
     """A config's path as the user knows it: terra/configs/... for a shipped one."""
-    shown = gin_utils.shown_name(path)
+    shown = parsing.shown_name(path)
     if shown == path and path.startswith(os.getcwd() + os.sep):
         return os.path.relpath(path, os.getcwd())
     return shown
@@ -210,7 +210,7 @@ def declared_macros(gin_files: Sequence[str], search_paths: Sequence[str] = ()) 
     a file cannot be followed (the full parse then reports it). A ``gin_files`` name that does
     not exist raises the same ``GinConfigError`` as the full parse."""
     macros = Macros(files=list(gin_files))
-    paths = [gin_utils.resolve_gin_file(f, search_paths) for f in gin_files]
+    paths = [parsing.resolve_gin_file(f, search_paths) for f in gin_files]
     try:
         for path in paths:
             _read(path, search_paths, macros, ())
@@ -221,14 +221,14 @@ def declared_macros(gin_files: Sequence[str], search_paths: Sequence[str] = ()) 
 
 def _read(path: str, search_paths: Sequence[str], macros: Macros, including: tuple) -> None:
     if path in including:  # gin would recurse until Python's stack runs out
-        raise gin_utils.include_loop_error(including[0])
+        raise parsing.include_loop_error(including[0])
     if len(including) > 32:
         raise _Unreadable(path)
     try:
         with open(path, encoding="utf-8") as f:
-            statements = gin_utils.read_statements(f)
+            statements = parsing.read_statements(f)
     except SyntaxError as error:  # the message the full parse would give, before the heavy imports
-        raise gin_utils.explain_gin_error(error, f"file {path}") from None
+        raise parsing.explain_gin_error(error, f"file {path}") from None
     except (OSError, UnicodeDecodeError):
         raise _Unreadable(path) from None
     for statement in statements:
@@ -246,7 +246,7 @@ def _include(name: str, search_paths: Sequence[str]) -> str:
     by name (``models/tiny.gin``) or package path (``terra/configs/models/tiny.gin``), else
     another package's resource."""
     try:
-        return gin_utils.resolve_gin_file(name, search_paths)
+        return parsing.resolve_gin_file(name, search_paths)
     except GinConfigError:
         pass
     candidate = os.path.join(_PACKAGE_PARENT, name)  # another installed package's resource
@@ -256,7 +256,7 @@ def _include(name: str, search_paths: Sequence[str]) -> str:
 
 
 def _macro_uses(value) -> Set[str]:
-    if isinstance(value, gin_utils.MacroUse):
+    if isinstance(value, parsing.MacroUse):
         return {value.name}
     if isinstance(value, dict):
         return set().union(*(_macro_uses(v) for v in [*value.keys(), *value.values()]))

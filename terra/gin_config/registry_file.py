@@ -1,11 +1,11 @@
 """The names gin can configure in terra and their parameters, stored as a file so that a command
 checks ``--gin.Configurable.param=VALUE`` overrides before importing anything heavy.
 
-gin learns terra's configurables when ``terra/configurables.py`` is imported, and that imports
-TensorFlow and JAX (seconds: docs/commands.md). ``gin_registry.json`` beside this module lists
+gin learns terra's configurables when ``terra/gin_config/registration.py`` is imported, and that imports
+TensorFlow and JAX (seconds: docs/commands.md). ``registry.json`` beside this module lists
 every configurable that module registers, its selector with its parameter names (``null`` where
 it takes ``**kwargs``); a test checks that it equals the live list
-(``terra.configurables.live_registry``), another that the list is what gin knows, and ``make gin-registry``
+(``terra.gin_config.registration.live_registry``), another that the list is what gin knows, and ``make gin-registry``
 (``scripts/write_gin_registry.py``) rewrites it after a configurable is added or changed. This
 module imports nothing of terra's, so the commands' early checks and the run-config check
 (``terra/run_config.py``) read the registry without the library.
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_registry.json")
+REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "registry.json")
 
 
 def parameters(fn) -> Optional[List[str]]:

@@ -10,13 +10,13 @@ their Python callers reach the configured version by calling them
 (``Trainer`` builds ``CheckpointSettings()``; a task builder calls ``c4_source()``); importing
 this module imports them, and :data:`DECORATED` lists them.
 
-Whatever parses a config (``terra.gin_utils.parse_gin``) imports this module first, so gin knows
+Whatever parses a config (``terra.gin_config.parsing.parse_gin``) imports this module first, so gin knows
 the names of the model core (layers, models, training, parallel) before it reads a config. The
 data layer (``terra.data``, ``terra.evaluation``: seqio on TensorFlow) is registered by
 :func:`register_data_layer`, which ``parse_gin`` calls only when the config names one of its
 configurables (and ``terra.load`` before it builds a task), so a command that reads no data
 (``terra-params``, ``terra-bench decode``, ``terra-convert``) never imports TensorFlow.
-``terra/gin_registry.json`` is written from :func:`registered`, which registers both.
+``terra/gin_config/registry.json`` is written from :func:`registered`, which registers both.
 """
 
 import inspect
@@ -24,7 +24,8 @@ from typing import Callable, Dict, List, Optional
 
 import gin
 
-from terra import gin_registry, layers, models, tensorflow_setup, training
+from terra import layers, models, tensorflow_setup, training
+from terra.gin_config import registry_file
 from terra.parallel import mesh
 
 # Registered here: gin builds them when a config refers to them (``@SparseFeedForward``).
@@ -83,7 +84,7 @@ for _module, _configurables in REGISTERED.items():
     for _configurable in _configurables:
         gin.register(_configurable, module=_module)
 del _module, _configurables, _configurable
-# The selectors of the data layer's configurables (terra/gin_registry.json names them).
+# The selectors of the data layer's configurables (terra/gin_config/registry.json names them).
 DATA_LAYER_MODULES = ("terra.data", "terra.evaluation")
 
 
@@ -155,5 +156,5 @@ def registered() -> Dict[str, Callable]:
 
 def live_registry() -> Dict[str, Optional[List[str]]]:
     """``{selector: parameter names or None}`` of every configurable registered here: what
-    ``terra/gin_registry.json`` stores (``make gin-registry`` writes it)."""
-    return {selector: gin_registry.parameters(fn) for selector, fn in registered().items()}
+    ``terra/gin_config/registry.json`` stores (``make gin-registry`` writes it)."""
+    return {selector: registry_file.parameters(fn) for selector, fn in registered().items()}
