@@ -414,7 +414,7 @@ def _from_parsed_config(
         catalog.check_fits(sizes, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
     elif task_name:
         tasks = _tasks()
-        task = tasks.get_task(task_name)
+        task = tasks.resolve(task_name)
         vocabulary = task.output_features["targets"].vocabulary
         if lengths:
             tasks.check_vocabulary_and_lengths(
@@ -526,7 +526,7 @@ def load(
     def build_task():
         with _CONFIG_LOCK:
             gin_utils.parse_gin([config], opening, finalize=False)
-            return _tasks().get_task(gin_utils.bound_value("%TASK"))
+            return _tasks().resolve(gin_utils.bound_value("%TASK"))
 
     with _CONFIG_LOCK:
         gin_utils.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)

@@ -70,6 +70,17 @@ def test_built_tasks_and_mixtures_have_the_objectives_of_their_names():
     assert not tasks.is_summarization(mixture)
 
 
+def test_resolve_takes_a_name_or_a_task_and_nothing_else():
+    copy = tasks.get_task("synthetic_copy")
+    assert tasks.resolve("synthetic_copy") is copy and tasks.resolve(copy) is copy
+    mixture = tasks.get_task("synthetic")
+    assert tasks.resolve("synthetic") is mixture and tasks.resolve(mixture) is mixture
+    with pytest.raises(ConfigError, match="Did you mean 'synthetic_copy'"):
+        tasks.resolve("synthetic_cpy")
+    with pytest.raises(ConfigError, match="a task is the name of one of terra's tasks .* not int 3"):
+        tasks.resolve(3)
+
+
 # --- registration: once per definition ----------------------------------------------------------
 
 
@@ -154,7 +165,9 @@ def test_a_model_that_fits_passes_the_check():
     copy = tasks.get_task("synthetic_copy")
     vocab_size = copy.output_features["targets"].vocabulary.vocab_size
     tasks.check_vocabulary_and_lengths(copy, {"inputs": 64, "targets": 64}, vocab_size=vocab_size, max_len=64)
-    tasks.check_vocabulary_and_lengths("synthetic", {"inputs": 8, "targets": 8}, vocab_size=512, max_len=8)
+    tasks.check_vocabulary_and_lengths(
+        tasks.get_task("synthetic"), {"inputs": 8, "targets": 8}, vocab_size=512, max_len=8
+    )
 
 
 def test_a_too_small_vocabulary_names_the_binding_to_change():

@@ -26,7 +26,10 @@ always reaches the source. Nothing touches the disk until a dataset is read, and
 The table of the tasks is :data:`terra.data.catalog.TASKS`, one :class:`~terra.data.catalog.TaskSpec`
 per task: its name, its objective (:func:`task_objective`, :func:`is_summarization`; readable
 without seqio, so tools can tell what a task trains without building it) and its builder, which
-calls this module's ``*_task`` helpers.
+calls this module's ``*_task`` helpers. "A task name or a seqio task" becomes a task in one place,
+:func:`resolve`, called by the entry points (the command line, ``Trainer``,
+``terra.evaluation.evaluate``, ``terra.load``); every function below them takes the seqio task or
+mixture itself.
 Summarization tasks keep their source's document ``id`` as a string feature next to the
 ``*_pretokenized`` texts, for evaluation output; the feature converters drop it.
 """
@@ -326,6 +329,20 @@ def get_task(name: str) -> Provider:
     return _registered(name, _definition(name), seqio.TaskRegistry, lambda: seqio.Task(name, **build()))
 
 
+def resolve(task: Union[str, Provider]) -> Provider:
+    """The seqio task or mixture a caller gives: ``task`` itself, or terra's task or mixture of
+    that name (:func:`get_task`). The entry points (the command line, ``Trainer``,
+    ``terra.evaluation.evaluate``, ``terra.load``) call it once; what they call takes the task."""
+    if isinstance(task, (seqio.Task, seqio.Mixture)):
+        return task
+    if isinstance(task, str):
+        return get_task(task)
+    raise ConfigError(
+        f"a task is the name of one of terra's tasks ({', '.join(task_names())}) or a seqio Task or Mixture, "
+        f"not {type(task).__name__} {task!r}."
+    )
+
+
 def register_all() -> list:
     """Register every task and mixture (idempotent); returns their names."""
     for name in task_names():
@@ -333,42 +350,36 @@ def register_all() -> list:
     return task_names()
 
 
-def task_objective(name_or_task) -> str:
+def task_objective(provider: Provider) -> str:
     """What a task trains: ``"summarization"``, ``"span_corruption"``, ``"prefix_lm"`` or
     ``"synthetic"``, from its TaskSpec in :data:`TASKS`; for a mixture, its members' common
-    objective, or ``"mixture"`` when they differ.
-
-    Takes a name (of a task or mixture) or a seqio Task or Mixture, and builds nothing. Raises
-    ConfigError for a name terra does not know, and for a task registered with seqio by other code,
-    whose objective terra cannot know.
-    """
-    if isinstance(name_or_task, str):
-        return catalog.objective(name_or_task)
-    if isinstance(name_or_task, seqio.Mixture):
-        return catalog.mixed({task_objective(task) for task in name_or_task.tasks})
-    if name_or_task.name not in TASKS:
+    objective, or ``"mixture"`` when they differ. Builds nothing (for a name,
+    :func:`terra.data.catalog.objective`). Raises ConfigError for a task registered with seqio by
+    other code, whose objective terra cannot know."""
+    if isinstance(provider, seqio.Mixture):
+        return catalog.mixed({task_objective(task) for task in provider.tasks})
+    if provider.name not in TASKS:
         raise ConfigError(
-            f"task '{name_or_task.name}' is not one of terra's tasks, so its objective is unknown; "
+            f"task '{provider.name}' is not one of terra's tasks, so its objective is unknown; "
             f"terra's tasks are {', '.join(task_names())}."
         )
-    return TASKS[name_or_task.name].objective
+    return TASKS[provider.name].objective
 
 
-def is_summarization(name_or_task) -> bool:
+def is_summarization(provider: Provider) -> bool:
     """Whether a task (or every member of a mixture) maps a document to its summary."""
-    return task_objective(name_or_task) == SUMMARIZATION
+    return task_objective(provider) == SUMMARIZATION
 
 
 def check_vocabulary_and_lengths(
-    provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
+    provider: Provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
 ) -> None:
     """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
-    ``max_len`` positions cannot take ``provider``'s data (a task or mixture, or its name): a
+    ``max_len`` positions cannot take ``provider``'s data (a task or mixture): a
     task vocabulary with more ids than the model has, or a feature length beyond ``max_len``;
     with a ``feature_converter``, also a model sequence (``encoder_input_tokens``,
     ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
     ``inputs + targets``. Call it before anything is built or written."""
-    provider = get_task(provider) if isinstance(provider, str) else provider
     sizes = {name: feature.vocabulary.vocab_size for name, feature in provider.output_features.items()}
     catalog.check_fits(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
     if feature_converter is None:
@@ -384,19 +395,18 @@ def check_vocabulary_and_lengths(
         )
 
 
-def read_checks(name_or_task, split: str) -> dict:
+def read_checks(provider: Provider, split: str) -> dict:
     """``{"files", "readers"}`` of the local files ``split`` of a task (or mixture) reads and the
     readers that check them (none for TFDS or generated data): what a damaged-data error or a skip
     count is about (:func:`terra.data.json_lines.checked`, :class:`terra.data.pipeline.BatchIterator`)."""
-    provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
     members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     local = [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
     return {"files": [f for source in local for f in source.list_shards(split)], "readers": [s.reader for s in local]}
 
 
-def check_task_data(name_or_task, split: str = "train") -> None:
-    """Fail now, with the path tried and how to get the data, if a split cannot be read."""
-    provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
+def check_task_data(provider: Provider, split: str = "train") -> None:
+    """Fail now, with the path tried and how to get the data, if a split of a task (or mixture)
+    cannot be read."""
     tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     for task in tasks:
         sources.check_available(task.source, split)
