@@ -340,7 +340,7 @@ class InteractiveModel:
         """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
         a summarization task (its outputs would be its pretraining objective's, e.g. sentinel
         tokens) unless ``force``."""
-        if not force and (self.task_name is None or catalog.objective(self.task_name) != catalog.SUMMARIZATION):
+        if not force and (self.task_name is None or not catalog.is_summarization(self.task_name)):
             _summarization_required(self.task_name)
         return self.generate(texts, **options)
 
@@ -405,7 +405,7 @@ def _from_parsed_config(
     without the data layer; its task is then built by ``build_task`` on first use."""
     model = parsing.build_model()
     task_name = parsing.bound_value("%TASK")
-    if require_summarization and (task_name is None or catalog.objective(task_name) != catalog.SUMMARIZATION):
+    if require_summarization and (task_name is None or not catalog.is_summarization(task_name)):
         _summarization_required(task_name)
     lengths = dict(parsing.bound_value("%TASK_FEATURE_LENGTHS", {}) or {})
     task = None
@@ -415,7 +415,7 @@ def _from_parsed_config(
         catalog.check_fits(sizes, lengths, vocab_size=model.config.vocab_size, max_len=model.config.max_len)
     elif task_name:
         tasks = _tasks()
-        task = tasks.get_task(task_name)
+        task = tasks.resolve(task_name)
         vocabulary = task.output_features["targets"].vocabulary
         if lengths:
             tasks.check_vocabulary_and_lengths(
@@ -455,8 +455,10 @@ def _text_vocabulary(statements: Sequence[Any]) -> Optional[Tuple[str, int]]:
     vocabulary = "terra.data.text_vocabulary"
     task, path = values.get(("TASK", "")), values.get((vocabulary, "spm_path"))
     extra_ids = values.get((vocabulary, "extra_ids"), catalog.EXTRA_IDS)
+    spec = catalog.TASKS.get(task) if isinstance(task, str) else None
     if (
-        task in catalog.TEXT_VOCABULARY_TASKS
+        spec is not None
+        and spec.text_vocabulary
         and isinstance(path, str)
         and path
         and type(extra_ids) is int
@@ -525,7 +527,7 @@ def load(
     def build_task():
         with _CONFIG_LOCK:
             parsing.parse_gin([config], opening, finalize=False)
-            return _tasks().get_task(parsing.bound_value("%TASK"))
+            return _tasks().resolve(parsing.bound_value("%TASK"))
 
     with _CONFIG_LOCK:
         parsing.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)

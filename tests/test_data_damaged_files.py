@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from terra.cli import data as data_cli
-from terra.data import fixtures, json_lines, pipeline, sources
+from terra.data import fixtures, json_lines, pipeline, sources, tasks
 from terra.errors import DataNotFoundError, InputError
 
 from helpers import REPO_ROOT
@@ -47,7 +47,7 @@ def _c4_batches(path, split="train", **kwargs):
     with gin.unlock_config():
         gin.bind_parameter("terra.data.c4_source.json_path", path)
     try:
-        return pipeline.batch_iterator("c4_lm", split, feature_lengths=LENGTHS, batch_size=2, **kwargs)
+        return pipeline.batch_iterator(tasks.get_task("c4_lm"), split, feature_lengths=LENGTHS, batch_size=2, **kwargs)
     finally:
         gin.clear_config()
 

@@ -89,7 +89,9 @@ def test_data_flags_bind_the_sources(c4_json_dir):
 @pytest.mark.slow
 def test_c4_span_corruption_batches_from_json_shards_have_the_feature_lengths(c4_json_dir):
     parsing.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
-    ds = pipeline.get_dataset("c4_span_corruption", feature_lengths={"inputs": 64, "targets": 16}, batch_size=2)
+    ds = pipeline.get_dataset(
+        tasks.get_task("c4_span_corruption"), feature_lengths={"inputs": 64, "targets": 16}, batch_size=2
+    )
     batch = next(pipeline.BatchIterator(ds))
     assert batch["encoder_input_tokens"].shape == (2, 64)
     assert batch["decoder_target_tokens"].shape == batch["decoder_loss_weights"].shape == (2, 16)
@@ -105,7 +107,9 @@ def test_resuming_the_stream_at_step_k_gives_the_same_batches(task, c4_json_dir,
 
     def stream():
         return pipeline.BatchIterator(
-            pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3)
+            pipeline.get_dataset(
+                tasks.get_task(task), feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3
+            )
         )
 
     straight = stream()
@@ -124,7 +128,10 @@ def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
     def first_batches(seed):
         it = pipeline.BatchIterator(
             pipeline.get_dataset(
-                "embedded_span_corruption", feature_lengths={"inputs": 32, "targets": 8}, batch_size=4, seed=seed
+                tasks.get_task("embedded_span_corruption"),
+                feature_lengths={"inputs": 32, "targets": 8},
+                batch_size=4,
+                seed=seed,
             )
         )
         return _take(it, 2)
@@ -138,7 +145,7 @@ def test_the_same_seed_gives_the_same_stream_and_another_seed_differs():
 def test_each_host_reads_a_disjoint_shard():
     def inputs(index):
         ds = pipeline.get_dataset(
-            "synthetic_copy",
+            tasks.get_task("synthetic_copy"),
             split="validation",
             feature_lengths={"inputs": 160, "targets": 160},
             batch_size=1,
@@ -149,7 +156,7 @@ def test_each_host_reads_a_disjoint_shard():
         return [bytes(b["encoder_input_tokens"][0]) for b in pipeline.BatchIterator(ds)]
 
     everything = pipeline.get_dataset(
-        "synthetic_copy",
+        tasks.get_task("synthetic_copy"),
         split="validation",
         feature_lengths={"inputs": 160, "targets": 160},
         batch_size=1,
@@ -165,7 +172,7 @@ def test_each_host_reads_a_disjoint_shard():
 def _first_addition_batch(batch_size, converter):
     """The first validation batch of the addition task at lengths 302/216, in order."""
     ds = pipeline.get_dataset(
-        "synthetic_addition",
+        tasks.get_task("synthetic_addition"),
         split="validation",
         feature_lengths={"inputs": 302, "targets": 216},
         batch_size=batch_size,
@@ -224,7 +231,7 @@ def test_the_language_model_form_makes_both_model_families_causal_language_model
     batch = next(
         pipeline.BatchIterator(
             pipeline.get_dataset(
-                "synthetic_copy_digits_lm",
+                tasks.get_task("synthetic_copy_digits_lm"),
                 feature_lengths=lengths,
                 batch_size=4,
                 split="validation",
@@ -256,7 +263,9 @@ def test_the_language_model_form_makes_both_model_families_causal_language_model
 def test_missing_task_data_fails_before_reading_with_the_path(tmp_path):
     parsing.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {str(tmp_path)!r}"])
     with pytest.raises(DataNotFoundError, match=str(tmp_path / "scientific_papers" / "arxiv" / "1.1.1")):
-        pipeline.get_dataset("arxiv_summarization", feature_lengths={"inputs": 64, "targets": 16}, batch_size=1)
+        pipeline.get_dataset(
+            tasks.get_task("arxiv_summarization"), feature_lengths={"inputs": 64, "targets": 16}, batch_size=1
+        )
 
 
 def test_data_cli_prints_decoded_examples(capsys, c4_json_dir):
@@ -385,7 +394,9 @@ def test_batches_built_without_autograph_equal_those_autograph_converts(task, c4
     parsing.parse_gin([], [f"terra.data.c4_source.json_path = {c4_json_dir!r}"])
 
     def first_batches():
-        stream = pipeline.get_dataset(task, feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3)
+        stream = pipeline.get_dataset(
+            tasks.get_task(task), feature_lengths={"inputs": 32, "targets": 8}, batch_size=2, seed=3
+        )
         return _take(stream.as_numpy_iterator(), 3)
 
     as_written = first_batches()

@@ -243,12 +243,12 @@ def test_the_digit_vocabulary_has_the_reference_ids():
 
 
 def _first_batch(task, lengths, converter=None):
-    from terra.data import pipeline
+    from terra.data import pipeline, tasks
 
     return next(
         pipeline.BatchIterator(
             pipeline.get_dataset(
-                task,
+                tasks.get_task(task),
                 feature_lengths=lengths,
                 batch_size=16,
                 split="validation",

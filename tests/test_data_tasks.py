@@ -1,6 +1,8 @@
-"""terra.data.tasks: what each task trains (its objective, from the registry, without building
-it), the paper's C4 task, and the check that a model's vocabulary and length fit a task."""
+"""terra.data.catalog and terra.data.tasks: what each task trains (its objective, from the table
+of the tasks, without building it), the paper's C4 task, and the check that a model's vocabulary
+and length fit a task."""
 
+import dataclasses
 import logging
 import re
 
@@ -9,16 +11,19 @@ import numpy as np
 import pytest
 import seqio
 
-from terra.data import feature_converters, fixtures, tasks
+from terra.data import catalog, feature_converters, fixtures, tasks
 from terra.errors import ConfigError
 from terra.gin_config import parsing
 
 
 def test_every_task_has_one_of_the_objectives():
-    assert set(tasks.TASK_OBJECTIVES) == set(tasks.TASK_BUILDERS)
-    for name in tasks.TASK_BUILDERS:
-        assert tasks.task_objective(name) in tasks.OBJECTIVES, name
+    assert all(name == spec.name for name, spec in catalog.TASKS.items())
+    for name in catalog.TASKS:
+        assert catalog.objective(name) in tasks.OBJECTIVES, name
     assert set(tasks.OBJECTIVES) == {"summarization", "span_corruption", "prefix_lm", "synthetic"}
+    for name, members in catalog.MIXTURES.items():
+        assert name not in catalog.TASKS and set(members) <= set(catalog.TASKS), name
+    assert tasks.task_names() == sorted(catalog.TASKS) + sorted(catalog.MIXTURES)
 
 
 @pytest.mark.parametrize(
@@ -39,20 +44,21 @@ def test_every_task_has_one_of_the_objectives():
     ],
 )
 def test_task_objectives(name, objective):
-    assert tasks.task_objective(name) == objective
-    assert tasks.is_summarization(name) == (objective == "summarization")
+    assert catalog.objective(name) == objective
+    assert catalog.is_summarization(name) == (objective == "summarization")
 
 
 def test_the_objective_comes_from_the_registry_not_the_name(monkeypatch):
     # A summarization task whose name says nothing, and a name that says summarization but is not.
-    monkeypatch.setitem(tasks.TASK_BUILDERS, "papers_v2", tasks.TASK_BUILDERS["arxiv_summarization"])
-    monkeypatch.setitem(tasks.TASK_OBJECTIVES, "papers_v2", "summarization")
-    monkeypatch.setitem(tasks.TASK_BUILDERS, "summarization_as_lm", tasks.TASK_BUILDERS["embedded_lm"])
-    monkeypatch.setitem(tasks.TASK_OBJECTIVES, "summarization_as_lm", "prefix_lm")
-    assert tasks.is_summarization("papers_v2") and not tasks.is_summarization("summarization_as_lm")
-    monkeypatch.setitem(tasks.TASK_BUILDERS, "unclassified", tasks.TASK_BUILDERS["embedded_lm"])
-    with pytest.raises(ConfigError, match="task 'unclassified' has no objective; add it to .*TASK_OBJECTIVES"):
-        tasks.task_objective("unclassified")
+    papers = dataclasses.replace(catalog.TASKS["arxiv_summarization"], name="papers_v2")
+    as_lm = dataclasses.replace(catalog.TASKS["embedded_lm"], name="summarization_as_lm")
+    monkeypatch.setitem(catalog.TASKS, "papers_v2", papers)
+    monkeypatch.setitem(catalog.TASKS, "summarization_as_lm", as_lm)
+    assert catalog.is_summarization("papers_v2") and not catalog.is_summarization("summarization_as_lm")
+    with pytest.raises(ConfigError, match="task 'unclassified' has no objective; add it to .*catalog.TASKS"):
+        catalog.TaskSpec("unclassified", None, catalog.TASKS["embedded_lm"].build)
+    with pytest.raises(ConfigError, match="task 'unclassified' has the unknown objective 'lm'; add it to"):
+        catalog.TaskSpec("unclassified", "lm", catalog.TASKS["embedded_lm"].build)
 
 
 def test_built_tasks_and_mixtures_have_the_objectives_of_their_names():
@@ -60,8 +66,19 @@ def test_built_tasks_and_mixtures_have_the_objectives_of_their_names():
     assert isinstance(copy, seqio.Task) and tasks.task_objective(copy) == "synthetic"
     mixture = tasks.get_task("synthetic")
     assert isinstance(mixture, seqio.Mixture)
-    assert tasks.task_objective(mixture) == tasks.task_objective("synthetic") == "synthetic"
+    assert tasks.task_objective(mixture) == catalog.objective("synthetic") == "synthetic"
     assert not tasks.is_summarization(mixture)
+
+
+def test_resolve_takes_a_name_or_a_task_and_nothing_else():
+    copy = tasks.get_task("synthetic_copy")
+    assert tasks.resolve("synthetic_copy") is copy and tasks.resolve(copy) is copy
+    mixture = tasks.get_task("synthetic")
+    assert tasks.resolve("synthetic") is mixture and tasks.resolve(mixture) is mixture
+    with pytest.raises(ConfigError, match="Did you mean 'synthetic_copy'"):
+        tasks.resolve("synthetic_cpy")
+    with pytest.raises(ConfigError, match="a task is the name of one of terra's tasks .* not int 3"):
+        tasks.resolve(3)
 
 
 # --- registration: once per definition ----------------------------------------------------------
@@ -115,8 +132,8 @@ def test_a_task_other_code_registered_under_a_terra_name_is_replaced_with_a_warn
 def test_a_mixture_of_different_objectives_is_a_mixture(monkeypatch):
     monkeypatch.setitem(tasks.MIXTURES, "papers_and_c4", ("arxiv_summarization", "c4_span_corruption"))
     monkeypatch.setitem(tasks.MIXTURES, "two_summaries", ("arxiv_summarization", "embedded_summarization"))
-    assert tasks.task_objective("papers_and_c4") == "mixture" and not tasks.is_summarization("papers_and_c4")
-    assert tasks.task_objective("two_summaries") == "summarization" and tasks.is_summarization("two_summaries")
+    assert catalog.objective("papers_and_c4") == "mixture" and not catalog.is_summarization("papers_and_c4")
+    assert catalog.objective("two_summaries") == "summarization" and catalog.is_summarization("two_summaries")
     tasks.get_task("synthetic")
     mixed = "test_synthetic_and_lm"
     if mixed in seqio.MixtureRegistry.names():
@@ -131,7 +148,7 @@ def test_a_mixture_of_different_objectives_is_a_mixture(monkeypatch):
 
 def test_unknown_tasks_have_no_objective():
     with pytest.raises(ConfigError, match="Did you mean 'arxiv_summarization'"):
-        tasks.task_objective("arxiv_summarisation")
+        catalog.objective("arxiv_summarisation")
     foreign = seqio.Task(
         "someone_elses_task",
         source=seqio.FunctionDataSource(lambda split, shuffle_files: None, ["train"]),
@@ -148,7 +165,9 @@ def test_a_model_that_fits_passes_the_check():
     copy = tasks.get_task("synthetic_copy")
     vocab_size = copy.output_features["targets"].vocabulary.vocab_size
     tasks.check_vocabulary_and_lengths(copy, {"inputs": 64, "targets": 64}, vocab_size=vocab_size, max_len=64)
-    tasks.check_vocabulary_and_lengths("synthetic", {"inputs": 8, "targets": 8}, vocab_size=512, max_len=8)
+    tasks.check_vocabulary_and_lengths(
+        tasks.get_task("synthetic"), {"inputs": 8, "targets": 8}, vocab_size=512, max_len=8
+    )
 
 
 def test_a_too_small_vocabulary_names_the_binding_to_change():

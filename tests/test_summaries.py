@@ -56,20 +56,20 @@ def _abstract(record):
 
 def test_cohan_examples_carry_their_article_id(arxiv_dirs):
     parsing.parse_gin([], [f"terra.data.arxiv_source.cohan_path = {arxiv_dirs['cohan']!r}"])
-    examples = summaries.read_examples("arxiv_summarization", "validation", LENGTHS)
+    examples = summaries.read_examples(tasks.get_task("arxiv_summarization"), "validation", LENGTHS)
     assert [e.id for e in examples] == [r["article_id"] for r in PAPERS["validation"]]  # file order, unshuffled
     by_id = {r["article_id"]: r for r in PAPERS["validation"]}
     for e in examples:
         assert e.target_text == _abstract(by_id[e.id])
         assert e.input_text == "\n".join(by_id[e.id]["article_text"])
-    assert [e.id for e in summaries.read_examples("arxiv_summarization", "validation", LENGTHS, 2)] == [
+    assert [e.id for e in summaries.read_examples(tasks.get_task("arxiv_summarization"), "validation", LENGTHS, 2)] == [
         r["article_id"] for r in PAPERS["validation"][:2]
     ]
 
 
 def test_tfds_examples_carry_the_tfds_record_id(arxiv_dirs):
     parsing.parse_gin([], [f"terra.data.arxiv_source.tfds_data_dir = {arxiv_dirs['tfds']!r}"])
-    examples = summaries.read_examples("arxiv_summarization", "validation", LENGTHS)
+    examples = summaries.read_examples(tasks.get_task("arxiv_summarization"), "validation", LENGTHS)
     assert len(examples) == len(PAPERS["validation"])
     ids = [e.id for e in examples]
     assert len(set(ids)) == len(ids) and all(TFDS_ID.match(i) for i in ids), ids
@@ -86,17 +86,21 @@ def test_tfds_examples_carry_the_tfds_record_id(arxiv_dirs):
 
 
 def test_embedded_examples_name_the_docstring_or_module_they_come_from():
-    examples = summaries.read_examples("embedded_summarization", "validation", LENGTHS)
+    examples = summaries.read_examples(tasks.get_task("embedded_summarization"), "validation", LENGTHS)
     ids = [e.id for e in examples]
     assert len(ids) == embedded.read_manifest()["summarization"]["validation"]["pairs"]
     assert len(set(ids)) == len(ids)
     assert all(re.match(r"^(docstring|module):[\w/.-]+\.py(:[\w.]+(#\d+)?)?$", i) for i in ids), ids[:5]
     assert any(i.startswith("module:") for i in ids) and any(i.startswith("docstring:") for i in ids)
-    assert [e.id for e in summaries.read_examples("embedded_summarization", "validation", LENGTHS, 5)] == ids[:5]
+    assert [
+        e.id for e in summaries.read_examples(tasks.get_task("embedded_summarization"), "validation", LENGTHS, 5)
+    ] == ids[:5]
 
 
 def test_a_task_whose_source_names_nothing_numbers_its_examples():
-    examples = summaries.read_examples("synthetic_copy", "validation", {"inputs": 160, "targets": 160}, 4)
+    examples = summaries.read_examples(
+        tasks.get_task("synthetic_copy"), "validation", {"inputs": 160, "targets": 160}, 4
+    )
     assert [e.id for e in examples] == ["0", "1", "2", "3"]
 
 
@@ -115,7 +119,9 @@ def test_training_batches_have_exactly_the_model_features(data, arxiv_dirs):
         (None, ENCODER_DECODER_FEATURES),
         (feature_converters.length_concat_converter(), LENGTH_CONCAT_FEATURES),
     ):
-        ds = pipeline.get_dataset(task, feature_lengths=LENGTHS, batch_size=2, feature_converter=converter)
+        ds = pipeline.get_dataset(
+            tasks.get_task(task), feature_lengths=LENGTHS, batch_size=2, feature_converter=converter
+        )
         assert set(ds.element_spec) == expected
         batch = next(pipeline.BatchIterator(ds))
         assert set(batch) == expected and batch["encoder_input_tokens"].shape == (2, LENGTHS["inputs"])

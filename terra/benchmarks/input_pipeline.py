@@ -57,10 +57,10 @@ ROWS = (
 def measure(
     task: str, feature_lengths: Dict[str, int], *, batch_size: int, seconds: float, warmup_batches: int = 3
 ) -> dict:
-    from terra.data import pipeline
+    from terra.data import pipeline, tasks
 
     it = pipeline.BatchIterator(
-        pipeline.get_dataset(task, feature_lengths=feature_lengths, batch_size=batch_size, seed=0)
+        pipeline.get_dataset(tasks.get_task(task), feature_lengths=feature_lengths, batch_size=batch_size, seed=0)
     )
     for _ in range(warmup_batches):
         next(it)

@@ -46,7 +46,7 @@ def run_show(flag_values: flags.FlagValues, _) -> int:
     parsing.parse_gin(
         gin["gin_files"], flag_groups.data_bindings(flag_values) + gin["gin_bindings"], search_paths=gin["search_paths"]
     )
-    provider = tasks.get_task(flag_values.task)
+    provider = tasks.resolve(flag_values.task)
     source = getattr(provider, "source", None)  # a mixture has its tasks' sources
     if source is not None:
         for split, files, records in sources.split_inventory(source, count_records=flag_values.count):

@@ -30,7 +30,7 @@ def host_shard_info() -> seqio.ShardInfo:
 
 @gin.configurable(module="terra.data")
 def get_dataset(
-    task: str,
+    task: tasks.Provider,
     *,
     feature_lengths: Mapping[str, int],
     batch_size: int,
@@ -42,7 +42,8 @@ def get_dataset(
     num_epochs: Optional[int] = None,
     drop_remainder: bool = True,
 ) -> tf.data.Dataset:
-    """Batches of model features for ``task`` (a registered name, built from gin if needed).
+    """Batches of model features for ``task``, a seqio Task or Mixture (``tasks.get_task`` gives
+    terra's by name; ``tasks.resolve`` takes either).
 
     Args:
       feature_lengths: task feature lengths, e.g. ``{"inputs": 512, "targets": 114}``; longer
@@ -55,8 +56,7 @@ def get_dataset(
     """
     if batch_size <= 0:
         raise ConfigError(f"batch_size must be positive, got {batch_size}.")
-    provider = tasks.get_task(task) if isinstance(task, str) else task
-    tasks.check_task_data(provider, split)
+    tasks.check_task_data(task, split)
     missing = [k for k in ("inputs", "targets") if k not in feature_lengths]
     if missing:
         raise ConfigError(
@@ -65,7 +65,7 @@ def get_dataset(
     converter = feature_converter or feature_converters.encoder_decoder_converter()
     ds = graph_functions.build(
         lambda: converter(
-            provider.get_dataset(
+            task.get_dataset(
                 sequence_length=dict(feature_lengths),
                 split=split,
                 shuffle=shuffle,
@@ -86,10 +86,10 @@ def get_dataset(
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
-def batch_iterator(provider, split: str, **get_dataset_kwargs) -> "BatchIterator":
-    """:class:`BatchIterator` over :func:`get_dataset`'s batches, its errors naming the task,
-    the split and the task's files, its skip counts those of the task's readers."""
-    provider = tasks.get_task(provider) if isinstance(provider, str) else provider
+def batch_iterator(provider: tasks.Provider, split: str, **get_dataset_kwargs) -> "BatchIterator":
+    """:class:`BatchIterator` over :func:`get_dataset`'s batches of a seqio Task or Mixture, its
+    errors naming the task, the split and the task's files, its skip counts those of the task's
+    readers."""
     ds = get_dataset(provider, split=split, **get_dataset_kwargs)
     return BatchIterator(
         ds, description=f"task '{provider.name}', split '{split}',", **tasks.read_checks(provider, split)

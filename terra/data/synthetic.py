@@ -190,6 +190,9 @@ def _addition_example_fn(split_key: tf.Tensor, min_length: int, max_length: int)
     return example_fn
 
 
+# Decorated (not only registered) so that bindings such as `addition_dataset.train_max_length`
+# reach the calls the sources make from Python, as the other entry functions are.
+@gin.configurable(module="terra.data")
 def addition_dataset(
     split: str,
     *,
@@ -250,6 +253,7 @@ def _copy_example_fn(split_key: tf.Tensor, min_length: int, max_length: int, alp
     return example_fn
 
 
+@gin.configurable(module="terra.data")
 def copy_dataset(
     split: str,
     *,
@@ -336,8 +340,3 @@ class _DropUncachedSourceWarning(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropUncachedSourceWarning())
-
-# Wrapped (not only registered) so that bindings such as `addition_dataset.train_max_length`
-# reach the calls the sources make from Python.
-addition_dataset = gin.configurable(addition_dataset, module="terra.data")
-copy_dataset = gin.configurable(copy_dataset, module="terra.data")

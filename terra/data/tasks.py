@@ -23,34 +23,39 @@ always reaches the source. Nothing touches the disk until a dataset is read, and
 | ``embedded_summarization`` | the embedded stdlib corpus | docstring (or module) -> summary line |
 | mixture ``synthetic`` | copy + addition, equal rates | |
 
-Each task's objective is also recorded in :data:`TASK_OBJECTIVES` (``terra.data.catalog``;
-:func:`task_objective`, :func:`is_summarization`), so tools can tell what a task trains without
-building it.
+The table of the tasks is :data:`terra.data.catalog.TASKS`, one :class:`~terra.data.catalog.TaskSpec`
+per task: its name, its objective (:func:`task_objective`, :func:`is_summarization`; readable
+without seqio, so tools can tell what a task trains without building it) and its builder, which
+calls this module's ``*_task`` helpers. "A task name or a seqio task" becomes a task in one place,
+:func:`resolve`, called by the entry points (the command line, ``Trainer``,
+``terra.evaluation.evaluate``, ``terra.load``); every function below them takes the seqio task or
+mixture itself.
 Summarization tasks keep their source's document ``id`` as a string feature next to the
 ``*_pretokenized`` texts, for evaluation output; the feature converters drop it.
 """
 
-import difflib
 import functools
 import itertools
 import logging
 import os
 import re
+import sys
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import gin
 import seqio
 
 from terra.data import catalog, embedded, preprocessors, sources, synthetic, vocabularies
-from terra.data.catalog import (  # noqa: F401  (re-exported: the tasks' objectives and mixtures)
-    MIXTURE_OBJECTIVE,
+from terra.data.catalog import (  # noqa: F401  (re-exported: the table of the tasks, their objectives, the mixtures)
     MIXTURES,
     OBJECTIVES,
     PREFIX_LM,
     SPAN_CORRUPTION,
     SUMMARIZATION,
     SYNTHETIC,
-    TASK_OBJECTIVES,
+    TASKS,
+    TaskSpec,
+    task_names,
 )
 from terra.errors import ConfigError
 
@@ -156,10 +161,12 @@ def synthetic_preprocessors() -> list:
     return [seqio.preprocessors.tokenize, seqio.preprocessors.append_eos]
 
 
-# --- the registry --------------------------------------------------------------------------------
+# --- the builders of terra.data.catalog.TASKS: seqio.Task's arguments --------------------------
 
 
-def _pretraining(source_fn, objective: str, *, extra_ids: Optional[int] = None, **kw) -> dict:
+def pretraining_task(source_fn, objective: str, *, extra_ids: Optional[int] = None, **kw) -> dict:
+    """A pretraining task's arguments: ``source_fn()``'s texts through ``text_vocabulary`` (with
+    ``extra_ids`` if given) and :func:`pretraining_preprocessors` for ``objective``."""
     vocabulary = text_vocabulary() if extra_ids is None else text_vocabulary(extra_ids=extra_ids)
     return dict(
         source=source_fn(),
@@ -184,16 +191,18 @@ def c4_span_corruption_paper(*, chunk_length: int = 512, extra_ids: int = 0) -> 
     Noise density and mean span length come from ``pretraining_preprocessors`` (0.15 and 3, the
     reference's); EOS (id 1) ends both features. Returns ``seqio.TaskRegistry.add``'s arguments.
     """
-    return _pretraining(c4_source, "span_corruption", extra_ids=extra_ids, chunk_length=chunk_length)
+    return pretraining_task(c4_source, "span_corruption", extra_ids=extra_ids, chunk_length=chunk_length)
 
 
-def _summarization(source_fn) -> dict:
+def summarization_task(source_fn) -> dict:
+    """A summarization task's arguments: article and abstract through ``text_vocabulary``."""
     return dict(
         source=source_fn(), output_features=_features(text_vocabulary()), preprocessors=summarization_preprocessors()
     )
 
 
-def _synthetic(source_fn) -> dict:
+def synthetic_task(source_fn) -> dict:
+    """A synthetic task's arguments: bytes, EOS appended."""
     return dict(
         source=source_fn(), output_features=_features(synthetic_vocabulary()), preprocessors=synthetic_preprocessors()
     )
@@ -205,7 +214,9 @@ COPY_SEPARATOR_ID = vocabularies.PAD_ID  # "0 w 0 w"
 ADDITION_SEPARATOR_ID = vocabularies.DigitVocabulary.SEPARATOR_ID  # "<S> x+y <S> sum"
 
 
-def _digits(source_fn, *, separator_id: Optional[int] = None, **source_kwargs) -> dict:
+def digits_task(source_fn, *, separator_id: Optional[int] = None, **source_kwargs) -> dict:
+    """A synthetic task in the reference's 13 ids, no EOS; with ``separator_id``, its
+    language-model form."""
     steps = [seqio.preprocessors.tokenize]
     if separator_id is not None:
         steps.append(functools.partial(synthetic.separate_inputs, separator_id=separator_id))
@@ -216,36 +227,12 @@ def _digits(source_fn, *, separator_id: Optional[int] = None, **source_kwargs) -
     )
 
 
-# Each builder returns seqio.TaskRegistry.add's keyword arguments, evaluated under the gin config
-# in force when the task is asked for.
-TASK_BUILDERS: Dict[str, Callable[[], dict]] = {
-    "c4_span_corruption": lambda: _pretraining(c4_source, "span_corruption"),
-    "c4_span_corruption_paper": c4_span_corruption_paper,
-    "c4_single_word_masking": lambda: _pretraining(c4_source, "span_corruption", mean_noise_span_length=1.0),
-    "c4_lm": lambda: _pretraining(c4_source, "prefix_lm"),
-    "arxiv_summarization": lambda: _summarization(arxiv_source),
-    "synthetic_copy": lambda: _synthetic(synthetic.copy_source),
-    "synthetic_addition": lambda: _synthetic(synthetic.addition_source),
-    "synthetic_copy_digits": lambda: _digits(synthetic.copy_source, alphabet=vocabularies.DigitVocabulary.SYMBOLS),
-    "synthetic_copy_digits_lm": lambda: _digits(
-        synthetic.copy_source, separator_id=COPY_SEPARATOR_ID, alphabet=vocabularies.DigitVocabulary.SYMBOLS
-    ),
-    "synthetic_addition_digits": lambda: _digits(synthetic.addition_source),
-    "synthetic_addition_digits_lm": lambda: _digits(synthetic.addition_source, separator_id=ADDITION_SEPARATOR_ID),
-    "embedded_span_corruption": lambda: _pretraining(embedded.lm_source, "span_corruption"),
-    "embedded_lm": lambda: _pretraining(embedded.lm_source, "prefix_lm"),
-    "embedded_summarization": lambda: _summarization(embedded.summarization_source),
-}
+# --- the registry --------------------------------------------------------------------------------
 
-
-# The objectives, the mixtures and the objective of every task (keep TASK_BUILDERS in step) live
-# in terra.data.catalog, which reads without seqio.
-def task_names() -> list:
-    return sorted(TASK_BUILDERS) + sorted(MIXTURES)
-
-
-# The gin configurables the task builders call: with the builder, their bindings in force are a
-# task's definition.
+# The gin configurables the task builders call: with the task's TaskSpec, their bindings in force
+# are its definition. One list for every task rather than a field of each TaskSpec: the builders
+# share configurables (text_vocabulary and pretraining_preprocessors serve the C4 and embedded
+# tasks), so a per-task list would be one more thing to keep in step with each builder's calls.
 DEFINED_BY = (
     c4_source,
     arxiv_source,
@@ -266,12 +253,12 @@ MAX_FILES_LOOKED_AT = 20_000
 
 
 def _definition(name: str) -> tuple:
-    """What task ``name`` is built from now: its builder, the bindings (references and macros
+    """What task ``name`` is built from now: its TaskSpec (its builder), the bindings (references and macros
     resolved) of every configurable in :data:`DEFINED_BY` in the current gin scope, what is on
     disk where they point, and where the embedded corpus is (``$TERRA_CACHE_DIR``)."""
     bindings = [gin.get_bindings(fn) for fn in DEFINED_BY]
     on_disk = tuple(_on_disk(value) for values in bindings for value in values.values())
-    return (TASK_BUILDERS[name], embedded.corpus_dir(), repr([sorted(b.items()) for b in bindings]), on_disk)
+    return (TASKS[name], embedded.corpus_dir(), repr([sorted(b.items()) for b in bindings]), on_disk)
 
 
 def _on_disk(value) -> tuple:
@@ -335,15 +322,25 @@ def get_task(name: str) -> Provider:
         return _registered(
             name, members, seqio.MixtureRegistry, lambda: seqio.Mixture(name, [(m, 1.0) for m in members])
         )
-    if name not in TASK_BUILDERS:
-        raise _unknown_task(name)
-    return _registered(name, _definition(name), seqio.TaskRegistry, lambda: seqio.Task(name, **TASK_BUILDERS[name]()))
+    if name not in TASKS:
+        raise catalog.unknown_task(name)
+    # A TaskSpec's builder is given this module (terra.data.catalog, which holds it, imports no seqio).
+    build = functools.partial(TASKS[name].build, sys.modules[__name__])
+    return _registered(name, _definition(name), seqio.TaskRegistry, lambda: seqio.Task(name, **build()))
 
 
-def _unknown_task(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, task_names(), n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown task '{name}'.{hint} Known tasks: {', '.join(task_names())}.")
+def resolve(task: Union[str, Provider]) -> Provider:
+    """The seqio task or mixture a caller gives: ``task`` itself, or terra's task or mixture of
+    that name (:func:`get_task`). The entry points (the command line, ``Trainer``,
+    ``terra.evaluation.evaluate``, ``terra.load``) call it once; what they call takes the task."""
+    if isinstance(task, (seqio.Task, seqio.Mixture)):
+        return task
+    if isinstance(task, str):
+        return get_task(task)
+    raise ConfigError(
+        f"a task is the name of one of terra's tasks ({', '.join(task_names())}) or a seqio Task or Mixture, "
+        f"not {type(task).__name__} {task!r}."
+    )
 
 
 def register_all() -> list:
@@ -353,53 +350,36 @@ def register_all() -> list:
     return task_names()
 
 
-def task_objective(name_or_task) -> str:
+def task_objective(provider: Provider) -> str:
     """What a task trains: ``"summarization"``, ``"span_corruption"``, ``"prefix_lm"`` or
-    ``"synthetic"``, from :data:`TASK_OBJECTIVES`; for a mixture, its members' common objective,
-    or ``"mixture"`` when they differ.
-
-    Takes a name (of a task or mixture) or a seqio Task or Mixture, and builds nothing. Raises
-    ConfigError for a name terra does not know, and for a task registered with seqio by other code,
-    whose objective terra cannot know.
-    """
-    if isinstance(name_or_task, seqio.Mixture):
-        members = [task.name for task in name_or_task.tasks]
-    elif isinstance(name_or_task, str) and name_or_task in MIXTURES:
-        members = list(MIXTURES[name_or_task])
-    else:
-        name = name_or_task if isinstance(name_or_task, str) else name_or_task.name
-        if name in TASK_OBJECTIVES:
-            return TASK_OBJECTIVES[name]
-        if name in TASK_BUILDERS:
-            raise ConfigError(
-                f"task '{name}' has no objective; add it to terra.data.tasks.TASK_OBJECTIVES "
-                f"(one of {', '.join(OBJECTIVES)})."
-            )
-        if isinstance(name_or_task, str):
-            raise _unknown_task(name)
+    ``"synthetic"``, from its TaskSpec in :data:`TASKS`; for a mixture, its members' common
+    objective, or ``"mixture"`` when they differ. Builds nothing (for a name,
+    :func:`terra.data.catalog.objective`). Raises ConfigError for a task registered with seqio by
+    other code, whose objective terra cannot know."""
+    if isinstance(provider, seqio.Mixture):
+        return catalog.mixed({task_objective(task) for task in provider.tasks})
+    if provider.name not in TASKS:
         raise ConfigError(
-            f"task '{name}' is not one of terra's tasks, so its objective is unknown; "
+            f"task '{provider.name}' is not one of terra's tasks, so its objective is unknown; "
             f"terra's tasks are {', '.join(task_names())}."
         )
-    objectives = {task_objective(member) for member in members}
-    return objectives.pop() if len(objectives) == 1 else MIXTURE_OBJECTIVE
+    return TASKS[provider.name].objective
 
 
-def is_summarization(name_or_task) -> bool:
+def is_summarization(provider: Provider) -> bool:
     """Whether a task (or every member of a mixture) maps a document to its summary."""
-    return task_objective(name_or_task) == SUMMARIZATION
+    return task_objective(provider) == SUMMARIZATION
 
 
 def check_vocabulary_and_lengths(
-    provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
+    provider: Provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
 ) -> None:
     """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
-    ``max_len`` positions cannot take ``provider``'s data (a task or mixture, or its name): a
+    ``max_len`` positions cannot take ``provider``'s data (a task or mixture): a
     task vocabulary with more ids than the model has, or a feature length beyond ``max_len``;
     with a ``feature_converter``, also a model sequence (``encoder_input_tokens``,
     ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
     ``inputs + targets``. Call it before anything is built or written."""
-    provider = get_task(provider) if isinstance(provider, str) else provider
     sizes = {name: feature.vocabulary.vocab_size for name, feature in provider.output_features.items()}
     catalog.check_fits(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
     if feature_converter is None:
@@ -415,19 +395,18 @@ def check_vocabulary_and_lengths(
         )
 
 
-def read_checks(name_or_task, split: str) -> dict:
+def read_checks(provider: Provider, split: str) -> dict:
     """``{"files", "readers"}`` of the local files ``split`` of a task (or mixture) reads and the
     readers that check them (none for TFDS or generated data): what a damaged-data error or a skip
     count is about (:func:`terra.data.json_lines.checked`, :class:`terra.data.pipeline.BatchIterator`)."""
-    provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
     members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     local = [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
     return {"files": [f for source in local for f in source.list_shards(split)], "readers": [s.reader for s in local]}
 
 
-def check_task_data(name_or_task, split: str = "train") -> None:
-    """Fail now, with the path tried and how to get the data, if a split cannot be read."""
-    provider = get_task(name_or_task) if isinstance(name_or_task, str) else name_or_task
+def check_task_data(provider: Provider, split: str = "train") -> None:
+    """Fail now, with the path tried and how to get the data, if a split of a task (or mixture)
+    cannot be read."""
     tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     for task in tasks:
         sources.check_available(task.source, split)

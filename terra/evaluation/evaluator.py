@@ -135,7 +135,7 @@ def evaluate(
         raise ConfigError(f"temperature={temperature} must be >= 0 (0 is greedy).")
     if num_examples is not None and num_examples <= 0:
         raise ConfigError(f"num_examples={num_examples} must be positive (or None for the whole split).")
-    provider = tasks.get_task(task) if isinstance(task, str) else task
+    provider = tasks.resolve(task)  # the entry point of terra-evaluate: gin gives a name
     if not force and not tasks.is_summarization(provider):
         raise ConfigError(
             f"task '{provider.name}' is a {tasks.task_objective(provider)} task, not summarization: its decoded "

@@ -37,12 +37,11 @@ def _text(value) -> str:
 
 
 def read_examples(
-    task, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None
+    provider: tasks.Provider, split: str, feature_lengths: Mapping[str, int], num_examples: Optional[int] = None
 ) -> List[Example]:
-    """The first ``num_examples`` (default: all) examples of ``split``, in order, unshuffled,
-    each with the ``id`` feature the task keeps from its source (its index, as a string, where
-    the source gives none or an empty one)."""
-    provider = tasks.get_task(task) if isinstance(task, str) else task
+    """The first ``num_examples`` (default: all) examples of ``split`` of a seqio Task or
+    Mixture, in order, unshuffled, each with the ``id`` feature the task keeps from its source
+    (its index, as a string, where the source gives none or an empty one)."""
     tasks.check_task_data(provider, split)
     ds = graph_functions.build(
         lambda: provider.get_dataset(

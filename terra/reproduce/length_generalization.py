@@ -26,7 +26,7 @@ import ml_collections
 
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine
-from terra.data import synthetic
+from terra.data import synthetic, tasks
 from terra.errors import ConfigError
 from terra.files import write_atomically
 from terra.gin_config import parsing
@@ -119,7 +119,7 @@ def run(cfg: ml_collections.ConfigDict, out_dir: str, extra_bindings: Sequence[s
                 in_dist = runs.evaluate_split(
                     model,
                     result.params,
-                    f"synthetic_{task}",
+                    tasks.get_task(f"synthetic_{task}"),
                     "train",
                     lengths,
                     cfg.batch_size,

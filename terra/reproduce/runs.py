@@ -95,7 +95,7 @@ def train_run(
 
 
 def read_split_batches(
-    task,
+    provider: tasks.Provider,
     split: str,
     feature_lengths: Dict[str, int],
     batch_size: int,
@@ -103,10 +103,9 @@ def read_split_batches(
     feature_converter=None,
     seed: int = 0,
 ) -> List[dict]:
-    """The first ``num_batches`` batches of ``split`` of ``task`` (a name or a seqio task) as the
-    trainer reads its eval batches: unshuffled from the split's start, so the same examples every
-    time; a split with no full batch is a ``ConfigError``."""
-    provider = tasks.get_task(task) if isinstance(task, str) else task
+    """The first ``num_batches`` batches of ``split`` of a seqio Task or Mixture as the trainer
+    reads its eval batches: unshuffled from the split's start, so the same examples every time; a
+    split with no full batch is a ``ConfigError``."""
     batches = pipeline.batch_iterator(
         provider,
         split,
@@ -126,7 +125,7 @@ def read_split_batches(
 def evaluate_split(
     model,
     params,
-    task: str,
+    provider: tasks.Provider,
     split: str,
     feature_lengths: Dict[str, int],
     batch_size: int,
@@ -136,7 +135,7 @@ def evaluate_split(
 ) -> Dict[str, float]:
     """Teacher-forced log-perplexity, token and sequence accuracy (the trainer's evaluation)
     on the first ``num_batches`` batches of ``split`` (:func:`read_split_batches`)."""
-    batches = read_split_batches(task, split, feature_lengths, batch_size, num_batches, feature_converter, seed)
+    batches = read_split_batches(provider, split, feature_lengths, batch_size, num_batches, feature_converter, seed)
     return evaluate_batches(jax.jit(model.eval_metrics), params, batches)
 
 

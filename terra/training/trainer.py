@@ -35,7 +35,7 @@ import logging
 import os
 import signal
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import gin
@@ -111,7 +111,8 @@ class Trainer:
 
     Args:
       model: a ``terra.models.Model`` (gin: ``terra.training.Trainer.model = %MODEL``).
-      task: a task or mixture name from ``terra.data.tasks`` (gin: ``%TASK``).
+      task: a task or mixture name of ``terra.data.catalog.TASKS`` or ``MIXTURES`` (gin:
+        ``%TASK``), or a seqio Task or Mixture (``terra.data.tasks.resolve``).
       feature_lengths: task feature lengths (``%TASK_FEATURE_LENGTHS``).
       batch_size: global examples per step (divided among the hosts).
       steps: total optimizer steps; a resumed run continues up to it.
@@ -133,7 +134,7 @@ class Trainer:
         self,
         *,
         model: Model = gin.REQUIRED,
-        task: str = gin.REQUIRED,
+        task: Union[str, Any] = gin.REQUIRED,
         feature_lengths: Mapping[str, int] = gin.REQUIRED,
         batch_size: int = gin.REQUIRED,
         steps: int = gin.REQUIRED,
@@ -174,7 +175,7 @@ class Trainer:
         self.step_hooks = tuple(step_hooks)
         from terra.data import tasks
 
-        self.provider = tasks.get_task(task)
+        self.provider = tasks.resolve(task)
         tasks.check_vocabulary_and_lengths(
             self.provider,
             self.feature_lengths,
