@@ -51,7 +51,8 @@ def _configs_dir() -> str:
     spec = importlib.util.find_spec("terra.configs")
     if spec is not None and spec.origin:
         return os.path.dirname(os.path.abspath(spec.origin))
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(checkout, "configs")
 
 
 CONFIGS_DIR = _configs_dir()
