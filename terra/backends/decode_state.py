@@ -264,27 +264,25 @@ class LSHCache:
         batch, heads, length, _ = shape
         key, key_scale = empty_rows(shape, cache_dtype, dtype)
         value, value_scale = empty_rows(shape, cache_dtype, dtype)
-        lists_state = {}
+        bucket_counts = bucket_positions = recent_counts = recent_positions = None
         if lists is not None:
             n_buckets, n_keep = lists
             per_bucket = (batch, heads, n_hashes, n_buckets)
-            lists_state = dict(
-                bucket_counts=jnp.zeros(per_bucket, jnp.int32),
-                bucket_positions=jnp.full(per_bucket + (n_keep,), -1, jnp.int32),
-                recent_counts=jnp.zeros((batch, 1), jnp.int32),
-                recent_positions=jnp.full((batch, 1, n_keep), -1, jnp.int32),
-            )
+            bucket_counts = jnp.zeros(per_bucket, jnp.int32)
+            bucket_positions = jnp.full(per_bucket + (n_keep,), -1, jnp.int32)
+            recent_counts = jnp.zeros((batch, 1), jnp.int32)
+            recent_positions = jnp.full((batch, 1, n_keep), -1, jnp.int32)
         return cls(
-            bucket_counts=lists_state.get("bucket_counts"),
-            bucket_positions=lists_state.get("bucket_positions"),
+            bucket_counts=bucket_counts,
+            bucket_positions=bucket_positions,
             index=jnp.zeros((), jnp.int32),
             buckets=jnp.full((batch, heads, n_hashes, length), -1, jnp.int32),
             key=key,
             key_scale=key_scale,
             value=value,
             value_scale=value_scale,
-            recent_counts=lists_state.get("recent_counts"),
-            recent_positions=lists_state.get("recent_positions"),
+            recent_counts=recent_counts,
+            recent_positions=recent_positions,
             rotations=rotations,
         )
 

@@ -395,18 +395,21 @@ def check_vocabulary_and_lengths(
         )
 
 
+def members(provider: Provider) -> list:
+    """The seqio tasks of a task (itself) or of a mixture (its members)."""
+    return list(provider.tasks) if isinstance(provider, seqio.Mixture) else [provider]
+
+
 def read_checks(provider: Provider, split: str) -> dict:
     """``{"files", "readers"}`` of the local files ``split`` of a task (or mixture) reads and the
     readers that check them (none for TFDS or generated data): what a damaged-data error or a skip
     count is about (:func:`terra.data.json_lines.checked`, :class:`terra.data.pipeline.BatchIterator`)."""
-    members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-    local = [task.source for task in members if isinstance(task.source, sources.LocalFileSource)]
+    local = [task.source for task in members(provider) if isinstance(task.source, sources.LocalFileSource)]
     return {"files": [f for source in local for f in source.list_shards(split)], "readers": [s.reader for s in local]}
 
 
 def check_task_data(provider: Provider, split: str = "train") -> None:
     """Fail now, with the path tried and how to get the data, if a split of a task (or mixture)
     cannot be read."""
-    tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-    for task in tasks:
+    for task in members(provider):
         sources.check_available(task.source, split)

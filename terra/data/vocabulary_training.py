@@ -6,8 +6,6 @@ nothing of it."""
 import re
 from typing import List
 
-import seqio
-
 from terra.data import json_lines, sources, tasks
 
 # The features holding a task source's raw text: C4's ``text``, arXiv's ``article``/``abstract``
@@ -31,9 +29,8 @@ def task_texts(name: str, *, split: str = "train", max_documents: int = 1_000_00
     """The raw text of a task's source (before tokenization), in a fixed shuffled order: up to
     ``max_documents`` examples from each of its sources (a mixture's members in turn)."""
     provider = tasks.get_task(name)
-    members = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
     texts: List[str] = []
-    for task in members:
+    for task in tasks.members(provider):
         sources.check_available(task.source, split)
         examples = task.source.get_dataset(split, shuffle=True, seed=0).take(max_documents).as_numpy_iterator()
         for example in json_lines.checked(examples, **tasks.read_checks(task, split)):

@@ -410,7 +410,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         """One token's attention over the keys it keeps, and the cache with the token written:
         ``(y [batch, heads, 1, d_head], cache)``."""
         batch, _, _, d = q.shape
-        factors, n_keep, use_lists = self._decode_layout(cache.max_length)
+        factors, n_keep, _ = self._decode_layout(cache.max_length)  # the lists: the cache has them or not
         k = length_normalized(q)
         q_buckets = hash_query(q[:, :, 0], cache.rotations, factors)  # [b, h, n_hashes]
         if mask is not None:
@@ -420,7 +420,7 @@ class LSHSelfAttention(nn.Module, ConvolutionCacheMixin):
         self_logit = jnp.sum(q * k * scale, axis=-1, keepdims=True).astype(jnp.float32) + SELF_MASK_VALUE
         dropout = nn.Dropout(self._dropout)
         drop = lambda p: dropout(p, deterministic=deterministic)  # noqa: E731
-        if use_lists:
+        if cache.has_lists:
 
             def from_lists(q_scaled, self_logit, v, q_buckets, cache):
                 own_bucket = jnp.maximum(q_buckets, 0)[..., None, None]  # [b, h, n_hashes, 1, 1]
