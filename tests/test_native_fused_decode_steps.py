@@ -76,7 +76,7 @@ def _feed_forward_step(layer, narrow, x):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", FEED_FORWARD_SHAPES)
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.slow
 def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, shape, rows):
     layer, narrow = _feed_forward(*shape, kind)
@@ -105,8 +105,8 @@ def test_fused_sparse_feed_forward_applies_only_to_narrow_weights_in_decoding():
     assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), float_params, x)
     masked = SparseFeedForward(d_model=40, d_ff=120, ff_sparsity=8, gathered_inference=False)
     assert "terra_sparse_feed_forward" not in _targets(jax.jit(lambda p, x: masked.apply({"params": p}, x)), narrow, x)
-    nine_rows = jnp.ones((9, 1, 40))  # more rows than the kernels take
-    assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), narrow, nine_rows)
+    too_many = jnp.ones((native_kernels.MAX_ROWS + 1, 1, 40))  # more rows than the kernels take
+    assert "terra_sparse_feed_forward" not in _targets(functools.partial(_feed_forward_step, layer), narrow, too_many)
 
 
 @pytest.mark.parametrize("kind", KINDS)

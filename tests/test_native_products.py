@@ -149,12 +149,13 @@ def test_kernel_equals_the_xla_product_on_odd_shapes_in_every_instruction_set(ki
 
 
 @pytest.mark.parametrize("isa", native_kernels.ISAS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 64])
 @pytest.mark.slow
 def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
     # The kernels read 4 (or 2) output rows at a time: 3, 37 and 301 outputs leave a remainder, in
     # the last chunk of the threads' split for 301 x 1024 (above the size run on one thread);
-    # 4100 and 1029 inputs leave a tail shorter than a vector.
+    # 4100 and 1029 inputs leave a tail shorter than a vector. Past 8 rows of x the kernel makes
+    # passes of 8 over each chunk of weights: 13 rows leave a pass of 5, 64 (MAX_ROWS) none.
     _use_isa(isa)
     try:
         for n_out, n_in in ((3, 4100), (37, 1029), (301, 1024)):
@@ -226,10 +227,11 @@ def test_the_kernel_runs_under_jit_inside_a_while_loop_as_decoding_does(kind):
 def test_the_kernel_is_used_only_where_it_applies():
     q = quantize_for_setup(_weights((16, 8)), "int8")
     assert _uses_kernel(jnp.ones((2, 4, 8)), q)  # 8 rows
-    assert not _uses_kernel(jnp.ones((9, 8)), q)  # beyond MAX_ROWS
+    assert _uses_kernel(jnp.ones((4, 16, 8)), q)  # MAX_ROWS rows: a batch of 64 decoding
+    assert not _uses_kernel(jnp.ones((65, 8)), q)  # beyond MAX_ROWS
     assert not _uses_kernel(jnp.ones((2, 8), jnp.bfloat16), q)
     assert not _uses_kernel(jnp.ones((2, 8)), dequantize(q))  # a float32 kernel
-    _assert_close(_product()(_inputs(9, 8), q), _inputs(9, 8), q)  # the XLA path
+    _assert_close(_product()(_inputs(65, 8), q), _inputs(65, 8), q)  # the XLA path
 
 
 def test_vmap_over_the_rows_gives_the_unbatched_products():

@@ -133,7 +133,7 @@ def test_gathered_row_kernels_equal_the_stored_products_on_odd_shapes_in_every_i
     # Rows shorter than a vector, with a tail, and repeated selections; fewer and more selected rows
     # than the kernels ask for ahead (8); up to MAX_ROWS rows of x.
     _use_isa(isa)
-    for n, d, k, batch in ((1, 1, 1, 1), (50, 17, 7, 3), (9, 1029, 5, 8), (64, 40, 64, 2)):
+    for n, d, k, batch in ((1, 1, 1, 1), (50, 17, 7, 3), (9, 1029, 5, 8), (64, 40, 64, 2), (30, 40, 3, 64)):
         _check_gathered(kind, n, d, k, batch)
 
 
@@ -169,7 +169,11 @@ def test_the_products_use_the_kernels_only_where_they_apply():
     rows = jnp.zeros((8, 1, 5), jnp.int32)
     for fn, width in ((backends.gathered_rows_product, 16), (backends.gathered_rows_sum, 5)):
         assert "terra_gathered" in _jaxpr(fn, jnp.ones((8, 1, width)), table, rows)  # 8 rows of x
-        assert "terra_gathered" not in _jaxpr(fn, jnp.ones((9, width)), table, jnp.zeros((9, 5), jnp.int32))
+        most = native_kernels.MAX_ROWS
+        assert "terra_gathered" in _jaxpr(fn, jnp.ones((most, width)), table, jnp.zeros((most, 5), jnp.int32))
+        assert "terra_gathered" not in _jaxpr(
+            fn, jnp.ones((most + 1, width)), table, jnp.zeros((most + 1, 5), jnp.int32)
+        )
         assert "terra_gathered" not in _jaxpr(fn, jnp.ones((8, 1, width)), dequantize(table), rows)
 
 

@@ -290,3 +290,29 @@ def test_quantized_decode_equals_float32_decode_of_the_dequantized_weights(gin_f
 
 def _is_quantized(leaf):
     return isinstance(leaf, QuantizedTensor)
+
+
+BATCH_ROWS = 10  # more than a pass of the native kernels (8 rows): a pass of 8 and one of 2
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
+@pytest.mark.slow
+def test_batched_decode_equals_each_row_decoded_alone(gin_file, kind, families):
+    # A batch takes the same kernels as one row (native_kernels.MAX_ROWS rows of them): every row of
+    # a batch of 10 steps to the logits its sequence gets alone, so greedy decoding picks the same
+    # tokens whatever else is in the batch.
+    model, _, params, _ = _family(families, gin_file)
+    params = params if kind == "float32" else quantize_params_for_setup(params, kind)
+    rng = np.random.default_rng(1)
+    inputs = jnp.asarray(rng.integers(2, 96, size=(BATCH_ROWS, 9)), jnp.int32).at[3, -4:].set(0)
+    targets = jnp.asarray(rng.integers(2, 96, size=(BATCH_ROWS, 4)), jnp.int32)
+    together = _decode_logits(model, params, {"encoder_input_tokens": inputs, "decoder_target_tokens": targets})
+    for row in range(BATCH_ROWS):
+        alone = _decode_logits(
+            model,
+            params,
+            {"encoder_input_tokens": inputs[row : row + 1], "decoder_target_tokens": targets[row : row + 1]},
+        )
+        np.testing.assert_allclose(together[row], alone[0], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(jnp.argmax(together[row], -1), jnp.argmax(alone[0], -1))

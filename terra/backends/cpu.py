@@ -80,9 +80,8 @@ def input_major_product(x: jax.Array, kernel: QuantizedTensor):
 def transposed_chunk_rows(x: jax.Array) -> Optional[int]:
     """Rows per output-major product for an input-major kernel stored transposed, where ``x`` has
     more rows than the output-major kernel takes (a beam search's sparse loss: beams x S modules):
-    each chunk reads the weights again, yet with the sparse loss's ``[1024, 8000]`` kernel in int8
-    that beats the input-major kernel at 16 rows and stays close to it at 32, where XLA's blocked
-    product is slower (docs/design/cpu_decoding.md). ``None``: one product."""
+    chunks of ``MAX_ROWS``, each reading the weights again. ``None``: one product (up to
+    ``MAX_ROWS`` rows, whose passes of 8 read each chunk of weights from memory once)."""
     rows = math.prod(x.shape[:-1])
     if rows <= native_kernels.MAX_ROWS or not native_applies(x, rows, native_kernels.MAX_INPUT_MAJOR_ROWS):
         return None

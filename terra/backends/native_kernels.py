@@ -19,12 +19,13 @@ a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
 (:func:`blocked_attention`).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
-(batch-1 decoding, small batches and beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a
-multiplicative layer's modules times the batch): each weight is widened once and multiplied into
-every row, so their arithmetic grows with the rows (int8 turns compute-bound from a few rows, yet
-at 8 rows still beats XLA's blocked product: docs/design/cpu_decoding.md); larger products,
-prefill and training keep XLA's products, which are real matrix products (``terra-bench products
---rows 8``).
+(decoding's batch or beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a multiplicative
+layer's modules times the batch): each weight is widened once per pass of 8 rows and multiplied
+into each of them, and the passes after the first over a chunk of weights read it from cache, so a
+batch streams the weights from memory once. Their arithmetic grows with the rows (int8 turns
+compute-bound from a few rows), and up to 64 rows they are still as fast as XLA's blocked product
+or faster (docs/design/cpu_decoding.md, ``terra-bench products --rows 64``); larger products,
+prefill and training keep XLA's products, which are real matrix products.
 """
 
 import contextlib
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ENV_SWITCH = "TERRA_NATIVE_KERNELS"
-MAX_ROWS = 8
+MAX_ROWS = 64
 # Rows of x an input-major product takes (a multiplicative layer's batch x S modules): each weight
 # is widened once and used by every row, so its arithmetic grows with them; past this, XLA's matrix
 # product is the faster one.

@@ -1,10 +1,10 @@
 // The XLA FFI handlers: the products' and the fused layers' custom calls, registered by
-// terra/backends/native_kernels.py, for B = 1..8 rows of x:
+// terra/backends/native_kernels.py, for B = 1..64 rows of x:
 //   terra_output_major_int8  x f32[B, in], values s8[out, in], scale f32[out, G] (or f32[out], G = 1)
 //                            -> y f32[B, out], y[b, o] = sum_g scale[o, g] * sum_{i in group g} x[b, i] * values[o, i]
 //                            with groups of in / G consecutive inputs (one scale per output row and head).
 //   terra_output_major_bf16  x f32[B, in], values u16[out, in] (bfloat16 bits) -> y f32[B, out].
-// and, for the sparse layers (any B up to 256 for the input-major product, up to 8 for the others):
+// and, for the sparse layers (any B up to 256 for the input-major product, up to 64 for the others):
 //   terra_input_major_{int8,bf16}   x f32[B, in], values [in, out], scale f32[in, G] (int8; G groups
 //                                   of out / G consecutive outputs) -> y f32[B, out]
 //   terra_gathered_dot_{int8,bf16}  x f32[B, d], values [n, d], scale f32[n] (int8), rows s32[B, k]
@@ -58,7 +58,7 @@ ffi::Error CheckShapes(bool input_major, ffi::Span<const int64_t> x, ffi::Span<c
                                            : "narrow product: x [B, in], values [out, in] and y [B, out] disagree");
   if (x[0] > (input_major ? kMaxInputMajorRows : kMaxRows))
     return ffi::Error::InvalidArgument(input_major ? "input-major product: at most 256 rows of x"
-                                                   : "narrow product: at most 8 rows of x");
+                                                   : "narrow product: at most 64 rows of x");
   return ffi::Error::Success();
 }
 
@@ -115,7 +115,7 @@ ffi::Error Gathered(ffi::ThreadPool& pool, bool dot, const float* x, ffi::Span<c
   const int64_t x_width = dot ? d : k, y_width = dot ? k : d;
   if (x_shape[0] != batch || y_shape[0] != batch || x_shape[1] != x_width || y_shape[1] != y_width || n_rows < 1)
     return ffi::Error::InvalidArgument("gathered rows: x, values [rows, d], rows [B, k] and y disagree");
-  if (batch > kMaxRows) return ffi::Error::InvalidArgument("gathered rows: at most 8 rows of x");
+  if (batch > kMaxRows) return ffi::Error::InvalidArgument("gathered rows: at most 64 rows of x");
   if (scale && (scale_shape.size() != 1 || scale_shape[0] != n_rows))
     return ffi::Error::InvalidArgument("gathered rows: scale must be [rows]");
   const GatheredRows<W> p{x, values, scale, rows, y, batch, k, d, n_rows};

@@ -137,15 +137,17 @@ TERRA_INLINE void ShortRows(const Product<W>& p, int64_t o_begin, int64_t o_end)
   if (o < o_end) OutputRowRange<I, W, 1>(p, o, o_end);
 }
 
-// Output rows [o_begin, o_end) of every row of x, kMaxRows rows of x at a time.
+// Output rows [o_begin, o_end) of every row of x, kRowsPerPass rows of x at a time: the range is a
+// chunk of about kChunkBytes of weights (OutputMajor), so the passes after the first read it from
+// cache and a batch of B rows streams the weights from memory once.
 template <typename I, typename W>
 TERRA_INLINE void OutputMajorRows(const Product<W>& p, int64_t o_begin, int64_t o_end) {
   if constexpr (I::kTransposedSums) {
     if (p.batch == 1 && p.groups == 1 && p.n_in <= kShortRow) return ShortRows<I>(p, o_begin, o_end);
   }
-  for (int64_t b0 = 0; b0 < p.batch; b0 += kMaxRows) {
+  for (int64_t b0 = 0; b0 < p.batch; b0 += kRowsPerPass) {
     Product<W> part = p;
-    part.x += b0 * p.n_in, part.y += b0 * p.n_out, part.batch = std::min(kMaxRows, p.batch - b0);
+    part.x += b0 * p.n_in, part.y += b0 * p.n_out, part.batch = std::min(kRowsPerPass, p.batch - b0);
     switch (part.batch) {
       case 1: OutputRowRange<I, W, 1>(part, o_begin, o_end); break;
       case 2: OutputRowRange<I, W, 2>(part, o_begin, o_end); break;

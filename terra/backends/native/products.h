@@ -23,8 +23,12 @@ namespace ffi = xla::ffi;
 // Rows of x the handlers take: decoding's batch or beams (native_kernels.MAX_ROWS), and for the
 // input-major product a multiplicative layer's modules times the batch
 // (native_kernels.MAX_INPUT_MAJOR_ROWS).
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 64;
 constexpr int64_t kMaxInputMajorRows = 256;
+// Rows of x the output-major kernel multiplies each widened weight vector into: R * B accumulators
+// must stay in registers. More rows take several passes over a chunk of weights (products.cc
+// shares out kChunkBytes of rows), the later passes reading it from cache, not from memory.
+constexpr int64_t kRowsPerPass = 8;
 
 // Output-major: y[b, o] = sum_g scale[o, g] * sum_{i in group g} x[b, i] * values[o, i], with
 // groups of n_in / G consecutive inputs (one scale per output row and head).

@@ -120,7 +120,7 @@ ffi::Error SparseFeedForward(ffi::ThreadPool& pool, const float* x, ffi::Span<co
       w2_shape.size() != 2 || w2_shape[0] != n_ff || w2_shape[1] != d || out_bias_size != d || n_ff < 1)
     return ffi::Error::InvalidArgument(
         "sparse feed-forward: x [B, d], C1 [L, d], C2 [F, L], bias [F / N, N], W1, W2 [F, d] and b2 [d] disagree");
-  if (batch > kMaxRows) return ffi::Error::InvalidArgument("sparse feed-forward: at most 8 rows of x");
+  if (batch > kMaxRows) return ffi::Error::InvalidArgument("sparse feed-forward: at most 64 rows of x");
   // The intermediates are scratch of the calling thread that grows to the largest layer it has run
   // and is reused by its later calls: a fresh allocation per call would, for the wide logits, be
   // new pages the kernel must zero on every decode step, and XLA need not hold them as results. The
