@@ -256,3 +256,107 @@ def test_selected_rows_keep_the_rows_they_are_measured_against_in_the_presets_or
     assert presets.select_rows(moved, []) is moved
     with pytest.raises(ValueError, match="no row's name contains any of"):
         presets.select_rows(moved, ["nosuch"])
+
+
+# --- batched decoding (--config.batch_sizes, the batched_800m preset) -----------------------------
+
+
+@pytest.mark.slow
+def test_batched_rows_report_per_sequence_time_and_the_union_of_selected_rows(tmp_path):
+    config = presets.tiny()
+    sparse = next(row for row in config.rows if row.name == "+ Sparse FF")
+    # One row at two batch sizes (speed-ups within a batch size have their own test below).
+    config.rows, config.dense_row, config.batch_sizes = [sparse], 0, (1, 3)
+    config.tokens, config.warmup, config.repeats, config.bandwidth_buffer_mb = 4, 1, 2, 16
+    rows = decode_speed.run_preset(config, str(tmp_path), "batched", log=lambda *a: None)
+    saved = json.loads((tmp_path / "decode_speed.json").read_text())
+    assert [(r["name"], r["batch_size"]) for r in saved] == [("+ Sparse FF", 1), ("+ Sparse FF", 3)]
+    one, three = rows
+    for r in rows:
+        step = r["seconds_per_token_loop"]
+        assert r["seconds_per_step_loop"] == step and r["seconds_per_token_median"] > 0  # per call, B rows
+        if step is None:  # lost in a tiny loop's jitter: no rate either, never a number
+            assert r["seconds_per_sequence_loop"] is None and r["tokens_per_second"] is None
+        else:
+            assert r["seconds_per_sequence_loop"] == pytest.approx(step / r["batch_size"])
+            assert r["tokens_per_second"] == pytest.approx(r["batch_size"] / step)
+        assert r["floor_seconds"] == pytest.approx(r["bytes_per_token"] / (r["bandwidth_gbps"] * 1e9))
+    # Three sequences read the union of the W1/W2 rows they select (more than one sequence's, less
+    # than three times), and each its own caches (three times, less the counters they share).
+    assert one["weight_bytes_per_token"] < three["weight_bytes_per_token"] < 3 * one["weight_bytes_per_token"]
+    assert 2.9 * one["cache_bytes_per_token"] < three["cache_bytes_per_token"] <= 3 * one["cache_bytes_per_token"]
+    assert three["flops_per_token"] > 2 * one["flops_per_token"]  # the step lowered at three rows
+    table = (tmp_path / "decode_speed.md").read_text()
+    assert "| row | batch | per call | in loop | per sequence | tokens/s |" in table and "| + Sparse FF | 3 |" in table
+    assert is_png(str(tmp_path / "decode_speed.png"))
+
+
+def test_batch_sizes_are_refused_beside_input_lengths_the_baseline_beside_and_block_differences():
+    for preset, field, value in (
+        (presets.long_document, "input_lengths", (16,)),
+        (presets.quantized_800m, "baseline_beside", True),
+        (presets.paper_17b_block, "block_mode", "difference"),
+    ):
+        config = preset()
+        config.batch_sizes, config[field] = (1, 4), value
+        # Refused before anything is measured or built.
+        with pytest.raises(ValueError, match=f"batch_sizes .* cannot be combined with {field}"):
+            decode_speed.run_preset(config, None, "refused", log=lambda line: None)
+    config = presets.tiny()
+    config.batch_sizes = (0,)
+    with pytest.raises(ValueError, match="at least 1"):
+        decode_speed.run_preset(config, None, "refused", log=lambda line: None)
+    assert decode_speed.check_batch_sizes(presets.batched_800m()) == [1, 4, 16, 64]
+    assert decode_speed.check_batch_sizes(presets.tiny()) == []  # batch 1, as every other preset
+
+
+def test_batched_speedups_and_table_compare_rows_at_the_same_batch_size():
+    rows = []
+    for name, steps in (("dense", (0.040, 0.080)), ("sparse", (0.010, 0.040))):
+        for batch, step in zip((1, 4), steps):
+            r = _row(name, step, step)
+            r.update(batch_size=batch, batched=True, floor_seconds=step / 2)
+            r.update(decode_speed.batched_fields(r))
+            r.update(weight_bytes_per_token=1e6, cache_bytes_per_token=1e5, seconds_per_token_min=step)
+            rows.append(r)
+    report.add_speedups(rows, dense_row=0)
+    # Within each batch size, step against step: 4x at batch 1, 2x at batch 4 (not 1x against dense at 1).
+    assert [r["speedup_vs_dense_loop"] for r in rows] == pytest.approx([1.0, 1.0, 4.0, 2.0])
+    assert rows[3]["speedup_reference"] == "dense" and rows[3]["tokens_per_second"] == pytest.approx(100.0)
+    machine = {"cpu": "x", "cores": 2, "xla_threads": 2, "bandwidth_after_gbps": 1.0, "product_gflops": 1.0}
+    machine.update(jax="0", backend="cpu")
+    table = report.markdown_table(rows, machine, 1.0, "t")
+    assert "| sparse | 4 | 40.00 ms | 40.00 ms | 10.000 ms | 100 | 1.0 | 0.1 | 20.00 ms | 2.00 | 2.00x |" in table
+
+
+def test_a_sparse_layer_reads_the_expected_union_of_the_rows_a_batch_selects():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from terra.layers.mixture_of_experts import MixtureOfExpertsFeedForward
+    from terra.layers.sparse_feedforward import SparseFeedForward
+
+    x = jnp.ones((1, 1, 32))
+    ff = SparseFeedForward(d_model=32, d_ff=128, ff_sparsity=8)  # 16 blocks of N = 8 rows
+    params = nn.unbox(jax.eval_shape(ff.init, jax.random.key(0), x))["params"]
+    old = SparseFeedForward.params_read_per_token(params)  # batch 1: one row of W1 and W2 per block
+    assert SparseFeedForward.params_read_per_token(params, batch=1) == old
+    for batch in (2, 3, 64):
+        union = 8 * (1 - (1 - 1 / 8) ** batch)  # distinct rows of a block among `batch` uniform choices
+        assert SparseFeedForward.params_read_per_token(params, batch=batch) == round(old + 2 * 16 * (union - 1) * 32)
+    moe = MixtureOfExpertsFeedForward(d_model=32, d_ff=128, n_experts=4)
+    params = nn.unbox(jax.eval_shape(moe.init, jax.random.key(0), x))["params"]
+    old = MixtureOfExpertsFeedForward.params_read_per_token(params)
+    assert old == 4 * 32 + 2 * 32 * 32 + 32  # the router, one expert's W1 and W2 blocks, the bias
+    experts = 4 * (1 - (3 / 4) ** 5)
+    assert MixtureOfExpertsFeedForward.params_read_per_token(params, batch=5) == round(
+        old + 2 * (experts - 1) * 32 * 32
+    )
+
+
+def test_a_dense_models_batched_step_reads_each_weight_once_and_each_sequences_token_row(dense_decode):
+    model, decoder, (d, *_) = dense_decode
+    one = model.params_read_per_token()
+    assert model.params_read_per_token(batch=1) == one
+    assert model.params_read_per_token(batch=4)["total"] == one["total"] + 3 * d  # three more embedding rows

@@ -1,4 +1,5 @@
-"""Batch-1 decode speed of the paper's models on this CPU, against its memory bandwidth.
+"""Decode speed of the paper's models on this CPU (batch 1, or batches of sequences), against its
+memory bandwidth.
 
   terra-bench decode --preset paper_800m --out out/decode_speed
   terra-bench decode --preset paper_17b_block --out out/decode_17b
@@ -31,6 +32,17 @@ row's peak resident memory. A row whose estimated memory (``estimate_memory``) e
 machine has, or that runs out of memory, is recorded as ``skipped`` with the reason and the run
 goes on. ``--config.time_calls=False`` leaves out the per-call step protocol (the in-loop time
 stands; one prefill per repetition, timed, whose cache both of its loops continue).
+
+With ``--config.batch_sizes`` (the ``batched_800m`` preset; e.g. ``--config.batch_sizes=1,16``)
+every row is timed at each batch size B, decoding B sequences at once from random (seeded) inputs
+``[B, input_length]``. Every result carries ``batch_size`` (1 without batch sizes); a batched
+row's step fields (``seconds_per_token_median`` per call, ``seconds_per_token_loop`` in the loop,
+``*bytes_per_token``, ``flops_per_token``, the floors) are those of one step of all B rows, and
+``batched_fields`` adds the in-loop step per sequence and tokens per second. A step reads each
+weight once, except the rows a sparse layer selects per sequence: their expected union over B
+sequences choosing independently and uniformly (``Model.params_read_per_token(batch)``); each
+sequence reads its own caches. Speed-ups compare rows at the same batch size. Batch sizes are
+refused beside ``input_lengths``, ``baseline_beside`` and block_mode 'difference'.
 
 The decoder's self-attention cache is sized from the tokens decoded (``decoder_cache_length``;
 at least the reference's 32 slots in the paper presets), never from the input: an
@@ -280,8 +292,9 @@ def lsh_kept_rows(settings: dict, max_len: int) -> int:
 
 
 def cache_reads_per_token(cache, lsh: Optional[Dict[Tuple[str, ...], dict]] = None) -> dict:
-    """Bytes of the cache pytree one batch-1 decode step reads, each array at its own itemsize
-    (a bfloat16 or int8 cache, and an int8 cache's per-row scales, count as stored).
+    """Bytes of the cache pytree one decode step reads, the caches of every sequence it holds
+    (one sequence's at batch 1: what a decoded token reads), each array at its own itemsize (a
+    bfloat16 or int8 cache, and an int8 cache's per-row scales, count as stored).
 
     The model, per layer type:
 
@@ -332,24 +345,32 @@ def cache_reads_per_token(cache, lsh: Optional[Dict[Tuple[str, ...], dict]] = No
     return totals
 
 
-def decode_cost_per_token(model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: float = 4) -> dict:
-    """What one batch-1 decode step costs, from shapes alone (nothing is compiled):
+def decode_cost_per_token(
+    model, decoder: IncrementalDecoder, input_length: int, weights_itemsize: float = 4, batch: int = 1
+) -> dict:
+    """What one decode step of ``batch`` sequences (inputs ``[batch, input_length]``) costs, from
+    shapes alone (nothing is compiled); at batch 1 (the default) what one decoded token costs:
 
     - ``weights``, ``caches``, ``total``: bytes read — the parameters the step touches at
-      ``weights_itemsize`` bytes each (``bytes_per_weight``) and the caches it reads
-      (``cache_reads_per_token``: self-attention K/V of ``max_decode_length`` slots, encoder
-      keys/values, conv rows, an LSH layer's kept rows and bucket bookkeeping), each at its
-      stored itemsize; ``cache_stored``: the caches' whole size;
-    - ``flops``: XLA's cost analysis of the lowered float32 ``step`` (2 per multiply-add of every
-      product, 1 per elementwise op; a gather counts none): the arithmetic is the same whatever
-      width the weights are stored at, and a native kernel's custom call has no count.
+      ``weights_itemsize`` bytes each (``bytes_per_weight``; ``Model.params_read_per_token(batch)``:
+      every weight once per step, and of the rows a sparse layer selects per sequence their
+      expected union over the batch) and the caches it reads (``cache_reads_per_token``:
+      self-attention K/V of ``max_decode_length`` slots, encoder keys/values, conv rows, an LSH
+      layer's kept rows and bucket bookkeeping), each at its stored itemsize; the cache is the
+      prefill's evaluated abstractly at ``batch`` rows and counted, so each sequence's own cache
+      counts (about ``batch`` times the batch-1 bytes; counters the rows share, once);
+      ``cache_stored``: the caches' whole size;
+    - ``flops``: XLA's cost analysis of the float32 ``step`` lowered at ``batch`` rows (2 per
+      multiply-add of every product, 1 per elementwise op; a gather counts none): the arithmetic
+      is the same whatever width the weights are stored at, and a native kernel's custom call
+      has no count.
     """
     unboxed = model.abstract_params()
-    cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((1, input_length), jnp.int32))
-    weights = int(model.params_read_per_token()["total"] * weights_itemsize)
-    reads = cache_reads_per_token(cache, lsh_layers(decoder, unboxed, cache))
+    cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((batch, input_length), jnp.int32))
+    weights = int(model.params_read_per_token(batch)["total"] * weights_itemsize)
+    reads = cache_reads_per_token(cache, lsh_layers(decoder, unboxed, cache, batch))
     caches = reads["total"]
-    analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((1,), jnp.int32)).cost_analysis()
+    analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((batch,), jnp.int32)).cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     return {
         "weights": weights,
@@ -467,10 +488,13 @@ def _time_model(
     input_length: Optional[int] = None,
     memory_limit: Optional[Tuple[int, str]] = None,
     where: str = "",
+    batch_size: int = 1,
 ):
     """Builds one model with random weights stored as ``weights_dtype`` and times it (with
     ``beside``'s loops after each repetition's, see ``measure_decode``) at ``input_length``
-    (default ``config.input_length``). Frees the model, or with ``keep`` returns its
+    (default ``config.input_length``), decoding ``batch_size`` sequences at once from random
+    (seeded) encoder inputs ``[batch_size, input_length]``; its costs are those of one step of
+    that many rows (``decode_cost_per_token``). Frees the model, or with ``keep`` returns its
     ``generation_loop`` as well, which holds it for timing beside others. ``memory_limit``
     ``(bytes, what they are)``: first estimate the row's memory (``estimate_memory``) and raise
     ``RowSkipped`` where it exceeds them, before any weight is drawn."""
@@ -492,7 +516,7 @@ def _time_model(
             )
     params = random_params(model, seed, weights_dtype)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params()))
-    inputs = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=(1, input_length))
+    inputs = np.random.default_rng(seed).integers(2, cfg.vocab_size, size=(batch_size, input_length))
     timing = measure_decode(
         decoder,
         params,
@@ -505,7 +529,7 @@ def _time_model(
         time_calls=config.get("time_calls", True),
     )
     itemsize = bytes_per_weight(weights_dtype, cfg.d_model)
-    reads = decode_cost_per_token(model, decoder, input_length, itemsize)
+    reads = decode_cost_per_token(model, decoder, input_length, itemsize, batch=batch_size)
     n_layers = cfg.n_decoder_layers
     loop = generation_loop(decoder, params, inputs) if keep else None
     del params, decoder
@@ -539,10 +563,14 @@ def run_row(
     keep: bool = False,
     input_length: Optional[int] = None,
     memory_limit: Optional[Tuple[int, str]] = None,
+    batch_size: int = 1,
 ):
-    """Times one row (at ``input_length``, default ``config.input_length``). Returns its result
-    and, with ``keep`` ('divide' block mode only), its ``generation_loop`` for timing beside the
-    rows after it (``beside``: such a loop). ``memory_limit``: see ``_time_model``."""
+    """Times one row (at ``input_length``, default ``config.input_length``) decoding
+    ``batch_size`` sequences at once. Returns its result and, with ``keep`` ('divide' block
+    mode only), its ``generation_loop`` for timing beside the rows after it (``beside``: such a
+    loop). ``memory_limit``: see ``_time_model``. The result's times, bytes, FLOPs and floors
+    are those of one step (per token at batch 1; of all ``batch_size`` rows otherwise, see
+    ``batched_fields``)."""
     bindings, weights_dtype, cache_dtype = row_bindings(row, config)
     input_length = int(config.input_length if input_length is None else input_length)
     where = f"row '{row.name}': "
@@ -589,6 +617,7 @@ def run_row(
             input_length=input_length,
             memory_limit=memory_limit,
             where=where,
+            batch_size=batch_size,
         )
         loop_token = timing.median_loop_token_s
         per_block = _ratio_or_none(timing.median_token_s, n_layers)
@@ -601,7 +630,7 @@ def run_row(
         extra = {}
     peak, peak_source = process_memory.peak_resident(reset)
     result = {
-        **row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length),
+        **row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length, batch_size),
         "params": int(n_params),
         # None: step calls not timed (time_calls=False).
         "seconds_per_token_median": timing.median_token_s,
@@ -664,8 +693,11 @@ def skipped_row(row, config, input_length: int, reason: str) -> dict:
     return {**row_identity(row, config, bindings, weights_dtype, cache_dtype, input_length), "skipped": reason}
 
 
-def row_identity(row, config, bindings, weights_dtype: str, cache_dtype: str, input_length: int) -> dict:
-    """What a row's result says it is (timed or skipped): its name, configs and stores."""
+def row_identity(
+    row, config, bindings, weights_dtype: str, cache_dtype: str, input_length: int, batch_size: int = 1
+) -> dict:
+    """What a row's result says it is (timed or skipped): its name, configs, stores and the
+    sequences it decodes at once."""
     return {
         "name": row.name,
         "baseline": row.baseline,
@@ -676,6 +708,7 @@ def row_identity(row, config, bindings, weights_dtype: str, cache_dtype: str, in
         "weights_dtype": weights_dtype,
         "cache_dtype": cache_dtype,
         "input_length": int(input_length),
+        "batch_size": int(batch_size),
         "series": row.series,
         "sparsity": row.sparsity,
         "block_mode": config.block_mode,
@@ -710,6 +743,16 @@ def _log_line(result: dict) -> str:
         name += f" {result['input_length']:>6} tokens"
     if result.get("skipped"):
         return f"{name}  skipped: {result['skipped']}"
+    if result.get("batched"):
+        rate = result["tokens_per_second"]
+        return (
+            f"{name} batch {result['batch_size']:>3}  {report.milliseconds(result['seconds_per_token_median'])} "
+            f"per step ({report.milliseconds(result['seconds_per_step_loop'])} in loop, "
+            f"{report.milliseconds(result['seconds_per_sequence_loop'])} per sequence, "
+            f"{'—' if rate is None else f'{rate:,.0f}'} tokens/s)  "
+            f"weights {result['weight_bytes_per_token'] / 1e6:.1f} MB + "
+            f"caches {result['cache_bytes_per_token'] / 1e6:.1f} MB  floor {result['floor_seconds'] * 1e3:.2f} ms"
+        )
     if result.get("long_document"):
         peak = result.get("peak_resident_bytes")
         return (
@@ -728,9 +771,33 @@ def _log_line(result: dict) -> str:
     )
 
 
+def check_batch_sizes(config) -> List[int]:
+    """``config.batch_sizes`` as integers (empty: batch 1, the presets' protocol), or one
+    ``ValueError`` where they cannot be timed: a size below 1, or beside ``input_lengths`` (one
+    axis per run), ``baseline_beside`` (the dense loop is held at one batch) or block_mode
+    'difference' (two slices per row)."""
+    sizes = [int(b) for b in config.get("batch_sizes", ()) or ()]
+    if not sizes:
+        return sizes
+    if min(sizes) < 1:
+        raise ValueError(f"batch_sizes={tuple(sizes)}: every batch size must be at least 1.")
+    for field, clash in (
+        ("input_lengths", bool(config.get("input_lengths", ()))),
+        ("baseline_beside", bool(config.get("baseline_beside", False))),
+        ("block_mode='difference'", config.block_mode == "difference"),
+    ):
+        if clash:
+            raise ValueError(
+                f"batch_sizes times every row at each batch size at one input length, whole models in the "
+                f"'divide' block mode; it cannot be combined with {field}: drop one of them."
+            )
+    return sizes
+
+
 def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title: str, log=print) -> List[dict]:
     beside_dense = config.get("baseline_beside", False)
     lengths = [int(n) for n in config.get("input_lengths", ()) or ()]
+    batch_sizes = check_batch_sizes(config)
     if beside_dense and config.block_mode != "divide":
         raise ValueError(
             f"baseline_beside times whole models beside each other; set it False for block_mode='{config.block_mode}'."
@@ -759,6 +826,8 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
     try:
         if lengths:
             rows = _run_lengths(config, lengths, bandwidth, product_gflops, log, out_dir)
+        elif batch_sizes:
+            rows = _run_batches(config, batch_sizes, bandwidth, product_gflops, log)
         else:
             rows = _run_rows(config, bandwidth, product_gflops, beside_dense, log)
     finally:
@@ -830,6 +899,35 @@ def _run_lengths(
                 os.makedirs(out_dir, exist_ok=True)
                 with open(os.path.join(out_dir, PARTIAL), "w") as f:
                     json.dump(rows, f, indent=2)
+    return rows
+
+
+def batched_fields(result: dict) -> dict:
+    """The times of a step of ``result['batch_size']`` sequences per sequence and as a rate:
+    ``seconds_per_step_loop`` (the in-loop step, ``seconds_per_token_loop``),
+    ``seconds_per_sequence_loop`` (the step over the batch: what each sequence's token costs), ``tokens_per_second``
+    (tokens all sequences decode in a second of the loop); None where the in-loop time is."""
+    batch, step = result["batch_size"], result["seconds_per_token_loop"]
+    return {
+        "seconds_per_step_loop": step,
+        "seconds_per_sequence_loop": None if step is None else step / batch,
+        "tokens_per_second": None if step is None else batch / step,
+    }
+
+
+def _run_batches(config, batch_sizes: Sequence[int], bandwidth: float, product_gflops: float, log) -> List[dict]:
+    """Every row at each of ``batch_sizes`` (row by row, each row's sizes in order), each a
+    model built and timed anew (``run_row``) decoding that many sequences at once; each result
+    also carries ``batched_fields``. Its step fields (``seconds_per_token_*``, ``*bytes_per_token``,
+    floors, FLOPs) are those of one step of all the rows."""
+    rows = []
+    for row in config.rows:
+        for batch in batch_sizes:
+            result, _ = run_row(row, config, bandwidth, product_gflops, batch_size=batch)
+            result.update(batched_fields(result), batched=True)
+            gc.collect()
+            rows.append(result)
+            log(_log_line(result))
     return rows
 
 

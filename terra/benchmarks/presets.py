@@ -6,7 +6,8 @@ rows (``terra-bench train``). Importing this module loads nothing heavy.
 A row is a name, the gin files that build its model and extra gin bindings; a preset adds the
 timing protocol. ``terra-bench decode --preset NAME`` overrides any field from the command line
 (``ml_collections.config_flags``), e.g. ``--config.tokens=20 --config.input_length=32`` (or
-``--config.input_lengths=15360`` for the ``long_document`` preset's lengths).
+``--config.input_lengths=15360`` for the ``long_document`` preset's lengths, or
+``--config.batch_sizes=1,16`` for the ``batched_800m`` preset's batch sizes).
 """
 
 import copy
@@ -63,6 +64,10 @@ def timing_config(rows, **overrides) -> ml_collections.ConfigDict:
             # Encoder lengths to time every row at (each row x each length), instead of input_length;
             # --config.input_lengths=15360 runs one. Rows that do not fit the memory are skipped.
             "input_lengths": (),
+            # Sequences decoded at once to time every row at (each row x each size), instead of
+            # batch 1: --config.batch_sizes=1,16 runs two. Not with input_lengths, baseline_beside
+            # or block_mode 'difference' (decode_speed.check_batch_sizes).
+            "batch_sizes": (),
             "tokens": 12,  # steps per repetition; the first two are not timed
             # Decoder self-attention slots, at least (more where tokens need them): the reference's
             # max_inference_length = 2 x its max_len 16 (docs/design/reference_code.md §6).
@@ -288,6 +293,28 @@ def tiny() -> ml_collections.ConfigDict:
     )
 
 
+BATCH_SIZES = (1, 4, 16, 64)
+
+
+def batched_800m() -> ml_collections.ConfigDict:
+    """Batched decoding (issue 59) at the 800M widths, 2+24-layer timing shape: dense, fully
+    sparse and Terraformer with float32, bfloat16 and int8 weights, each decoding 1, 4, 16 and
+    64 sequences at once; per step, per sequence and tokens per second, the bytes of a step
+    (a sparse layer's selected rows counted as their union over the batch) and their floor.
+    Speed-ups against dense float32 at the same batch size."""
+    m = "models/{}_800m.gin".format
+    return timing_config(
+        _at_each_width("baseline Transf.", m("dense"))
+        + _at_each_width("fully sparse", m("fully_sparse"))
+        + _at_each_width("Terraformer", m("terraformer")),
+        batch_sizes=BATCH_SIZES,
+        tokens=16,
+        repeats=3,
+        warmup=2,
+        title="Batched decoding at the 800M widths, 2+24-layer timing shape (float32 activations)",
+    )
+
+
 LONG_DOCUMENT_LENGTHS = (1024, 4096, 15360)
 
 
@@ -355,6 +382,7 @@ PRESETS: Dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "quantized_800m": quantized_800m,
     "quantized_17b_block": quantized_17b_block,
     "long_document": long_document,
+    "batched_800m": batched_800m,
     "sparsity_sweep": sparsity_sweep,
     "tiny": tiny,
 }

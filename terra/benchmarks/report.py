@@ -10,6 +10,11 @@ Rows timed at several input lengths (``long_document``, ``--config.input_lengths
 table (row, input length, prefill, in-loop ms per token, weights and caches MB per token, the
 floor, peak memory), speed-ups within each length and a plot against the length; a row that was
 ``skipped`` shows its reason in the table and is left out of the plot.
+
+Rows timed at several batch sizes (``batched_800m``, ``--config.batch_sizes``) have theirs too
+(row, batch size, per-call and in-loop ms per step, ms per sequence, tokens per second, weights
+and caches MB per step, the floor, in loop over the floor), speed-ups within each batch size and
+a plot of ms per sequence against the batch size.
 """
 
 import json
@@ -46,6 +51,11 @@ def is_long_document(rows: Sequence[dict]) -> bool:
     return any(r.get("long_document") for r in rows)
 
 
+def is_batched(rows: Sequence[dict]) -> bool:
+    """Whether ``rows`` were timed at several batch sizes (``--config.batch_sizes``)."""
+    return any(r.get("batched") for r in rows)
+
+
 def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
     """Sets each row's ``speedup_reference`` (its ``baseline`` row's name, else row
     ``dense_row``'s), ``speedup_vs_dense`` and ``speedup_vs_dense_loop`` (the reference's time
@@ -53,13 +63,15 @@ def add_speedups(rows: List[dict], dense_row: int = 0) -> None:
     (against the dense row's loop timed right after the row's own, ``baseline_beside``; None
     where it was not), ``loop_over_floor_and_arithmetic`` (the in-loop time over floor plus
     arith.) and ``paper_speedup`` (the same ratio of the paper's seconds, where the paper has
-    both). Rows timed at several input lengths are compared within each length (``dense_row``
-    indexes the rows of one length); a skipped row's ratios are None."""
-    if is_long_document(rows):
-        lengths: Dict[int, List[dict]] = {}
+    both). Rows timed at several input lengths are compared within each length, rows timed at
+    several batch sizes within each batch size, step against step (``dense_row`` indexes the
+    rows of one length or size); a skipped row's ratios are None."""
+    grouped_by = "input_length" if is_long_document(rows) else "batch_size" if is_batched(rows) else None
+    if grouped_by:
+        groups: Dict[int, List[dict]] = {}
         for r in rows:
-            lengths.setdefault(r.get("input_length"), []).append(r)
-        for group in lengths.values():
+            groups.setdefault(r.get(grouped_by), []).append(r)
+        for group in groups.values():
             _add_speedups(group, dense_row if dense_row < len(group) else 0)
         return
     _add_speedups(rows, dense_row)
@@ -159,9 +171,47 @@ def long_document_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: flo
     return "\n".join(lines) + "\n"
 
 
+def batched_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
+    """The table of rows timed at several batch sizes B: row, B, the step of B sequences per
+    jitted call and in the loop, the loop's step per sequence, tokens per second, weights and
+    caches MB one step reads, their floor at the bandwidth measured before the rows, in loop
+    over the floor, and the in-loop speed-up against the reference row at the same B."""
+    references = sorted({r["speedup_reference"] for r in rows if r.get("speedup_reference")})
+    lines = _header(machine, bandwidth_gbps, title) + [
+        "",
+        "Each row decoding B sequences at once. Per call: one jitted `step` of the B sequences; in "
+        "loop: the same step inside one jitted `while_loop` (the loop over all the tokens minus the "
+        "loop over the first few); per sequence: in loop / B; tokens/s: B / in loop. MB per step: "
+        "the weights one step reads (each once; of the rows a sparse layer selects per sequence, "
+        "their expected union over the B sequences) and the caches (each sequence its own); floor: "
+        "those bytes at the measured bandwidth. Speed-ups (in loop, per step) are against "
+        + (" or ".join(references) if references else "the dense row")
+        + " at the same batch size.",
+        "",
+        "| row | batch | per call | in loop | per sequence | tokens/s | weights MB / step | caches MB / step "
+        "| floor | ÷ floor | speedup in loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rate = r.get("tokens_per_second")
+        lines.append(
+            f"| {r['name']} | {r['batch_size']} | {milliseconds(r.get('seconds_per_token_median'), 2)} | "
+            f"{milliseconds(r.get('seconds_per_step_loop'), 2)} | {milliseconds(r.get('seconds_per_sequence_loop'))} | "
+            f"{'—' if rate is None else f'{rate:,.0f}'} | {_megabytes(r.get('weight_bytes_per_token'))} | "
+            f"{_megabytes(r.get('cache_bytes_per_token'))} | {r['floor_seconds'] * 1e3:.2f} ms | "
+            f"{_ratio_cell(_ratio(r.get('seconds_per_step_loop'), r['floor_seconds']), unit='')} | "
+            f"{_ratio_cell(r.get('speedup_vs_dense_loop'))} |"
+        )
+    if any(r.get("seconds_per_step_loop") is None for r in rows):
+        lines += ["", "In loop —: the generation loop's jitter was larger than the time it measures."]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, title: str) -> str:
     if is_long_document(rows):
         return long_document_table(rows, machine, bandwidth_gbps, title)
+    if is_batched(rows):
+        return batched_table(rows, machine, bandwidth_gbps, title)
     block_mode = bool(rows) and rows[0].get("block_mode") == "difference"
     references = sorted({r["speedup_reference"] for r in rows})
     beside = any(r.get("speedup_vs_dense_loop_beside") is not None for r in rows)
@@ -384,12 +434,44 @@ def _plot_lengths(rows: Sequence[dict], title: str):
     return fig
 
 
+def _plot_batches(rows: Sequence[dict], title: str):
+    """Rows timed at several batch sizes: the in-loop ms per sequence of each row against the
+    batch size (solid), with its floor per sequence (dashed, same colour), log-log."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(names):
+        points = sorted((r for r in rows if r["name"] == name), key=lambda r: r["batch_size"])
+        x = [r["batch_size"] for r in points]
+        colour = colours[i % len(colours)]
+        ax.plot(x, [_ms(r.get("seconds_per_sequence_loop")) for r in points], "o-", color=colour, label=name)
+        floors = [r["floor_seconds"] * 1e3 / r["batch_size"] for r in points]
+        ax.plot(x, floors, "--", color=colour, alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    sizes = sorted({r["batch_size"] for r in rows})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.tick_params(axis="x", which="minor", labelbottom=False)  # only the sizes timed
+    ax.set_xlabel("batch size (sequences decoded at once)")
+    ax.set_ylabel("ms per sequence per step in the loop; dashed: byte floor / batch")
+    ax.grid(alpha=0.3, which="both")
+    if names:
+        ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot(rows: Sequence[dict], path: str, title: str) -> None:
     """A sparsity sweep (rows with a ``series``) as curves, rows at several input lengths against
-    the length, anything else as bars per baseline."""
+    the length, rows at several batch sizes against the size, anything else as bars per
+    baseline."""
     plt = pyplot()
     if is_long_document(rows):
         fig = _plot_lengths(rows, title)
+    elif is_batched(rows):
+        fig = _plot_batches(rows, title)
     elif all(r.get("series") for r in rows):
         fig = _plot_series(rows, title)
     else:

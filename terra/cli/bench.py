@@ -7,7 +7,8 @@ from absl import flags
 from terra import errors
 from terra.cli import app, flag_groups
 
-DECODE_DOC = """Batch-1 decode speed of the paper's models on this CPU, against its memory bandwidth.
+DECODE_DOC = """Decode speed of the paper's models on this CPU (batch 1, or batches of sequences), against
+its memory bandwidth.
 
 Each model is built from its gin config with random weights; a 16-token input is prefilled, then
 single-token steps are timed one jitted call at a time (the paper's protocol) and inside one
@@ -15,11 +16,16 @@ jitted while_loop (how generation runs). Reports ms per token (or per block), by
 token, the floor those bytes set at the bandwidth measured before the rows, and the step's FLOPs.
 Writes decode_speed.{md,json,png} and machine.json to --out. The long_document preset times each
 row at inputs of 1,024, 4,096 and 15,360 tokens (prefill, in-loop ms per token, weight and cache
-bytes per token, peak memory; rows the memory cannot hold are skipped with the reason).
+bytes per token, peak memory; rows the memory cannot hold are skipped with the reason). The
+batched_800m preset times each row decoding 1, 4, 16 and 64 sequences at once (ms per step and
+per sequence, tokens/s, the bytes of a step with the rows sparse layers select counted as their
+union over the batch, the floor).
 
   terra-bench decode --preset paper_800m --out out/paper_800m        # Tables 1, 2, 7
   terra-bench decode --preset long_document --config.input_lengths=15360 --rows=float32 --out out/long
   terra-bench decode --preset paper_17b_block --out out/17b          # per block at 17B widths
+  terra-bench decode --preset batched_800m --out out/batched         # batch 1, 4, 16 and 64
+  terra-bench decode --preset batched_800m --rows="fully sparse" --config.batch_sizes=1,16
   terra-bench decode --preset sparsity_sweep --out out/sweep         # ms/token against N and S
   terra-bench decode --preset tiny                                   # seconds: a smoke run
   terra-bench decode --gin_file=models/fully_sparse_800m.gin         # one config

@@ -244,8 +244,9 @@ class AttentionBase(nn.Module):
         return self._attend(q, cache.key, cache.value, cache.bias, deterministic, **scales)
 
     @staticmethod
-    def params_read_per_token(params) -> int:
-        """Parameters one decoded token reads (encoder keys/values are cached, not read)."""
+    def params_read_per_token(params, batch: int = 1) -> int:
+        """Parameters one decoded token reads (encoder keys/values are cached, not read); the
+        same for a step of any ``batch``: attention selects no weights per sequence."""
         return sum(x.size for name, sub in params.items() if name != "kv" for x in jax.tree.leaves(sub))
 
     @staticmethod

@@ -23,7 +23,12 @@ from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
-from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
+from terra.layers.selection import (
+    block_argmax,
+    expected_distinct_choices,
+    gumbel_block_argmax,
+    straight_through_mask,
+)
 
 
 class MixtureOfExpertsFeedForward(nn.Module):
@@ -84,6 +89,11 @@ class MixtureOfExpertsFeedForward(nn.Module):
         return y.astype(self.dtype)
 
     @staticmethod
-    def params_read_per_token(params) -> int:
+    def params_read_per_token(params, batch: int = 1) -> int:
+        """Parameters one decode step of ``batch`` sequences reads: the router, the output bias,
+        and the experts (blocks of W1 and W2) the sequences choose, their union read once:
+        ``expected_distinct_choices(n_experts, batch)`` experts for sequences choosing
+        independently and uniformly (one at batch 1). Rounded to a whole parameter."""
         n_experts, block, d_model = params["wi"].shape
-        return params["router"]["kernel"].size + 2 * block * d_model + params["wo_bias"].size
+        experts = expected_distinct_choices(n_experts, batch)
+        return round(params["router"]["kernel"].size + 2 * experts * block * d_model + params["wo_bias"].size)

@@ -33,3 +33,13 @@ def straight_through_mask(logits: jax.Array, indices: jax.Array, hard_prob: floa
     hard = jax.nn.one_hot(indices, logits.shape[-1], dtype=soft.dtype)
     hard = jax.lax.stop_gradient(hard) + soft - jax.lax.stop_gradient(soft)
     return jnp.where(jax.random.uniform(rng, ()) < hard_prob, hard, soft)
+
+
+def expected_distinct_choices(n: int, batch: int) -> float:
+    """Expected number of distinct entries among ``batch`` independent, uniform choices of one
+    of ``n``: ``n * (1 - (1 - 1/n) ** batch)`` (each entry is missed by all of them with
+    probability ``(1 - 1/n) ** batch``). A batched decode step reads the union of the rows its
+    sequences select, once; exactly 1 for one choice."""
+    if batch <= 1:
+        return float(batch)
+    return n * (1.0 - (1.0 - 1.0 / n) ** batch)

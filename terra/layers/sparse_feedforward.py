@@ -42,7 +42,12 @@ from terra.errors import ConfigError
 from terra.layers import axes
 from terra.layers.dense import BIAS_INIT, Dense
 from terra.layers.initializers import glorot_uniform
-from terra.layers.selection import block_argmax, gumbel_block_argmax, straight_through_mask
+from terra.layers.selection import (
+    block_argmax,
+    expected_distinct_choices,
+    gumbel_block_argmax,
+    straight_through_mask,
+)
 
 
 def sparse_ff_sizes(d_ff: int, ff_sparsity: int, d_lowrank: Optional[int]):
@@ -348,13 +353,17 @@ class SparseFeedForward(nn.Module):
         return gathered_rows_sum(nn.relu(mid), self.wo.reshape(self.d_ff, self.d_model), flat) + self.wo_bias
 
     @staticmethod
-    def params_read_per_token(params) -> int:
-        """Parameters one decoded token reads: the controller, one row of W1 and of W2 per
-        block, the output bias (and the selected first-layer biases)."""
-        n_blocks, _, d_model = params["wi"].shape
+    def params_read_per_token(params, batch: int = 1) -> int:
+        """Parameters one decode step of ``batch`` sequences reads: the controller, the output
+        bias, and of W1 and W2 (``[n_blocks, N, d_model]``) the rows the sequences select — one
+        per block each, their union read once: ``expected_distinct_choices(N, batch)`` rows per
+        block for sequences choosing independently and uniformly (one row at batch 1), and as
+        many of the selected first-layer biases. Rounded to a whole parameter."""
+        n_blocks, n, d_model = params["wi"].shape
         controller = sum(
             x.size
             for x in jax.tree.leaves([params["controller_down"], params["controller_up"], params["controller_bias"]])
         )
-        read = controller + 2 * n_blocks * d_model + params["wo_bias"].size
-        return read + (n_blocks if "wi_bias" in params else 0)
+        rows = n_blocks * expected_distinct_choices(n, batch)  # of W1, and as many of W2
+        read = controller + 2 * rows * d_model + params["wo_bias"].size
+        return round(read + (rows if "wi_bias" in params else 0))

@@ -47,11 +47,17 @@ def tree_size(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def layer_reads(layer_factory, params) -> int:
-    """Parameters a layer reads per decoded token: its own ``params_read_per_token`` when the
-    layer class defines one (sparse layers skip most rows), else all of them."""
+def layer_reads(layer_factory, params, batch: int = 1) -> int:
+    """Parameters a layer reads per decode step of ``batch`` sequences: its own
+    ``params_read_per_token(params, batch=...)`` when the layer class defines one (sparse layers
+    skip most rows, and a batch reads the union of the rows its sequences select), else all of
+    them (whatever the batch: a step reads each weight once for every sequence). At batch 1 the
+    method is called as ``params_read_per_token(params)``, so a layer whose method takes no
+    batch still counts."""
     reads = getattr(layer_factory, "params_read_per_token", None)
-    return int(reads(params)) if reads else tree_size(params)
+    if not reads:
+        return tree_size(params)
+    return int(reads(params) if batch == 1 else reads(params, batch=batch))
 
 
 READ_PARTS = (
@@ -146,22 +152,28 @@ class Seq2SeqModel(abc.ABC):
         counts["total"] = sum(counts.values())
         return counts
 
-    def params_read_per_token(self) -> Dict[str, int]:
-        """Parameters one batch-1 decode step must stream from memory, by part (plus
-        ``'total'``): the decoder's layers as their injected classes read them, its final
-        norm, one embedding row and one positional row, and the logits layer."""
+    def params_read_per_token(self, batch: int = 1) -> Dict[str, int]:
+        """Parameters one decode step of ``batch`` sequences must stream from memory, by part
+        (plus ``'total'``): the decoder's layers as their injected classes read them (each weight
+        once per step; of the rows a sparse layer selects per sequence, their expected union,
+        see ``layer_reads``), its final norm, each sequence's token embedding row and the one
+        positional row they share (the sequences decode in step), and the logits layer. Batch 1
+        (the default): what one decoded token reads."""
         params = self.abstract_params()
         parts = dict.fromkeys(READ_PARTS, 0)
-        self.add_decoder_reads(params, parts)
+        self.add_decoder_reads(params, parts, batch)
         parts["norms"] += tree_size(params["decoder_norm"])
-        parts["embedding rows"] = 2 * self.config.d_model  # the token's embedding and its positional row
-        parts["logits"] = layer_reads(self.module.logits_layer, params["logits"])
+        # The tokens' embedding rows (sequences sharing a token would share its row: an upper
+        # bound) and the positional row.
+        parts["embedding rows"] = (batch + 1) * self.config.d_model
+        parts["logits"] = layer_reads(self.module.logits_layer, params["logits"], batch)
         parts["total"] = sum(parts.values())
         return parts
 
     @abc.abstractmethod
-    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
-        """Adds what one decode step reads of each decoder layer to ``parts`` (by part name)."""
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int], batch: int = 1) -> None:
+        """Adds what one decode step of ``batch`` sequences reads of each decoder layer to
+        ``parts`` (by part name; ``layer_reads``)."""
 
     # ----- training and scoring ---------------------------------------------------------
     def decoder_input_tokens(self, batch: Batch) -> jax.Array:
@@ -300,7 +312,7 @@ class EncoderDecoderModel(Seq2SeqModel):
     def default_module(self) -> nn.Module:
         return EncoderDecoderTransformer(TransformerConfig())
 
-    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int], batch: int = 1) -> None:
         # Every decoder layer reads its three sub-layers as their injected classes read them;
         # the encoder-decoder keys and values are cached at prefill, only Q and O are read.
         module = self.module
@@ -312,7 +324,7 @@ class EncoderDecoderModel(Seq2SeqModel):
         for index in range(self.config.n_decoder_layers):
             for sub, sub_params in params[f"decoder_{index}"].items():
                 part, factory = layer_factories.get(sub, ("norms", None))
-                parts[part] += layer_reads(factory, sub_params) if factory else tree_size(sub_params)
+                parts[part] += layer_reads(factory, sub_params, batch) if factory else tree_size(sub_params)
 
 
 class TerraformerModel(Seq2SeqModel):
@@ -327,7 +339,7 @@ class TerraformerModel(Seq2SeqModel):
     def default_module(self) -> nn.Module:
         return Terraformer(TransformerConfig())
 
-    def add_decoder_reads(self, params: Params, parts: Dict[str, int]) -> None:
+    def add_decoder_reads(self, params: Params, parts: Dict[str, int], batch: int = 1) -> None:
         # Per block, n_decoder_attention_layers attention half-residuals then one
         # FeedForwardWithSRU: its feed-forward read as the injected layer reads it, its norm
         # and SRU branch whole.
@@ -338,11 +350,11 @@ class TerraformerModel(Seq2SeqModel):
             parts["norms"] += tree_size(half.get("norm", {}))
             layer = half["layer"]
             if index % period < module.n_decoder_attention_layers:
-                parts["decoder self-attention"] += layer_reads(module.decoder_attention, layer)
+                parts["decoder self-attention"] += layer_reads(module.decoder_attention, layer, batch)
                 continue
             for sub, sub_params in layer.items():
                 if sub == "feed_forward":
-                    parts["feed-forward"] += layer_reads(module.feed_forward, sub_params)
+                    parts["feed-forward"] += layer_reads(module.feed_forward, sub_params, batch)
                 elif sub == "sru":
                     parts["feed-forward"] += tree_size(sub_params)
                 else:

@@ -50,8 +50,9 @@ class Model(Protocol):
     def param_count(self) -> Dict[str, int]:
         """Parameters per top-level group, plus ``'total'``."""
 
-    def params_read_per_token(self) -> Dict[str, int]:
-        """Parameters one batch-1 decode step reads, by part, plus ``'total'``."""
+    def params_read_per_token(self, batch: int = 1) -> Dict[str, int]:
+        """Parameters one decode step of ``batch`` sequences reads (the union of the rows they
+        select), by part, plus ``'total'``; batch 1 by default."""
 
     # ----- training and scoring ------------------------------------------------------------
     def logits(self, params: Params, batch: Batch, *, dropout_rng: Optional[jax.Array] = None) -> jax.Array:
