@@ -360,3 +360,17 @@ def test_a_dense_models_batched_step_reads_each_weight_once_and_each_sequences_t
     one = model.params_read_per_token()
     assert model.params_read_per_token(batch=1) == one
     assert model.params_read_per_token(batch=4)["total"] == one["total"] + 3 * d  # three more embedding rows
+
+
+def test_a_tables_cpu_line_names_the_vector_extensions_and_the_kernels_instruction_set():
+    from terra.benchmarks import bandwidth
+
+    flags = "fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni amx_tile amx_int8"
+    assert bandwidth.vector_extensions(flags) == "avx2+avx512f+avx512_vnni+amx_int8"
+    assert bandwidth.vector_extensions("fpu sse2") == ""
+    machine = bandwidth.describe_machine()
+    assert {"isa", "native_kernels"} <= set(machine)
+    stored = {"cpu": "AMD EPYC", "cores": 2, "xla_threads": 2}  # a run stored before the ISA was recorded
+    assert report.cpu_description(stored) == "AMD EPYC (2 cores, XLA threads 2)"
+    stored.update(isa="avx2", native_kernels="avx2")
+    assert report.cpu_description(stored) == "AMD EPYC (2 cores, avx2, native kernels avx2, XLA threads 2)"

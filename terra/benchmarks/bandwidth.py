@@ -69,23 +69,46 @@ def measure_product_gflops(shape=(16, 1024, 64), repeats: int = 5, products: int
     return float(np.median(rates))
 
 
+# The vector extensions a decode step's products can use, as /proc/cpuinfo names them, in the
+# order a reader compares CPUs by (the int8 dot-product and matrix instructions last).
+VECTOR_EXTENSIONS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def vector_extensions(flags: str) -> str:
+    """The :data:`VECTOR_EXTENSIONS` among a /proc/cpuinfo ``flags`` line's, joined by ``+``
+    (``"avx2"``, ``"avx2+avx512f+avx512_vnni"``), or ``""`` where it names none of them."""
+    present = set(flags.split())
+    return "+".join(name for name in VECTOR_EXTENSIONS if name in present)
+
+
+def _native_isa() -> str:
+    """The instruction set terra's native kernels run with, or ``"off"``."""
+    from terra.backends import native_kernels
+
+    return native_kernels.isa() if native_kernels.available() else "off"
+
+
 def describe_machine() -> dict:
-    """CPU model, cores and the XLA configuration the timings ran under."""
-    model = platform.processor() or platform.machine()
+    """CPU model, cores, vector extensions, the native kernels' instruction set and the XLA
+    configuration the timings ran under."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())  # the first core's
     except OSError:
         pass
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    flags = fields.get("flags", "")
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
     return {
         "cpu": model,
+        "isa": vector_extensions(flags),
+        "native_kernels": _native_isa(),
         "cores": os.cpu_count(),
         "usable_cores": usable,
         "xla_threads": usable,  # XLA:CPU sizes its intra-op thread pool to the usable cores

@@ -108,11 +108,24 @@ def _paper(row: dict) -> str:
     return f"{row['paper_seconds']:.3f} s{ratio}"
 
 
+def cpu_description(machine: dict) -> str:
+    """``AMD EPYC (2 cores, avx2, native kernels avx2, XLA threads 2)``: the CPU a table's figures
+    come from and the instruction sets they ran with (runs stored before the machine recorded
+    them omit them)."""
+    parts = [f"{machine['cores']} cores"]
+    if machine.get("isa"):
+        parts.append(machine["isa"])
+    if machine.get("native_kernels"):
+        parts.append(f"native kernels {machine['native_kernels']}")
+    parts.append(f"XLA threads {machine['xla_threads']}")
+    return f"{machine['cpu']} ({', '.join(parts)})"
+
+
 def _header(machine: dict, bandwidth_gbps: float, title: str) -> List[str]:
     return [
         f"### {title}",
         "",
-        f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
+        f"CPU: {cpu_description(machine)}; "
         f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows, "
         f"{machine['bandwidth_after_gbps']:.1f} GB/s after; small products {machine['product_gflops']:.0f} GFLOP/s"
         f"; jax {machine['jax']} ({machine['backend']}).",
@@ -218,7 +231,7 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
     lines = [
         f"### {title}",
         "",
-        f"CPU: {machine['cpu']} ({machine['cores']} cores, XLA threads {machine['xla_threads']}); "
+        f"CPU: {cpu_description(machine)}; "
         f"measured read bandwidth {bandwidth_gbps:.1f} GB/s before the rows, "
         f"{machine['bandwidth_after_gbps']:.1f} GB/s after; small products {machine['product_gflops']:.0f} GFLOP/s"
         f"; jax {machine['jax']} ({machine['backend']}). Floor = MB per token / bandwidth before; "
