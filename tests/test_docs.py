@@ -133,7 +133,15 @@ def test_the_readme_is_a_short_front_door():
 
 # The benchmarks' stored outputs that are not a decode preset's: terra-bench's other commands,
 # the install, the quick start and the test suite.
-OTHER_BENCHMARKS = {"setup", "quickstart", "test_suite", "train_speed", "quantized_products", "command_startup"}
+OTHER_BENCHMARKS = {
+    "decode_step_profile",
+    "setup",
+    "quickstart",
+    "test_suite",
+    "train_speed",
+    "quantized_products",
+    "command_startup",
+}
 # A second run of one benchmark stored beside the first: NAME_run2, NAME_a, NAME_beside.
 SECOND_RUN = re.compile(r"_(?:run\d+|[a-z]|beside|old|new|before|after)$")
 
