@@ -419,20 +419,29 @@ def _plot_bars(rows: Sequence[dict], title: str):
     return fig
 
 
+def _plot_each_row(ax, rows: Sequence[dict], x_key: str, measured_ms, floor_ms) -> List[str]:
+    """One colour per row name: its ``measured_ms(result)`` against ``result[x_key]`` (solid) and
+    its ``floor_ms(result)`` (dashed). Returns the names, in the rows' order."""
+    colours = pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    for i, name in enumerate(names):
+        points = sorted((r for r in rows if r["name"] == name), key=lambda r: r[x_key])
+        x = [r[x_key] for r in points]
+        colour = colours[i % len(colours)]
+        ax.plot(x, [measured_ms(r) for r in points], "o-", color=colour, label=name)
+        ax.plot(x, [floor_ms(r) for r in points], "--", color=colour, alpha=0.6)
+    return names
+
+
 def _plot_lengths(rows: Sequence[dict], title: str):
     """Rows timed at several input lengths: the in-loop ms per token of each row against the
     input length (solid), with its byte floor (dashed, same colour); skipped rows are left out."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
     measured = [r for r in rows if not r.get("skipped")]
-    names = list(dict.fromkeys(r["name"] for r in measured))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, name in enumerate(names):
-        points = sorted((r for r in measured if r["name"] == name), key=lambda r: r["input_length"])
-        x = [r["input_length"] for r in points]
-        colour = colours[i % len(colours)]
-        ax.plot(x, [_ms(r.get("seconds_per_token_loop")) for r in points], "o-", color=colour, label=name)
-        ax.plot(x, [r["floor_seconds"] * 1e3 for r in points], "--", color=colour, alpha=0.6)
+    names = _plot_each_row(
+        ax, measured, "input_length", lambda r: _ms(r.get("seconds_per_token_loop")), lambda r: r["floor_seconds"] * 1e3
+    )
     ax.set_xscale("log")
     lengths = sorted({r["input_length"] for r in rows})
     ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
@@ -452,15 +461,13 @@ def _plot_batches(rows: Sequence[dict], title: str):
     batch size (solid), with its floor per sequence (dashed, same colour), log-log."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, name in enumerate(names):
-        points = sorted((r for r in rows if r["name"] == name), key=lambda r: r["batch_size"])
-        x = [r["batch_size"] for r in points]
-        colour = colours[i % len(colours)]
-        ax.plot(x, [_ms(r.get("seconds_per_sequence_loop")) for r in points], "o-", color=colour, label=name)
-        floors = [r["floor_seconds"] * 1e3 / r["batch_size"] for r in points]
-        ax.plot(x, floors, "--", color=colour, alpha=0.6)
+    names = _plot_each_row(
+        ax,
+        rows,
+        "batch_size",
+        lambda r: _ms(r.get("seconds_per_sequence_loop")),
+        lambda r: r["floor_seconds"] * 1e3 / r["batch_size"],
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     sizes = sorted({r["batch_size"] for r in rows})
