@@ -69,7 +69,14 @@ def test_tiny_preset_writes_the_table_json_and_plot(tiny_preset_run):
     assert (narrow["weights_dtype"], sparse["weights_dtype"]) == ("int8", "float32")
     assert narrow["cache_bytes_per_token"] == sparse["cache_bytes_per_token"]
     assert narrow["weight_bytes_per_token"] == int(sparse["weight_bytes_per_token"] / 4 * (1 + 4 / 64))  # d_model 64
-    assert "| baseline Transf. |" in (out / "decode_speed.md").read_text()
+    table = (out / "decode_speed.md").read_text()
+    assert "| baseline Transf. |" in table
+    # Each per-call token is a DecodeSession call, and the table says so; a run stored before rows
+    # named their protocol still reads as jitted step calls.
+    assert {row["per_call"] for row in saved} == {"DecodeSession.step"}
+    assert "Dec. time is one `DecodeSession.step` call per token" in table
+    stored_before = {k: v for k, v in saved[0].items() if k != "per_call"}
+    assert report.per_call_phrase([stored_before]) == "one jitted `step` call per token"
     assert os.path.getsize(out / "decode_speed.png") > 1000
     assert "bandwidth_gbps" in json.loads((out / "machine.json").read_text())
 

@@ -8,11 +8,12 @@ memory bandwidth.
 
 Protocol (the reference's, ``docs/design/reference_code.md`` §6): random weights; prefill a 16-token
 encoder input; warm up (compiles and runs a few steps); then, per repetition, prefill again and
-time ``tokens`` single-token ``step`` calls with ``block_until_ready``, the first two not
-counted. The same tokens are also timed inside one jitted ``while_loop``
-(``IncrementalDecoder.generate_tokens``, what generation runs): per repetition, the loop for
-``tokens`` steps minus the loop for the first two, per step, which leaves out the host's work of
-each jitted call (argument handling and the round trip for the next token). Reports the median
+time ``tokens`` single-token calls, each returning the logits to the host, which picks the next
+token (``DecodeSession.step``: the step inside a jitted loop that takes each token from the
+host), the first two not counted. The same tokens are also timed inside one jitted
+``while_loop`` (``IncrementalDecoder.generate_tokens``, what generation runs): per repetition,
+the loop for ``tokens`` steps minus the loop for the first two, per step, which leaves out the
+round trip to the host for each token. Reports the median
 and minimum seconds per token (step protocol), the in-loop seconds per token, seconds per
 decoder block, the FLOPs of a step (XLA's count) and the bytes
 each token must read (the parameters the decode step touches, by layer, plus every cache it
@@ -69,6 +70,7 @@ from terra import errors, process_memory
 from terra.backends.decode_state import LSHCache
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
+from terra.decoding.decode_session import DecodeSession
 from terra.decoding.decode_step import IncrementalDecoder
 from terra.gin_config import parsing
 from terra.quantization import check_weights_dtype, quantize_leaf, quantize_params
@@ -135,7 +137,7 @@ class DecodeTiming:
         }
 
 
-_next_token = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+PER_CALL = "DecodeSession.step"
 
 
 def measure_decode(
@@ -182,14 +184,16 @@ def measure_decode(
         cache = jax.block_until_ready(decoder.prefill(params, inputs))
         if timed:
             timing.prefill_s.append(time.perf_counter() - t0)
-        token = jnp.zeros((batch,), jnp.int32)
-        for i in range(n):
-            t0 = time.perf_counter()
-            logits, cache = decoder.step(params, cache, token)
-            logits.block_until_ready()
-            if timed and i >= n_skip:
-                timing.token_s.append(time.perf_counter() - t0)
-            token = _next_token(logits)
+        # One call per token, the host choosing each token (the paper's protocol), through the
+        # session API terra offers for it (terra.decoding.decode_session).
+        with DecodeSession(decoder, params, cache) as session:
+            token = np.zeros((batch,), np.int32)
+            for i in range(n):
+                t0 = time.perf_counter()
+                logits = session.step(token)
+                if timed and i >= n_skip:
+                    timing.token_s.append(time.perf_counter() - t0)
+                token = logits.argmax(-1)
 
     loop = generation_loop(decoder, params, inputs)
     run(min(n_warmup, decoder.max_decode_length), False, timing)
@@ -660,6 +664,9 @@ def run_row(
         # arithmetic behind the reads), sparse ones beyond the second.
         "arithmetic_seconds": flops / (product_gflops * 1e9),
         "timed_tokens": len(timing.token_s),
+        # How each per-call token was timed: a DecodeSession call (the host picks each token of a
+        # running loop). Runs stored without the field timed IncrementalDecoder.step calls.
+        "per_call": PER_CALL,
         # The preset's dense row's in-loop time measured right after this row's (baseline_beside).
         "dense_loop_beside_seconds": timing.median_beside_loop_token_s,
         # The process's peak resident memory over the row (build, weights, prefill, decode).

@@ -192,7 +192,7 @@ def batched_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, ti
     references = sorted({r["speedup_reference"] for r in rows if r.get("speedup_reference")})
     lines = _header(machine, bandwidth_gbps, title) + [
         "",
-        "Each row decoding B sequences at once. Per call: one jitted `step` of the B sequences; in "
+        f"Each row decoding B sequences at once. Per call: {per_call_phrase(rows)}, for the B sequences; in "
         "loop: the same step inside one jitted `while_loop` (the loop over all the tokens minus the "
         "loop over the first few); per sequence: in loop / B; tokens/s: B / in loop. MB per step: "
         "the weights one step reads (each once; of the rows a sparse layer selects per sequence, "
@@ -243,7 +243,7 @@ def markdown_table(rows: Sequence[dict], machine: dict, bandwidth_gbps: float, t
             if block_mode
             else "GB/s, % of bandwidth and floor are per token."
         )
-        + " Dec. time is one jitted `step` call per token (the reference's protocol); in loop is the "
+        + f" Dec. time is {per_call_phrase(rows)}, the reference's protocol; in loop is the "
         "same step inside one jitted `while_loop`, as generation runs it. Speed-ups are against "
         + (" or ".join(references) if len(references) > 1 else references[0])
         + " (each row's own baseline); paper: the paper's seconds on its CPU, and its speed-up. "
@@ -307,9 +307,20 @@ SERIES_AXES = {
     "ff_sparsity": ("feed-forward sparsity N (units per block; paper Table 2)", "dense"),
     "loss_sparsity": ("loss sparsity S (modules; paper Table 7)", "dense"),
 }
+
+
+def per_call_phrase(rows: List[dict]) -> str:
+    """How the rows' per-call times were taken: ``DecodeSession.step`` calls (the host picks each
+    token of a running generation loop), or, in runs stored before rows said, jitted ``step``
+    calls."""
+    if any(r.get("per_call") == "DecodeSession.step" for r in rows):
+        return "one `DecodeSession.step` call per token (the host picks each token of a running loop)"
+    return "one jitted `step` call per token"
+
+
 LEGEND = {
     "loop": "in the generation loop",
-    "step": "one jitted step call",
+    "step": "one call per token",
     "floor": "byte floor (measured bandwidth)",
     "arith": "byte floor + arithmetic",
     "paper": "paper, its CPU (right axis, scaled to our dense point)",
@@ -411,7 +422,7 @@ def _plot_bars(rows: Sequence[dict], title: str):
         ax.set_title(f"speed-ups in the loop against {reference}{sources}", fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(unit)
-    labels = {**LEGEND, "step": "one jitted step call", "loop": "in the generation loop (bar)"}
+    labels = {**LEGEND, "step": "one call per token", "loop": "in the generation loop (bar)"}
     order = ["loop", "step", "floor", "arith"]
     fig.legend([handles[k] for k in order], [labels[k] for k in order], loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -10,7 +10,10 @@ cache, so XLA updates the KV caches in place instead of copying them every token
 ``generate_tokens`` runs ``step`` and the token choice inside one jitted ``while_loop``, so a
 sequence pays the host's per-call work (flattening and checking some 900 parameter and cache
 arrays at the 800M widths, then a host round trip for the next token) once instead of per
-token; the decode-speed benchmark times both ways (docs/decode_speed.md).
+token; the decode-speed benchmark times both ways (docs/decode_speed.md). A caller that drives
+the decode a token at a time from the host (the paper's timing protocol, a server streaming
+tokens) uses ``start`` instead of ``step``: its ``DecodeSession`` runs the same step inside one
+jitted loop that takes each token from the host, so a call costs the loop's step.
 """
 
 from typing import Any, Optional
@@ -18,6 +21,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from terra.decoding.decode_session import DecodeSession, session_loop
 from terra.decoding.sampling import sample_next_token
 
 Cache = Any
@@ -46,6 +50,7 @@ class IncrementalDecoder:
         self.prefill = jax.jit(self.prefill_fn)
         self.step = jax.jit(self.step_fn, donate_argnums=(1,))
         self._generate_tokens_jit = jax.jit(self._generate_tokens, donate_argnums=(1,))
+        self._session_loops = {}  # batch -> the jitted loop of DecodeSession
 
     def checked_new_tokens(self, max_new_tokens: Optional[int]) -> int:
         """``max_new_tokens`` (default: the cache length), checked to fit the cache."""
@@ -79,6 +84,20 @@ class IncrementalDecoder:
             mutable=["cache"],
         )
         return logits[:, 0, :], variables["cache"]
+
+    def start(self, params, encoder_input_tokens: jax.Array, encoder_mask: Optional[jax.Array] = None):
+        """Prefills and returns a running ``DecodeSession``: one call per token at the cost of the
+        generation loop's step (``session.step(token) -> logits``; see
+        ``terra.decoding.decode_session``)."""
+        return DecodeSession(self, params, self.prefill(params, encoder_input_tokens, encoder_mask))
+
+    def session_loop(self, batch: int):
+        """The jitted loop ``DecodeSession``s of ``batch`` rows run (``decode_session.session_loop``),
+        built once per batch size and shared by those sessions."""
+        loop = self._session_loops.get(batch)
+        if loop is None:
+            loop = self._session_loops[batch] = session_loop(self, batch)
+        return loop
 
     def generate_tokens(
         self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k=0, top_p=1.0
