@@ -16,7 +16,8 @@ layer's decode step in one call each (:func:`sparse_feed_forward`, :func:`sparse
 an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_decode_attention`),
 a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
 (:func:`cache_attention`), and softmax attention over a whole input, a prefill's
-(:func:`blocked_attention`).
+(:func:`blocked_attention`). Beside them, a decode session's hand-off of tokens and logits
+between its running loop and the host (:func:`session_library`, ``session_exchange.cc``).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (decoding's batch or beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a multiplicative
@@ -105,6 +106,9 @@ TARGETS[("lsh_hash", "float32")] = "terra_lsh_hash"
 MAX_LSH_FACTORS = 4
 # A sparse-QKV convolution over a whole sequence (module_convolution.h).
 TARGETS[("module_convolution", "float32")] = "terra_module_convolution"
+# A decode session's hand-off between its running loop and the host (session_exchange.cc).
+TARGETS[("session_first_token", "int32")] = "terra_session_first_token"
+TARGETS[("session_hand_over", "float32")] = "terra_session_hand_over"
 # Keys per tile of the blocked attention's transposed keys (a multiple of 64: prefill_attention.h).
 ATTENTION_KEY_TILE = 256
 
@@ -134,6 +138,13 @@ def _library():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
             library.terra_cpu_kernels_isa.argtypes = [ctypes.c_int]
             library.terra_cpu_kernels_isa.restype = ctypes.c_int
+            library.terra_session_open.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+            library.terra_session_open.restype = ctypes.c_int
+            library.terra_session_step.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+            library.terra_session_step.restype = ctypes.c_int
+            for name in ("terra_session_stop", "terra_session_end"):
+                getattr(library, name).argtypes = [ctypes.c_int32]
+                getattr(library, name).restype = None
             return library
         except Exception as error:  # an optional speed-up: whatever fails, the XLA path remains
             reason = f"terra's native kernels could not be loaded from {path} ({error})"
@@ -191,6 +202,13 @@ def traced_choice() -> tuple:
     """What a function traced now would call: ``(native products, fused sparse layers)``, as
     :func:`disabled` and :func:`unfused` leave them. A cache of traced functions keys on it."""
     return available(), fused_available()
+
+
+def session_library():
+    """The library, whose ``terra_session_*`` functions hand a decode session's tokens and logits
+    between its loop and the host (session_exchange.cc; ctypes releases Python's lock while they
+    wait), or ``None`` where the kernels are not available (:func:`available`)."""
+    return _library() if available() else None
 
 
 def isa() -> str:

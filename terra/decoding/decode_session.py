@@ -8,9 +8,13 @@ order of a fully sparse int8 step itself, done while the step's cores wait (docs
 
 A ``DecodeSession`` runs the decode as one jitted ``while_loop`` instead, started once on a thread
 of its own with the parameters and the cache: each iteration runs ``step_fn`` and hands the
-logits to the host through an ``io_callback``, which waits for the token the caller chooses.
-``session.step(token)`` passes that token in and returns the next logits, so a call costs the
-loop's step and two queue hand-offs, not the arrays' handling.
+logits to the host, then waits for the token the caller chooses. ``session.step(token)`` passes
+that token in and returns the next logits, so a call costs the loop's step and two hand-offs,
+not the arrays' handling. With terra's native kernels the hand-off is theirs
+(``terra/backends/native/session_exchange.cc``: a custom call that waits on a condition
+variable, the host's side called through ctypes); without them it is an ``io_callback`` and two
+queues, which cost more per token (jax wraps the logits as a CPU array and converts the token
+back, in Python on XLA's thread).
 
     with decoder.start(params, encoder_input_tokens) as session:   # prefills, starts the loop
         token = np.zeros((batch,), np.int32)                         # the start token
@@ -20,8 +24,10 @@ loop's step and two queue hand-offs, not the arrays' handling.
     cache = session.cache                                             # once closed
 
 The loop's program is compiled once per decoder, batch and cache structure, and shared by its
-sessions. The parameters are bound when the session starts. A session that is not closed is
-closed when it is garbage collected (its loop is told to stop; the thread ends).
+sessions. The parameters are bound when the session starts. One session runs at a time per
+process: its waiting loop holds one of the threads XLA:CPU runs programs on, and two waiting loops
+can hold them all. A session that is not closed is closed when it is garbage collected (its loop
+is told to stop; the thread ends).
 """
 
 import itertools
@@ -35,16 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-
-class _Channel:
-    """A session's two hand-offs: tokens (or the stop) to the loop, logits (or a failure) back."""
-
-    def __init__(self, batch: int):
-        self.batch = batch
-        self.to_loop: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.to_host: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.cache: Any = None  # the loop's final cache
-        self.failure: Optional[BaseException] = None
+from terra.backends import native_kernels
 
 
 class _Failure:
@@ -52,34 +49,87 @@ class _Failure:
         self.error = error
 
 
-# Session id -> channel: the loop's callbacks find their session's channel by the id it carries
-# as an operand, so one compiled loop serves every session of a decoder.
-_CHANNELS: Dict[int, _Channel] = {}
-_IDS = itertools.count()
+class _QueueExchange:
+    """The hand-off through ``io_callback`` and two queues (without the native kernels): tokens (or
+    the stop) to the loop, logits (or the loop's failure) back."""
+
+    def __init__(self, session_id: int, batch: int, vocab: int):
+        self.session_id, self.batch = session_id, batch
+        self.to_loop: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.to_host: "queue.SimpleQueue" = queue.SimpleQueue()
+        _QUEUES[session_id] = self
+
+    def step(self, token: np.ndarray):
+        self.to_loop.put((token, False))
+        return self.to_host.get()
+
+    def stop(self) -> None:
+        self.to_loop.put((None, True))
+
+    def end(self, failure: Optional[BaseException]) -> None:
+        _QUEUES.pop(self.session_id, None)
+        if failure is not None:
+            self.to_host.put(_Failure(failure))
 
 
-def _next_token(session_id):
-    channel = _CHANNELS[int(session_id)]
-    token, stop = channel.to_loop.get()
+# Session id -> its queues: the loop's callbacks find them by the id it carries as an operand, so
+# one compiled loop serves every session of a decoder.
+_QUEUES: Dict[int, _QueueExchange] = {}
+
+
+def _queued_token(session_id):
+    exchange = _QUEUES[int(session_id)]
+    token, stop = exchange.to_loop.get()
     if stop:
-        return np.zeros((channel.batch,), np.int32), np.bool_(True)
+        return np.zeros((exchange.batch,), np.int32), np.bool_(True)
     return token, np.bool_(False)
 
 
-def _hand_over(session_id, logits):
+def _queued_hand_over(session_id, logits):
     # The callback's operand may be a view of a buffer XLA reuses after it returns: copy it.
-    _CHANNELS[int(session_id)].to_host.put(np.array(logits, copy=True))
-    return _next_token(session_id)
+    _QUEUES[int(session_id)].to_host.put(np.array(logits, copy=True))
+    return _queued_token(session_id)
 
 
-def session_loop(decoder, batch: int):
+class _NativeExchange:
+    """The hand-off through the native kernels' session exchange (session_exchange.cc)."""
+
+    def __init__(self, library, session_id: int, batch: int, vocab: int):
+        self.library, self.session_id, self.shape = library, session_id, (batch, vocab)
+        if library.terra_session_open(session_id, batch, vocab):
+            raise RuntimeError(f"decode session {session_id} is open already")
+
+    def step(self, token: np.ndarray):
+        logits = np.empty(self.shape, np.float32)
+        if self.library.terra_session_step(self.session_id, token.ctypes.data, logits.ctypes.data):
+            return None  # the loop ended: its failure is the runner's to report
+        return logits
+
+    def stop(self) -> None:
+        self.library.terra_session_stop(self.session_id)
+
+    def end(self, failure: Optional[BaseException]) -> None:
+        self.library.terra_session_end(self.session_id)
+
+
+def session_loop(decoder, batch: int, native: bool):
     """The loop a session runs, ``(params, cache, session_id) -> cache``: up to the decoder's
     ``max_decode_length`` steps, each token taken from the host and each step's logits handed to
-    it, until the host says stop."""
+    it (through the native exchange, or ``io_callback``), until the host says stop."""
     spec = (jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_))
+    if native:
+        first_token = jax.ffi.ffi_call("terra_session_first_token", spec, has_side_effect=True)
+        hand_over = jax.ffi.ffi_call("terra_session_hand_over", spec, has_side_effect=True)
+    else:
+
+        def first_token(session_id):
+            return io_callback(_queued_token, spec, session_id)
+
+        def hand_over(session_id, logits):
+            return io_callback(_queued_hand_over, spec, session_id, logits)
 
     def loop(params, cache, session_id):
-        token, stop = io_callback(_next_token, spec, session_id)
+        token, stop = first_token(session_id)
 
         def keep_going(carry):
             i, _, _, stop = carry
@@ -88,7 +138,7 @@ def session_loop(decoder, batch: int):
         def one_token(carry):
             i, cache, token, _ = carry
             logits, cache = decoder.step_fn(params, cache, token)
-            token, stop = io_callback(_hand_over, spec, session_id, logits)
+            token, stop = hand_over(session_id, logits.astype(jnp.float32))
             return i + 1, cache, token, stop
 
         _, cache, _, _ = jax.lax.while_loop(keep_going, one_token, (jnp.int32(0), cache, token, stop))
@@ -97,18 +147,50 @@ def session_loop(decoder, batch: int):
     return jax.jit(loop, donate_argnums=(1,))
 
 
-def _run(loop, params, cache, session_id, channel: _Channel):
-    try:
-        channel.cache = jax.block_until_ready(loop(params, cache, np.int32(session_id)))
-    except BaseException as error:  # handed to the caller's step or close
-        channel.failure = error
-        channel.to_host.put(_Failure(error))
-    finally:
-        _CHANNELS.pop(session_id, None)
+class _Runner:
+    """What the loop's thread holds (not the session: an abandoned session is collected, and its
+    finalizer stops the loop): the exchange, and the loop's cache or failure once it returns."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+        self.cache: Any = None
+        self.failure: Optional[BaseException] = None
+
+    def run(self, loop, params, cache, session_id: int) -> None:
+        try:
+            self.cache = jax.block_until_ready(loop(params, cache, np.int32(session_id)))
+        except BaseException as error:  # handed to the caller's step or close
+            self.failure = error
+        finally:
+            self.exchange.end(self.failure)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.exchange.stop()
+
+    stopping = False
 
 
-def _stop(channel: _Channel):
-    channel.to_loop.put((None, True))
+_IDS = itertools.count()
+# The running session's runner and thread. One at a time per process: a waiting loop holds one of
+# the threads XLA:CPU runs programs on, and two waiting loops can hold all of them, after which no
+# other program starts (nor the next session's step): a deadlock (docs/decode_speed.md).
+_RUNNING: Dict[str, Any] = {"runner": None, "thread": None}
+_START = threading.Lock()
+
+
+def _claim_the_process() -> None:
+    """Returns once no other session's loop runs (waiting for one told to stop); raises
+    ``ValueError`` while one is open."""
+    runner, thread = _RUNNING["runner"], _RUNNING["thread"]
+    if thread is None or not thread.is_alive():
+        return
+    if not runner.stopping:
+        raise ValueError(
+            "another DecodeSession is open in this process, and one runs at a time (its loop holds "
+            "one of XLA's threads): close it first, or decode the sequences as one batch."
+        )
+    thread.join()
 
 
 class DecodeSession:
@@ -118,6 +200,10 @@ class DecodeSession:
       decoder: the ``IncrementalDecoder`` whose ``step_fn`` the loop runs.
       params: the model's parameters (bound for the session's life).
       cache: a cache ``decoder.prefill`` returned, donated to the session (do not use it after).
+
+    One session runs at a time per process (a ``ValueError`` names the open one): decode several
+    sequences as one batch. Raises the step's error at once where it cannot be traced for this
+    cache.
     """
 
     def __init__(self, decoder, params, cache: Any):
@@ -127,20 +213,27 @@ class DecodeSession:
             raise ValueError("DecodeSession needs the cache decoder.prefill returned; this one holds no arrays.")
         # Every cache array of a layer is [batch, ...] (the positions' index is a scalar).
         self.batch = int(batched[0].shape[0])
+        self.vocab = decoder.logits_width(params, cache, self.batch)
         self.max_steps = decoder.max_decode_length
         self.steps = 0
         self._closed = False
-        self._session_id = next(_IDS)
-        self._channel = _Channel(self.batch)
-        _CHANNELS[self._session_id] = self._channel
-        loop = decoder.session_loop(self.batch)
-        # The thread holds the channel, not the session: an abandoned session is collected, and
-        # its finalizer stops the loop.
-        self._thread = threading.Thread(
-            target=_run, args=(loop, params, cache, self._session_id, self._channel), daemon=True
-        )
-        self._finalizer = weakref.finalize(self, _stop, self._channel)
+        with _START:
+            _claim_the_process()
+            self._start(decoder, params, cache)
+
+    def _start(self, decoder, params, cache) -> None:
+        session_id = next(_IDS) % (1 << 31)
+        library = native_kernels.session_library()
+        if library is not None:
+            exchange = _NativeExchange(library, session_id, self.batch, self.vocab)
+        else:
+            exchange = _QueueExchange(session_id, self.batch, self.vocab)
+        self._runner = _Runner(exchange)
+        loop = decoder.session_loop(self.batch, native=library is not None)
+        self._thread = threading.Thread(target=self._runner.run, args=(loop, params, cache, session_id), daemon=True)
+        self._finalizer = weakref.finalize(self, self._runner.stop)
         self._thread.start()
+        _RUNNING.update(runner=self._runner, thread=self._thread)
 
     def step(self, token) -> np.ndarray:
         """``token`` ``[batch]`` integers (the previous token; the start token 0 first) -> the
@@ -160,24 +253,23 @@ class DecodeSession:
                 f"token has shape {token.shape} and dtype {token.dtype}; a step takes one integer "
                 f"token per row, shape ({self.batch},)."
             )
-        self._channel.to_loop.put((token.astype(np.int32), False))
-        out = self._channel.to_host.get()
-        if isinstance(out, _Failure):
+        out = self._runner.exchange.step(np.ascontiguousarray(token, np.int32))
+        if out is None or isinstance(out, _Failure):
             self._closed = True
-            raise out.error
+            self._thread.join()
+            raise self._runner.failure or RuntimeError("the session's loop ended without an error")
         self.steps += 1
         return out
 
     def close(self) -> Any:
         """Stops the loop and returns its cache (as ``decoder.step`` returns it), also kept as
-        ``cache``. Closing twice returns the same cache."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()  # sends the stop, once
+        ``cache``. Closing twice returns the same cache; a failed loop's error is raised."""
+        self._closed = True
+        self._finalizer()  # sends the stop, once
         self._thread.join()
-        if self._channel.failure is not None:
-            raise self._channel.failure
-        return self._channel.cache
+        if self._runner.failure is not None:
+            raise self._runner.failure
+        return self._runner.cache
 
     @property
     def cache(self) -> Any:
@@ -190,7 +282,6 @@ class DecodeSession:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
+        self._closed = True
+        self._finalizer()
         self._thread.join()

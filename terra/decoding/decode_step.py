@@ -50,7 +50,8 @@ class IncrementalDecoder:
         self.prefill = jax.jit(self.prefill_fn)
         self.step = jax.jit(self.step_fn, donate_argnums=(1,))
         self._generate_tokens_jit = jax.jit(self._generate_tokens, donate_argnums=(1,))
-        self._session_loops = {}  # batch -> the jitted loop of DecodeSession
+        self._session_loops = {}  # (batch, native exchange) -> the jitted loop of DecodeSession
+        self._logits_widths = {}  # batch -> step's vocabulary width
 
     def checked_new_tokens(self, max_new_tokens: Optional[int]) -> int:
         """``max_new_tokens`` (default: the cache length), checked to fit the cache."""
@@ -91,13 +92,22 @@ class IncrementalDecoder:
         ``terra.decoding.decode_session``)."""
         return DecodeSession(self, params, self.prefill(params, encoder_input_tokens, encoder_mask))
 
-    def session_loop(self, batch: int):
-        """The jitted loop ``DecodeSession``s of ``batch`` rows run (``decode_session.session_loop``),
-        built once per batch size and shared by those sessions."""
-        loop = self._session_loops.get(batch)
+    def session_loop(self, batch: int, native: bool):
+        """The jitted loop ``DecodeSession``s of ``batch`` rows run (``decode_session.session_loop``;
+        ``native``: through the native kernels' exchange), built once and shared by them."""
+        loop = self._session_loops.get((batch, native))
         if loop is None:
-            loop = self._session_loops[batch] = session_loop(self, batch)
+            loop = self._session_loops[(batch, native)] = session_loop(self, batch, native)
         return loop
+
+    def logits_width(self, params, cache, batch: int) -> int:
+        """The vocabulary width of ``step``'s logits for this cache (a trace, once per batch size)."""
+        width = self._logits_widths.get(batch)
+        if width is None:
+            token = jax.ShapeDtypeStruct((batch,), jnp.int32)
+            logits, _ = jax.eval_shape(self.step_fn, params, cache, token)
+            width = self._logits_widths[batch] = int(logits.shape[-1])
+        return width
 
     def generate_tokens(
         self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k=0, top_p=1.0
