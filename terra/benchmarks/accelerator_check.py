@@ -9,7 +9,7 @@ float32 in training, as in a run). For each row, on one chip:
   utilisation, XLA's FLOP count of the compiled step over its time over the chip's peak dense
   bfloat16 rate (:data:`PEAK_BF16_FLOPS`; a chip not listed gets no MFU);
 - batch-1 greedy decode (:func:`terra.benchmarks.decode_speed.measure_decode`, random weights
-  as bfloat16 arrays): seconds per token of one jitted step call, and inside the jitted loop.
+  as bfloat16 arrays): seconds per token of one ``DecodeSession.step`` call, and inside the jitted loop.
 
 Every train row runs before the decode rows, and ``accelerator_check.json`` is rewritten after
 each measurement (``accelerator_check.md``, the printed table, at the end), so a run stopped by

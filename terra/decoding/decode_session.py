@@ -213,6 +213,9 @@ class DecodeSession:
             raise ValueError("DecodeSession needs the cache decoder.prefill returned; this one holds no arrays.")
         # Every cache array of a layer is [batch, ...] (the positions' index is a scalar).
         self.batch = int(batched[0].shape[0])
+        # The native hand-off is a CPU custom call: a decode on an accelerator hands over through
+        # io_callback.
+        self._on_cpu = all(device.platform == "cpu" for device in getattr(batched[0], "devices", set)())
         self.vocab = decoder.logits_width(params, cache, self.batch)
         self.max_steps = decoder.max_decode_length
         self.steps = 0
@@ -223,7 +226,7 @@ class DecodeSession:
 
     def _start(self, decoder, params, cache) -> None:
         session_id = next(_IDS) % (1 << 31)
-        library = native_kernels.session_library()
+        library = native_kernels.session_library() if self._on_cpu else None
         if library is not None:
             exchange = _NativeExchange(library, session_id, self.batch, self.vocab)
         else:
