@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from terra.backends import native_kernels
-from terra.decoding import DecodeSession
+from terra.decoding import DecodeSession, decode_session
 from terra.decoding.decode_step import IncrementalDecoder
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
@@ -52,11 +53,14 @@ def test_session_steps_equal_the_decoders_step_calls(decoder_and_inputs):
 @pytest.mark.parametrize("native", [True, False], ids=["native exchange", "io_callback"])
 def test_other_work_runs_while_a_session_waits_and_a_second_is_refused_until_it_closes(decoder_and_inputs, native):
     decoder, params, inputs = decoder_and_inputs
-    if native and not native_kernels.available():
-        pytest.skip("the native kernels are not built")
+    # Where the library was not built (an install without a C++ compiler) the session must fall
+    # back to the io_callback hand-off: the "native" case then checks that fallback.
+    native = native and native_kernels.available()
     token = np.zeros((2,), np.int32)
     with contextlib.nullcontext() if native else native_kernels.disabled():
         session = decoder.start(params, inputs)
+        expected = decode_session._NativeExchange if native else decode_session._QueueExchange
+        assert isinstance(session._runner.exchange, expected)
         first = session.step(token)
         # Other XLA programs run while the loop waits for its next token.
         assert int(jnp.argmax(jnp.asarray(first), -1).shape[0]) == 2
@@ -74,6 +78,9 @@ def test_session_refuses_bad_tokens_extra_steps_and_steps_after_close(decoder_an
     for bad in (np.zeros((3,), np.int32), np.zeros((2, 1), np.int32), np.zeros((2,), np.float32)):
         with pytest.raises(ValueError, match=r"one integer token per row, shape \(2,\)"):
             session.step(bad)
+    for ids in ([0, -1], [0, session.vocab], [2**40, 0]):  # 2**40 would wrap to 0 as int32
+        with pytest.raises(ValueError, match=rf"in the vocabulary \[0, {session.vocab}\)"):
+            session.step(np.asarray(ids, np.int64))
     with pytest.raises(ValueError, match="close the session first"):
         _ = session.cache
     for _ in range(STEPS):
@@ -85,6 +92,22 @@ def test_session_refuses_bad_tokens_extra_steps_and_steps_after_close(decoder_an
     assert int(cache["decoder_0"]["self_attention"]["kv"].index) == STEPS
     with pytest.raises(ValueError, match="closed"):
         session.step(np.zeros((2,), np.int32))
+
+
+def test_steps_from_two_threads_run_one_after_the_other(decoder_and_inputs):
+    decoder, params, inputs = decoder_and_inputs
+    with decoder.start(params, inputs) as session:
+        results = []
+        threads = [
+            threading.Thread(target=lambda: results.append(session.step(np.zeros((2,), np.int32)))) for _ in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert session.steps == 3 and len(results) == 3
+        assert all(r.shape == (2, session.vocab) for r in results)
+    assert int(session.cache["decoder_0"]["self_attention"]["kv"].index) == 3
 
 
 def test_an_abandoned_session_stops_its_loop(decoder_and_inputs):

@@ -44,16 +44,11 @@ from jax.experimental import io_callback
 from terra.backends import native_kernels
 
 
-class _Failure:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 class _QueueExchange:
     """The hand-off through ``io_callback`` and two queues (without the native kernels): tokens (or
-    the stop) to the loop, logits (or the loop's failure) back."""
+    the stop) to the loop, logits back (``None`` once the loop has ended)."""
 
-    def __init__(self, session_id: int, batch: int, vocab: int):
+    def __init__(self, session_id: int, batch: int):
         self.session_id, self.batch = session_id, batch
         self.to_loop: "queue.SimpleQueue" = queue.SimpleQueue()
         self.to_host: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -66,10 +61,9 @@ class _QueueExchange:
     def stop(self) -> None:
         self.to_loop.put((None, True))
 
-    def end(self, failure: Optional[BaseException]) -> None:
+    def end(self) -> None:
         _QUEUES.pop(self.session_id, None)
-        if failure is not None:
-            self.to_host.put(_Failure(failure))
+        self.to_host.put(None)  # wakes a step waiting for logits the loop will not send
 
 
 # Session id -> its queues: the loop's callbacks find them by the id it carries as an operand, so
@@ -102,13 +96,13 @@ class _NativeExchange:
     def step(self, token: np.ndarray):
         logits = np.empty(self.shape, np.float32)
         if self.library.terra_session_step(self.session_id, token.ctypes.data, logits.ctypes.data):
-            return None  # the loop ended: its failure is the runner's to report
+            return None  # the loop has ended
         return logits
 
     def stop(self) -> None:
         self.library.terra_session_stop(self.session_id)
 
-    def end(self, failure: Optional[BaseException]) -> None:
+    def end(self) -> None:
         self.library.terra_session_end(self.session_id)
 
 
@@ -155,6 +149,7 @@ class _Runner:
         self.exchange = exchange
         self.cache: Any = None
         self.failure: Optional[BaseException] = None
+        self.stopping = False
 
     def run(self, loop, params, cache, session_id: int) -> None:
         try:
@@ -162,13 +157,11 @@ class _Runner:
         except BaseException as error:  # handed to the caller's step or close
             self.failure = error
         finally:
-            self.exchange.end(self.failure)
+            self.exchange.end()
 
     def stop(self) -> None:
         self.stopping = True
         self.exchange.stop()
-
-    stopping = False
 
 
 _IDS = itertools.count()
@@ -220,6 +213,7 @@ class DecodeSession:
         self.max_steps = decoder.max_decode_length
         self.steps = 0
         self._closed = False
+        self._calling = threading.Lock()  # one step at a time: the exchange holds one token
         with _START:
             _claim_the_process()
             self._start(decoder, params, cache)
@@ -230,7 +224,7 @@ class DecodeSession:
         if library is not None:
             exchange = _NativeExchange(library, session_id, self.batch, self.vocab)
         else:
-            exchange = _QueueExchange(session_id, self.batch, self.vocab)
+            exchange = _QueueExchange(session_id, self.batch)
         self._runner = _Runner(exchange)
         loop = decoder.session_loop(self.batch, native=library is not None)
         self._thread = threading.Thread(target=self._runner.run, args=(loop, params, cache, session_id), daemon=True)
@@ -241,8 +235,13 @@ class DecodeSession:
     def step(self, token) -> np.ndarray:
         """``token`` ``[batch]`` integers (the previous token; the start token 0 first) -> the
         next position's ``[batch, vocab]`` float32 logits, as a NumPy array. Raises
-        ``ValueError`` for a token of another shape, past the decoder's ``max_decode_length``
-        steps or once closed, before anything runs; re-raises the loop's error if it failed."""
+        ``ValueError`` for a token of another shape or outside ``[0, vocab)``, past the decoder's
+        ``max_decode_length`` steps or once closed, before anything runs; re-raises the loop's
+        error if it failed. Calls from several threads run one after the other."""
+        with self._calling:
+            return self._step(token)
+
+    def _step(self, token) -> np.ndarray:
         if self._closed:
             raise ValueError("this session is closed; start a new one.")
         if self.steps >= self.max_steps:
@@ -256,8 +255,13 @@ class DecodeSession:
                 f"token has shape {token.shape} and dtype {token.dtype}; a step takes one integer "
                 f"token per row, shape ({self.batch},)."
             )
+        if token.min() < 0 or token.max() >= self.vocab:
+            raise ValueError(
+                f"token ids must lie in the vocabulary [0, {self.vocab}); "
+                f"this token holds {token.min()} to {token.max()}."
+            )
         out = self._runner.exchange.step(np.ascontiguousarray(token, np.int32))
-        if out is None or isinstance(out, _Failure):
+        if out is None:
             self._closed = True
             self._thread.join()
             raise self._runner.failure or RuntimeError("the session's loop ended without an error")
@@ -267,9 +271,7 @@ class DecodeSession:
     def close(self) -> Any:
         """Stops the loop and returns its cache (as ``decoder.step`` returns it), also kept as
         ``cache``. Closing twice returns the same cache; a failed loop's error is raised."""
-        self._closed = True
-        self._finalizer()  # sends the stop, once
-        self._thread.join()
+        self._stop_and_wait()
         if self._runner.failure is not None:
             raise self._runner.failure
         return self._runner.cache
@@ -285,6 +287,9 @@ class DecodeSession:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop_and_wait()  # the loop's error, if any, is close()'s to raise
+
+    def _stop_and_wait(self) -> None:
         self._closed = True
-        self._finalizer()
+        self._finalizer()  # sends the stop, once
         self._thread.join()
