@@ -24,11 +24,13 @@ from parsing to the built model.
 
 import dataclasses
 import functools
+import os
+import queue
 import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from terra.tensorflow_setup import quiet_tensorflow_logging
 
@@ -40,9 +42,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from terra import files  # noqa: E402
+from terra import files, tensorflow_setup  # noqa: E402
 from terra.data import catalog  # noqa: E402  (no seqio: the tasks' names and objectives)
 from terra.data.python_vocabulary import PythonSentencePieceVocabulary  # noqa: E402
+from terra.decoding import streaming  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
 from terra.gin_config import parsing  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
@@ -148,7 +151,7 @@ class InteractiveModel:
             if empty:
                 raise ConfigError(f"{feature} text {empty[0]} is empty: give every text some words.")
             length = self._length(feature)
-            encoded = [encode_text(x, self.vocabulary, length, self.config.eos_id) for x in inputs]
+            encoded = [encode_text(x, self.vocabulary, length, self.config.eos_id, feature) for x in inputs]
             self._check_truncation(feature, [(i, note) for i, (_, note) in enumerate(encoded) if note], truncate)
             return self._pad([ids for ids, _ in encoded], length), True
         if isinstance(inputs, (np.ndarray, jax.Array)) and inputs.ndim == 1:
@@ -205,6 +208,7 @@ class InteractiveModel:
         progress: bool = False,
         timing: Optional[Callable[[dict], Any]] = None,
         stop_at_eos: bool = True,
+        streamer: Optional[Callable[[int, Any], Any]] = None,
     ) -> Union[List[str], np.ndarray]:
         """Decode every input, ``batch_size`` rows at a time (default: all at once).
 
@@ -231,6 +235,12 @@ class InteractiveModel:
           stop_at_eos: False runs every row for ``max_new_tokens`` steps, EOS or not (timing a
             random-weights model, whose greedy EOS would end the loop at an arbitrary step;
             ``num_beams == 1`` only).
+          streamer: called as the jitted generation loop decodes, ``streamer(row, piece)``: ``row``
+            the input's index, ``piece`` for texts the text that became whole words (a word is held
+            back until it ends; the pieces of a row joined are its returned text), for token rows
+            each token id (EOS and what follows not included). It runs on the loop's thread,
+            between steps; an exception it raises ends the loop and is raised here
+            (``num_beams == 1`` only; :meth:`stream` iterates over the same pieces).
         """
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ConfigError(f"max_new_tokens must be a whole number of at least 1, not {max_new_tokens!r}.")
@@ -238,6 +248,10 @@ class InteractiveModel:
             raise ConfigError(f"batch_size must be a whole number of at least 1, not {batch_size!r}.")
         if (timing is not None or not stop_at_eos) and num_beams != 1:
             raise ConfigError("timing and stop_at_eos=False time the sampling loop: use them with num_beams=1.")
+        if streamer is not None and num_beams != 1:
+            raise ConfigError(
+                "streaming hands over each chosen token; beam search ranks its beams at the end: num_beams=1."
+            )
         tokens, were_texts = self.tokens(inputs, truncate=truncate)
         max_new_tokens = max_new_tokens or self._length("targets")
         batch_size = batch_size or len(tokens)
@@ -256,6 +270,16 @@ class InteractiveModel:
                         [chunk, np.full((batch_size - rows, chunk.shape[1]), self.config.pad_id, np.int32)]
                     )
                 options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + start)
+                stream = None
+                if streamer is not None:
+                    stream = streaming.BatchStream(
+                        streamer,
+                        rows=rows,
+                        eos_id=self.config.eos_id,
+                        first_row=start,
+                        vocabulary=self.vocabulary if were_texts else None,
+                    )
+                    options["stream"] = stream
                 if timing is not None or not stop_at_eos:
                     about = dict(
                         batch=start // batch_size,
@@ -273,6 +297,8 @@ class InteractiveModel:
                         length_penalty=length_penalty,
                         **options,
                     )
+                if stream is not None:
+                    stream.finish()  # the rows' held-back words; a streamer's exception is raised
                 out = np.full((rows, max_new_tokens), self.config.pad_id, np.int32)
                 out[:, : result.tokens.shape[1]] = result.tokens[:rows]
                 outputs.append(out)
@@ -282,7 +308,18 @@ class InteractiveModel:
         return self._texts(tokens_out, lengths_out) if were_texts else tokens_out
 
     def _timed_generation(
-        self, chunk, max_new_tokens: int, stop_at_eos: bool, timing, about: dict, *, temperature, top_k, top_p, seed
+        self,
+        chunk,
+        max_new_tokens: int,
+        stop_at_eos: bool,
+        timing,
+        about: dict,
+        *,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stream=None,
     ):
         """One batch as ``terra.decoding.generate`` decodes it (the same prefill and jitted
         generation loop, so the same tokens for a seed), with the prefill and the loop compiled
@@ -310,31 +347,83 @@ class InteractiveModel:
             jnp.int32(0 if top_k is None else top_k),  # 0 and 1.0 are the traced loop's "off"
             jnp.float32(1.0 if top_p is None else top_p),
         )
-        key = (max_new_tokens, inputs.shape)
+        # the stream's id is an operand of the loop (None: the loop without the stream's callback)
+        opened = None if stream is None else streaming.open_stream(stream, inputs.shape[0])
+        stream_operand = () if opened is None else (opened.operand,)
+        key = (max_new_tokens, inputs.shape, stream is not None)
         times = {"compile_s": 0.0}
-        if key not in self._compiled:
+        try:
+            if key not in self._compiled:
+                t0 = time.perf_counter()
+                prefill = decoder.prefill.lower(self.params, inputs).compile()
+                cache = jax.eval_shape(decoder.prefill, self.params, inputs)
+                loop_fn = jax.jit(decoder.generate_tokens, donate_argnums=(1,))
+                loop = loop_fn.lower(self.params, cache, start, rng, *scalars, *stream_operand).compile()
+                self._compiled[key] = (prefill, loop)
+                times["compile_s"] = time.perf_counter() - t0
+                report("compiled", **times)
+            prefill, loop = self._compiled[key]
             t0 = time.perf_counter()
-            prefill = decoder.prefill.lower(self.params, inputs).compile()
-            cache = jax.eval_shape(decoder.prefill, self.params, inputs)
-            loop_fn = jax.jit(decoder.generate_tokens, donate_argnums=(1,))
-            loop = loop_fn.lower(self.params, cache, start, rng, *scalars).compile()
-            self._compiled[key] = (prefill, loop)
-            times["compile_s"] = time.perf_counter() - t0
-            report("compiled", **times)
-        prefill, loop = self._compiled[key]
-        t0 = time.perf_counter()
-        cache = jax.block_until_ready(prefill(self.params, inputs))
-        times["prefill_s"] = time.perf_counter() - t0
-        report("prefilled", **times)
-        t0 = time.perf_counter()
-        tokens, steps, _ = jax.block_until_ready(loop(self.params, cache, start, rng, *scalars))
-        times["loop_s"] = time.perf_counter() - t0
+            cache = jax.block_until_ready(prefill(self.params, inputs))
+            times["prefill_s"] = time.perf_counter() - t0
+            report("prefilled", **times)
+            t0 = time.perf_counter()
+            tokens, steps, _ = jax.block_until_ready(loop(self.params, cache, start, rng, *scalars, *stream_operand))
+            times["loop_s"] = time.perf_counter() - t0
+        finally:
+            if opened is not None:
+                opened.close()
         times["steps"] = steps = int(steps)
         report("generated", **times)
         tokens = np.asarray(tokens)[:, :steps]
         is_eos = tokens == self.config.eos_id
         lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, tokens.shape[1]).astype(np.int32)
         return Generation(tokens=tokens, lengths=lengths)
+
+    def stream(self, inputs: Inputs, **options) -> Iterator[Tuple[int, Union[str, int]]]:
+        """``(row, piece)`` pairs as the jitted generation loop decodes ``inputs``: for texts, text
+        that became whole words (``generate``'s ``streamer``), for token rows each token id. The
+        pieces of a row joined are what ``generate`` returns for it with the same options (any of
+        ``generate``'s but ``num_beams`` and ``streamer``); the tokens are chosen inside the same
+        loop, so a seed samples the same text.
+
+            for row, piece in run.stream("A long document ...", max_new_tokens=64):
+                print(piece, end="", flush=True)
+
+        The decode runs on a thread of its own while the pieces are consumed; leaving the loop
+        early (``break``, an exception) ends the decode after its next piece. Errors in the
+        inputs or options are raised by the first ``next``."""
+        pieces: "queue.SimpleQueue" = queue.SimpleQueue()
+        consumer_gone = threading.Event()
+        end = object()
+
+        def hand_over(row, piece):
+            if consumer_gone.is_set():
+                raise _StreamAbandoned()
+            pieces.put((row, piece))
+
+        def decode():
+            try:
+                self.generate(inputs, streamer=hand_over, **options)
+            except _StreamAbandoned:
+                pass
+            except BaseException as error:  # noqa: BLE001  (raised on the consumer's thread)
+                pieces.put(error)
+            pieces.put(end)
+
+        thread = threading.Thread(target=decode, name="terra-stream", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = pieces.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            consumer_gone.set()
+            thread.join()
 
     def summarize(self, texts: Union[str, Sequence[str]], *, force: bool = False, **options) -> List[str]:
         """Summaries of ``texts`` (``generate`` options apply). Refuses a model whose task is not
@@ -374,9 +463,16 @@ class InteractiveModel:
         return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens, truncate))
 
 
+class _StreamAbandoned(Exception):
+    """Raised into a decode whose ``stream`` consumer has stopped iterating: ends its loop."""
+
+
 def _tasks():
     """``terra.data.tasks``, the data layer registered first (seqio on TensorFlow: loaded only
-    for a model with a task, so a model config alone builds without it)."""
+    for a model with a task, so a model config alone builds without it). TensorFlow is imported
+    as the commands import it, without the lines its C++ start-up prints past its log level
+    (``import terra`` itself redirects nothing; this runs only once a model needs its task)."""
+    tensorflow_setup.import_tensorflow_quietly()
     parsing.register_terra_configurables(data_layer=True)
     from terra.data import tasks
 
@@ -488,6 +584,27 @@ def _step_number(step: Union[int, str, None]) -> Optional[int]:
     raise ConfigError(f"step must be a checkpoint's step number, e.g. 100, not {step!r}.")
 
 
+def _strings(value: Any, argument: str, example: str) -> List[str]:
+    """``value`` as a list of strings (one string or a sequence of them); a ConfigError naming
+    ``argument`` and its expected form otherwise (a dict, None, a number)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(
+        f"{argument} must be a string or a list of strings, e.g. {example}, not {type(value).__name__} {value!r}."
+    )
+
+
+def _bindings(bindings: Any) -> List[str]:
+    if isinstance(bindings, dict):
+        raise ConfigError(
+            'bindings must be gin binding strings, e.g. ["TransformerConfig.d_ff = 96"], not a dict: '
+            "write each entry as 'NAME = VALUE'."
+        )
+    return _strings(bindings, "bindings", '["TransformerConfig.d_ff = 96"]')
+
+
 def _cache_dtype_bindings(cache_dtype: Optional[str]) -> List[str]:
     """The gin binding that stores the decode caches as ``cache_dtype`` (None: as configured)."""
     if cache_dtype is None:
@@ -516,8 +633,12 @@ def load(
     ``TransformerConfig.cache_dtype``, after ``bindings``; None keeps the run's)."""
     check_weights_dtype(weights_dtype)
     step = _step_number(step)
-    bindings = [bindings] if isinstance(bindings, str) else list(bindings)
-    bindings += _cache_dtype_bindings(cache_dtype)
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"model_dir must be a run's folder (a path string), not {type(model_dir).__name__} {model_dir!r}."
+        )
+    model_dir = os.fspath(model_dir)
+    bindings = _bindings(bindings) + _cache_dtype_bindings(cache_dtype)
     config = run_directory.read_config(model_dir)  # checked as data before gin sees it
     opening = [*run_directory.load_bindings(model_dir, config, bindings), *bindings]
     # A summarization run's texts need only its SentencePiece model: it opens without the data
@@ -563,9 +684,11 @@ def build(
     ``terra.benchmarks.decode_speed.random_params``): for timing a paper-size model without a
     checkpoint; its outputs are noise. ``require_summarization`` as in :func:`load`."""
     check_weights_dtype(weights_dtype)
-    gin_files = [gin_files] if isinstance(gin_files, str) else list(gin_files)
-    bindings = [bindings] if isinstance(bindings, str) else list(bindings)
-    bindings += _cache_dtype_bindings(cache_dtype)
+    gin_files = _strings(gin_files, "gin_files", '["models/tiny.gin", "tasks/synthetic_copy.gin"]')
+    bindings = _bindings(bindings) + _cache_dtype_bindings(cache_dtype)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise ConfigError(f"seed must be a whole number, e.g. 0, not {type(seed).__name__} {seed!r}.")
+    seed = int(seed)
 
     def params_from(model):
         if random_weights:

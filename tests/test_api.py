@@ -1,6 +1,7 @@
 """The model protocol and the Python API: plain constructors, families, pad-aware metrics,
 ``terra.build`` with generate / score / logits / summarize, and the gin registry's promises."""
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -171,6 +172,62 @@ def test_build_takes_one_gin_file_as_a_string():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: terra.build("models/tiny.gin", {"TransformerConfig.d_ff": 96}), "bindings must be gin binding"),
+        (lambda: terra.build("models/tiny.gin", None), "bindings must be a string or a list of strings"),
+        (lambda: terra.build("models/tiny.gin", 96), "bindings must be a string or a list of strings"),
+        (lambda: terra.build(None), "gin_files must be a string or a list of strings"),
+        (lambda: terra.build("models/tiny.gin", seed=1.5), "seed must be a whole number, e.g. 0, not float"),
+        (lambda: terra.build("models/tiny.gin", seed="3"), "seed must be a whole number"),
+        (lambda: terra.load(None), "model_dir must be a run's folder"),
+        (lambda: terra.load("runs/nowhere", bindings={"a": 1}), "bindings must be gin binding strings"),
+    ],
+    ids=["dict", "None", "int", "no-gin-files", "float-seed", "text-seed", "load-None", "load-dict"],
+)
+def test_build_and_load_name_the_argument_of_the_wrong_form(call, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        call()
+
+
+def _fake_tensorflow(folder, body):
+    package = folder / "tensorflow"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import os\n"
+        "os.write(2, b'oneDNN custom operations are on\\n')\n"
+        "os.write(2, b'Could not find cuda drivers on your machine\\n')\n" + body
+    )
+
+
+def test_the_api_imports_tensorflow_without_its_start_up_lines(tmp_path, monkeypatch, capfd):
+    """What ``terra.load`` of a run with a task does first (``api._tasks``): TensorFlow's C++
+    start-up lines, printed before its log level applies, are not shown; they are if it fails."""
+    from terra import tensorflow_setup
+
+    calls = []
+    quiet = tensorflow_setup.import_tensorflow_quietly
+    monkeypatch.setattr(tensorflow_setup, "import_tensorflow_quietly", lambda: calls.append(quiet()))
+    api._tasks()
+    assert calls == [None]
+    _fake_tensorflow(tmp_path, "class config:\n    set_visible_devices = staticmethod(lambda devices, kind: None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    capfd.readouterr()
+    quiet()
+    assert sys.modules["tensorflow"].__file__.startswith(str(tmp_path))
+    assert "oneDNN" not in capfd.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    _fake_tensorflow(broken, "raise ImportError('no libtensorflow')\n")
+    monkeypatch.syspath_prepend(str(broken))
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    with pytest.raises(ImportError, match="no libtensorflow"):
+        quiet()
+    assert "Could not find cuda drivers" in capfd.readouterr().err  # a failed import shows why
+
+
 def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):
     # Thread A pauses inside its build, after parsing; without the lock, thread B's parse would
     # replace A's bindings in gin's global config while A still reads them.
@@ -251,6 +308,84 @@ def test_timed_generation_decodes_what_generate_does_and_reports_each_batch(copy
     assert everything[-1]["steps"] == 5  # EOS or not
     with pytest.raises(ConfigError, match="num_beams=1"):
         copy_model.generate(tokens, num_beams=2, timing=times.append)
+
+
+def _joined_by_row(pieces, rows):
+    joined = [[] for _ in range(rows)]
+    for row, piece in pieces:
+        joined[row].append(piece)
+    return joined
+
+
+def test_streamed_pieces_are_what_generate_returns_row_by_row(copy_model):
+    texts = ["abc", "hello world", "xyz"]
+    for options in (dict(max_new_tokens=8), dict(max_new_tokens=8, temperature=0.9, seed=4)):
+        want = copy_model.generate(texts, batch_size=2, **options)
+        pieces = list(copy_model.stream(texts, batch_size=2, **options))
+        assert ["".join(row) for row in _joined_by_row(pieces, 3)] == want
+        assert all(isinstance(row, int) and isinstance(piece, str) for row, piece in pieces)
+    tokens, _ = copy_model.tokens(texts)
+    want = copy_model.generate(tokens, max_new_tokens=8)
+    got = _joined_by_row(copy_model.stream(tokens, max_new_tokens=8), 3)
+    for row, ids in zip(want, got):  # each token id up to the row's EOS
+        assert ids == [int(t) for t in row[: (list(row) + [1]).index(1)]]
+    # The timed loop (timing, stop_at_eos=False) streams what it returns, through its own program.
+    streamed = []
+    timed = copy_model.generate(
+        tokens, max_new_tokens=8, stop_at_eos=False, streamer=lambda row, token: streamed.append((row, token))
+    )
+    for row, ids in zip(timed, _joined_by_row(streamed, 3)):
+        assert ids == [int(t) for t in row[: (list(row) + [1]).index(1)]]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_stream_is_read_by_the_native_queue_or_called_back_from_the_loop(copy_model, native):
+    """With the native kernels the loop queues its tokens and a reader thread hands them over
+    (the loop never waits for Python); without them an io_callback does, between steps."""
+    from terra.backends import native_kernels
+
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    threads, got = set(), []
+
+    def receive(row, token):
+        threads.add(threading.current_thread().name)
+        got.append((row, token))
+
+    max_new_tokens = 9 if native else 7  # each its own decoder, traced with its own hand-over
+    with contextlib.nullcontext() if native else native_kernels.disabled():
+        want = copy_model.generate(tokens, max_new_tokens=max_new_tokens, stop_at_eos=False)
+        copy_model.generate(tokens, max_new_tokens=max_new_tokens, stop_at_eos=False, streamer=receive)
+    for row, ids in zip(want, _joined_by_row(got, 2)):
+        assert ids == [int(t) for t in row[: (list(row) + [1]).index(1)]]
+    if native and not native_kernels.available():
+        native = False  # the library is not built: the loop calls back
+    assert (threads == {"terra-stream-reader"}) == native, threads
+
+
+def test_a_streamer_that_raises_ends_the_decode_and_its_error_is_raised(copy_model):
+    tokens, _ = copy_model.tokens(["abc"])
+    handed = []
+
+    def one_token_then_fail(row, token):
+        handed.append(token)
+        raise BrokenPipeError("the reader went away")
+
+    with pytest.raises(BrokenPipeError, match="went away"):
+        copy_model.generate(tokens, max_new_tokens=8, stop_at_eos=False, streamer=one_token_then_fail)
+    assert len(handed) == 1  # the loop ended at the step whose token failed
+    with pytest.raises(ConfigError, match="num_beams=1"):
+        copy_model.generate(tokens, num_beams=2, streamer=print)
+
+
+def test_leaving_a_stream_early_ends_its_decode_thread(copy_model):
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    stream = copy_model.stream(tokens, max_new_tokens=12, stop_at_eos=False)
+    first = next(stream)
+    stream.close()  # what a `break` out of the for loop does
+    assert first[0] in (0, 1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("terra-stream")]  # nor its reader
+    with pytest.raises(ConfigError, match="at least 1"):
+        next(copy_model.stream(tokens, max_new_tokens=0))
 
 
 @pytest.mark.slow

@@ -207,6 +207,7 @@ def test_a_preset_with_the_baseline_beside_times_the_dense_row_first_and_keeps_r
     names = []
     rows = decode_speed.run_preset(config, None, "beside", log=lambda line: names.append(line.split()[0]))
     assert names[1:3] == ["baseline", "fully"]  # after the machine line: dense first, then the rest
+    assert names[-2:] == ["###", "note:"]  # no out_dir: the table, and a note that nothing was written
     assert [r["name"] for r in rows] == ["fully sparse", "baseline Transf."]
     sparse, dense = rows
     assert dense["dense_loop_beside_seconds"] == dense["seconds_per_token_loop"]

@@ -225,6 +225,21 @@ def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetu
     assert "generate: 100%" in err and "5/5" in err  # several batches: a progress bar on stderr
 
 
+def test_summarize_stream_prints_the_summaries_the_batched_decode_prints(finetuned, tmp_path, capsys):
+    model_dir, _ = finetuned
+    docs = []
+    for i, text in enumerate(["we study sparse layers in a model .", "reversible networks save memory ."]):
+        docs.append(tmp_path / f"doc{i}.txt")
+        docs[-1].write_text(text)
+    argv = ["--checkpoint", model_dir, "--max_decode_length", "8", *map(str, docs)]
+    assert summarize.call(argv) == 0
+    batched = capsys.readouterr().out
+    assert summarize.call([*argv, "--stream", "--timing"]) == 0
+    streamed, err = capsys.readouterr()
+    assert streamed == batched and streamed.count("== ") == 2
+    assert err.count("timing: batch 1/1: 1 document, ") == 2  # one decode per document
+
+
 def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetuned, tmp_path):
     model_dir, _ = finetuned
     empty = tmp_path / "empty.txt"

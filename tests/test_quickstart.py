@@ -1,6 +1,7 @@
 """`make run`'s job end to end at a smoke size: pretraining lowers the loss, fine-tuning starts
 from it, summaries are decoded, and every artifact is written."""
 
+import ast
 import contextlib
 import io
 import json
@@ -94,9 +95,12 @@ def test_the_readme_python_api_example_runs_verbatim_on_the_quickstart_run(quick
     out, _ = quickstart_run
     monkeypatch.chdir(out.parent.parent)
     exec(compile(_readme_python_api_block(), "README.md", "exec"), {})
-    printed = capsys.readouterr().out.splitlines()
-    assert len(printed) == 8 and printed[-1].endswith("parameters read per decoded token"), printed
-    assert printed[0].startswith("['") and printed[3].startswith("[-") and printed[4].startswith("(1, ")
+    out_text = capsys.readouterr().out
+    printed = out_text.splitlines()
+    summary = ast.literal_eval(printed[0])[0]  # the greedy summary, which the stream prints again
+    assert len(printed) == 9 + summary.count("\n") and printed[-1].endswith("parameters read per decoded token")
+    assert f"{printed[2]}\n{summary}\n[-" in out_text, printed  # streamed word by word, then the score
+    assert printed[-4].startswith("(1, ")
 
 
 def test_the_fine_tuned_run_moved_elsewhere_loads_from_another_folder_with_its_own_vocabulary(

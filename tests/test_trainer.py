@@ -321,6 +321,38 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     _assert_same_params(resumed.params, straight.params, rtol=1e-6, atol=1e-7)
 
 
+class _CtrlC:
+    """A step hook that presses Ctrl-C (SIGINT to this process) ``times`` times after step ``at``."""
+
+    def __init__(self, at, times=1):
+        self.at, self.times = at, times
+
+    def before_step(self, step, state):
+        return state
+
+    def after_step(self, step, state, metrics):
+        if step == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_says_how_to_resume_and_a_second_one_stops_at_once(tmp_path, capsys):
+    handler = signal.getsignal(signal.SIGINT)
+    _parse(tmp_path / "run", 4, "terra.training.CheckpointSettings.every = 100")
+    result = trainer.Trainer(step_hooks=[_CtrlC(at=2)]).run()
+    assert (result.step, result.stopped_by) == (2, "SIGINT")
+    assert checkpointing.Checkpointer(str(tmp_path / "run")).latest_step() == 2
+    assert "\ntrain: Ctrl-C: saving a checkpoint when this step ends" in "\n" + capsys.readouterr().out
+    line = train_cli.finish_line(result, ["experiments/pretrain_c4_dense.gin"])
+    assert line.startswith("terra-train: interrupted at step 2, saved in ") and line.endswith("to resume from it.")
+    _parse(tmp_path / "again", 4, "terra.training.CheckpointSettings.every = 100")
+    with pytest.raises(KeyboardInterrupt):  # the second Ctrl-C: at once, without saving
+        trainer.Trainer(step_hooks=[_CtrlC(at=2, times=2)]).run()
+    assert checkpointing.Checkpointer(str(tmp_path / "again")).latest_step() in (None, 0)
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
 @pytest.mark.slow
 def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     extra = ("terra.training.Trainer.shuffle = False",)

@@ -17,7 +17,8 @@ an LSH layer's decode-step attention over the keys its buckets keep (:func:`lsh_
 a decode step's attention over a whole KV cache stored float32, int8 or bfloat16
 (:func:`cache_attention`), and softmax attention over a whole input, a prefill's
 (:func:`blocked_attention`). Beside them, a decode session's hand-off of tokens and logits
-between its running loop and the host (:func:`session_library`, ``session_exchange.cc``).
+between its running loop and the host (:func:`session_library`, ``session_exchange.cc``), and a
+generation loop's stream of tokens to the host (``token_stream.cc``).
 
 The output-major and gathered kernels take at most :data:`MAX_ROWS` rows of activations per call
 (decoding's batch or beams; the input-major one :data:`MAX_INPUT_MAJOR_ROWS`, a multiplicative
@@ -109,6 +110,8 @@ TARGETS[("module_convolution", "float32")] = "terra_module_convolution"
 # A decode session's hand-off between its running loop and the host (session_exchange.cc).
 TARGETS[("session_first_token", "int32")] = "terra_session_first_token"
 TARGETS[("session_hand_over", "float32")] = "terra_session_hand_over"
+# A generation loop's tokens handed to the host as they are chosen (token_stream.cc).
+TARGETS[("stream_push", "int32")] = "terra_stream_push"
 # Keys per tile of the blocked attention's transposed keys (a multiple of 64: prefill_attention.h).
 ATTENTION_KEY_TILE = 256
 
@@ -142,7 +145,17 @@ def _library():
             library.terra_session_open.restype = ctypes.c_int
             library.terra_session_step.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
             library.terra_session_step.restype = ctypes.c_int
-            for name in ("terra_session_stop", "terra_session_end"):
+            library.terra_stream_open.argtypes = [ctypes.c_int32, ctypes.c_int64]
+            library.terra_stream_open.restype = ctypes.c_int
+            library.terra_stream_next.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+            library.terra_stream_next.restype = ctypes.c_int
+            for name in (
+                "terra_session_stop",
+                "terra_session_end",
+                "terra_stream_stop",
+                "terra_stream_end",
+                "terra_stream_close",
+            ):
                 getattr(library, name).argtypes = [ctypes.c_int32]
                 getattr(library, name).restype = None
             return library
@@ -207,8 +220,16 @@ def traced_choice() -> tuple:
 def session_library():
     """The library, whose ``terra_session_*`` functions hand a decode session's tokens and logits
     between its loop and the host (session_exchange.cc; ctypes releases Python's lock while they
-    wait), or ``None`` where the kernels are not available (:func:`available`)."""
+    wait) and ``terra_stream_*`` a generation loop's tokens to the host (token_stream.cc), or
+    ``None`` where the kernels are not available (:func:`available`)."""
     return _library() if available() else None
+
+
+def stream_library():
+    """The loaded library whatever :func:`disabled` says (a loop traced with the kernels on may run
+    after they were switched off: its stream must still be read), or ``None`` where it is not
+    built or not loaded."""
+    return _library()
 
 
 def isa() -> str:

@@ -801,6 +801,9 @@ def check_batch_sizes(config) -> List[int]:
     return sizes
 
 
+NO_OUT_NOTE = "note: no --out: nothing was written (--out DIR writes decode_speed.{json,md,png} and machine.json)."
+
+
 def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title: str, log=print) -> List[dict]:
     beside_dense = config.get("baseline_beside", False)
     lengths = [int(n) for n in config.get("input_lengths", ()) or ()]
@@ -849,6 +852,9 @@ def run_preset(config: ml_collections.ConfigDict, out_dir: Optional[str], title:
         log(report.write_outputs(out_dir, rows, machine, bandwidth / 1e9, title))
         if os.path.exists(os.path.join(out_dir, PARTIAL)):
             os.remove(os.path.join(out_dir, PARTIAL))  # the whole run is in decode_speed.json
+    else:
+        log(report.markdown_table(rows, machine, bandwidth / 1e9, title))
+        log(NO_OUT_NOTE)
     return rows
 
 

@@ -9,6 +9,10 @@ greedy unless --temperature is set (the paper sampled its abstracts at 0.5).
 
   terra-summarize --checkpoint runs/quickstart/finetune my_notes.txt
   cat paper.txt | terra-summarize --checkpoint /runs/terraformer_arxiv --temperature 0.5 -
+  terra-summarize --checkpoint runs/quickstart/finetune --stream my_notes.txt   # words as decoded
+
+--stream prints each summary as the jitted generation loop decodes it (a word once it is whole),
+one document at a time: the same text, at the loop's speed (docs/decode_speed.md, "Streaming").
 
 --random_weights builds the model of --gin_file model and task configs with random weights instead
 (the decode benchmark's: no checkpoint needed), to time a whole paper's decode at the paper's
@@ -101,6 +105,12 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
         "token in the generation loop, compile seconds and peak resident memory (on with --random_weights)",
         flag_values=flag_values,
     )
+    flags.DEFINE_bool(
+        "stream",
+        False,
+        "print each summary as it is decoded (whole words as they come), one document at a time",
+        flag_values=flag_values,
+    )
     flag_groups.define_weights_dtype_flag(flag_values)
     flag_groups.define_cache_dtype_flag(flag_values)
     flag_groups.define_gin_flags(
@@ -176,21 +186,30 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         if note:
             print(f"note: {label}: {note}.", file=err)
         encoded.append(ids)
-    batch_size = min(flag_values.batch_size, len(encoded))
     timed = flag_values.timing or flag_values.random_weights
-    batches = math.ceil(len(encoded) / batch_size)
-    tokens = run.generate(
-        encoded,
+    options = dict(
         max_new_tokens=flag_values.max_decode_length or lengths["targets"],
         temperature=flag_values.temperature,
         seed=flag_values.seed,
+        stop_at_eos=not flag_values.random_weights,
+    )
+    where = "random weights" if flag_values.random_weights else f"step {run.step}"
+    if flag_values.stream:
+        for (label, _), ids in zip(docs, encoded):
+            print(f"== {label} ({where})", file=out, flush=True)
+            _stream_summary(run, ids, out, err, timed, options)
+            print(file=out, flush=True)
+        return 0
+    batch_size = min(flag_values.batch_size, len(encoded))
+    batches = math.ceil(len(encoded) / batch_size)
+    tokens = run.generate(
+        encoded,
         batch_size=batch_size,
         # a bar on standard error once there are several batches (the timing lines instead, when printed)
         progress=len(encoded) > flag_values.batch_size and not timed,
         timing=(lambda times: print(timing_line(times, batches), file=err, flush=True)) if timed else None,
-        stop_at_eos=not flag_values.random_weights,
+        **options,
     )
-    where = "random weights" if flag_values.random_weights else f"step {run.step}"
     for (label, _), summary in zip(docs, tokens):
         print(f"== {label} ({where})", file=out)
         print(
@@ -199,6 +218,28 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
         )
         print(file=out)
     return 0
+
+
+def _stream_summary(run, ids, out, err, timed: bool, options: dict) -> None:
+    """One document's summary printed as the generation loop decodes it (whole words), the same
+    text the batch path prints (the pad id skipped, as there)."""
+    from terra.decoding.streaming import RowText
+
+    text = RowText(run.vocabulary)
+
+    def show(_row, token):
+        if token != run.config.pad_id:
+            out.write(text.add(token))
+            out.flush()
+
+    run.generate(
+        [ids],
+        streamer=show,
+        timing=(lambda times: print(timing_line(times, 1), file=err, flush=True)) if timed else None,
+        **options,
+    )
+    out.write(text.finish() + "\n")
+    out.flush()
 
 
 def gin_files(flag_values: flags.FlagValues):

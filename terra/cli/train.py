@@ -55,10 +55,19 @@ def run(flag_values: flags.FlagValues, _) -> int:
         if "Required bindings" in str(e):  # a %gin.REQUIRED macro or Trainer argument left unset
             raise parsing.explain_gin_error(e, "running terra-train") from None
         raise
-    print(
-        f"terra-train: finished at step {result.step}" + (" (preempted; rerun to resume)" if result.preempted else "")
-    )
-    return 0
+    print(finish_line(result, gin["gin_files"]))
+    return app.EXIT_INTERRUPTED if result.stopped_by == "SIGINT" else 0
+
+
+def finish_line(result, gin_files) -> str:
+    """What terra-train prints last: the step it reached and, after a signal, how to resume."""
+    if result.stopped_by == "SIGINT":
+        return (
+            f"terra-train: interrupted at step {result.step}, saved in {result.model_dir}; rerun the same command "
+            f"(--gin_file={gin_files[0]} ...) to resume from it."
+        )
+    preempted = " (preempted; rerun to resume)" if result.preempted else ""
+    return f"terra-train: finished at step {result.step}{preempted}"
 
 
 COMMAND = app.command(

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from terra.decoding import streaming
 from terra.decoding.decode_session import DecodeSession, session_loop
 from terra.decoding.sampling import sample_next_token
 
@@ -110,7 +111,18 @@ class IncrementalDecoder:
         return width
 
     def generate_tokens(
-        self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k=0, top_p=1.0
+        self,
+        params,
+        cache: Cache,
+        token,
+        rng,
+        max_new_tokens,
+        temperature,
+        eos_id,
+        pad_id,
+        top_k=0,
+        top_p=1.0,
+        stream_id=None,
     ):
         """Up to ``max_new_tokens`` steps in one jitted ``while_loop`` (the cache donated),
         stopping early once every row has emitted ``eos_id`` (a row's tokens after its EOS are
@@ -121,6 +133,10 @@ class IncrementalDecoder:
         ``top_p`` scalars, traced as int32 / float32 whatever the caller passes, so one
         compilation serves them all (``temperature == 0`` is greedy; ``top_k=0`` and
         ``top_p=1`` turn those filters off, see ``sampling.filter_logits``).
+
+        ``stream_id``: the ``operand`` of a stream of ``terra.decoding.streaming``
+        (``open_stream``), handed each step's tokens as they are chosen, which may end the loop;
+        the same loop with one hand-over per step, compiled once for every stream.
 
         Returns ``(tokens [batch, max_decode_length] int32, steps, cache)``: the first ``steps``
         columns were generated, the rest are ``pad_id``.
@@ -136,11 +152,25 @@ class IncrementalDecoder:
             jnp.int32(pad_id),
             jnp.int32(top_k),
             jnp.float32(top_p),
+            None if stream_id is None else jnp.int32(stream_id),
         )
 
     def _generate_tokens(
-        self, params, cache: Cache, token, rng, max_new_tokens, temperature, eos_id, pad_id, top_k, top_p
+        self,
+        params,
+        cache: Cache,
+        token,
+        rng,
+        max_new_tokens,
+        temperature,
+        eos_id,
+        pad_id,
+        top_k,
+        top_p,
+        stream_id=None,
     ):
+        """The loop ``generate_tokens`` jits; ``stream_id`` None traces it without the stream's
+        callback (a pytree without leaves: jit keeps one program for each)."""
         batch = token.shape[0]
         tokens = jnp.full((batch, self.max_decode_length), pad_id, jnp.int32)
 
@@ -154,7 +184,10 @@ class IncrementalDecoder:
             rng, sample_rng = jax.random.split(rng)
             token = jnp.where(done, pad_id, sample_next_token(logits, sample_rng, temperature, top_k, top_p))
             tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-            return i + 1, cache, token, done | (token == eos_id), rng, tokens
+            done = done | (token == eos_id)
+            if stream_id is not None:  # the host may end the loop: every row is then done
+                done = done | streaming.hand_over(stream_id, i, token)
+            return i + 1, cache, token, done, rng, tokens
 
         start = (jnp.int32(0), cache, token.astype(jnp.int32), jnp.zeros((batch,), bool), rng, tokens)
         steps, cache, _, _, _, tokens = jax.lax.while_loop(keep_going, one_token, start)

@@ -258,6 +258,7 @@ class Seq2SeqModel(abc.ABC):
         length_penalty: float = 0.0,
         seed: int = 0,
         encoder_mask=None,
+        stream=None,
     ) -> Generation:
         """Generate up to ``max_decode_length`` tokens per row, stopping each row at EOS.
 
@@ -265,10 +266,14 @@ class Seq2SeqModel(abc.ABC):
         optionally from the ``top_k`` most likely tokens or the ``top_p`` nucleus.
         ``num_beams > 1``: beam search (deterministic; ``temperature``/``top_k``/``top_p``
         must be left at their defaults), ranked by log-likelihood over the GNMT length
-        penalty ``((5 + length) / 6) ** length_penalty``.
+        penalty ``((5 + length) / 6) ** length_penalty``. ``stream``: each step's tokens handed to
+        the host as the loop chooses them (``terra.decoding.generate``; not with beam search, whose
+        beams are only ranked at the end).
         """
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be >= 1.")
+        if num_beams > 1 and stream is not None:
+            raise ValueError("a stream hands over each chosen token: beam search ranks its beams at the end.")
         decoder = self.decoder(max_decode_length)
         if num_beams > 1:
             if temperature or top_k is not None or top_p is not None:
@@ -297,6 +302,7 @@ class Seq2SeqModel(abc.ABC):
             seed=seed,
             eos_id=self.config.eos_id,
             pad_id=self.config.pad_id,
+            stream=stream,
         )
 
 

@@ -17,9 +17,10 @@ evaluation batches are read on the first evaluation and the checkpoints open on 
 3. writes the operative gin config to ``model_dir/config.gin`` and copies the vocabulary's
    SentencePiece model into the run (``run_directory``);
 4. loops over :meth:`Trainer.step` (one jitted train step, state donated), logging,
-   :meth:`Trainer.evaluate` and :meth:`Trainer.maybe_save`; on SIGTERM (preemption) it saves
-   the current step and returns. A non-finite loss stops the run with
-   :class:`TrainingDiverged`, leaving the last checkpoint as it was.
+   :meth:`Trainer.evaluate` and :meth:`Trainer.maybe_save`; on SIGTERM (preemption) or a first
+   Ctrl-C (SIGINT) it saves the current step and returns (a second Ctrl-C stops at once). A
+   non-finite loss stops the run with :class:`TrainingDiverged`, leaving the last checkpoint as
+   it was.
 
 Each host feeds its own shard of the data (``batch_size`` is global); only host 0 writes logs.
 The model is anything implementing ``terra.models.Model``. The data layer (``terra.data``, on
@@ -73,28 +74,45 @@ class TrainResult:
     last_eval_metrics: Dict[str, float]
     preempted: bool = False
     model_dir: str = ""
+    # "SIGTERM" (preemption) or "SIGINT" (Ctrl-C) when a signal ended the run after saving its step
+    stopped_by: Optional[str] = None
 
 
 class PreemptionSignal:
-    """Turns SIGTERM (preemption) into a flag the loop checks at each step boundary."""
+    """Turns SIGTERM (preemption) and a first SIGINT (Ctrl-C) into a flag the loop checks at each
+    step boundary, where it saves the step and returns. A second Ctrl-C stops at once
+    (``KeyboardInterrupt``, nothing saved past the last checkpoint)."""
 
-    def __init__(self):
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, announce: Callable[[str], Any] = lambda line: None):
         self.received = False
-        self._previous = None
+        self.signal_name: Optional[str] = None
+        self.announce = announce
+        self._previous: Dict[int, Any] = {}
 
     def __enter__(self):
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         except ValueError:  # not the main thread: no preemption handling
-            self._previous = None
+            self._previous = {}
         return self
 
     def _handle(self, signum, frame):
-        self.received = True
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C
+        if not self.received:
+            self.received, self.signal_name = True, signal.Signals(signum).name
+            if signum == signal.SIGINT:
+                self.announce(
+                    "Ctrl-C: saving a checkpoint when this step ends, then stopping (Ctrl-C again stops at once, "
+                    "without it)."
+                )
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def host_batch_size(batch_size: int) -> int:
@@ -489,7 +507,8 @@ class Trainer:
         window_start = time.perf_counter()
         log_every = self.logging.every
         step = start_step
-        with PreemptionSignal() as term:
+        # The bar's line is ended first: the message is a line of its own.
+        with PreemptionSignal(announce=lambda line: bar.write(f"train: {line}") if self.is_host0 else None) as term:
             while step < self.steps:
                 tokens += pipeline.count_tokens(host_next)
                 for hook in self.step_hooks:
@@ -556,4 +575,5 @@ class Trainer:
             last_eval_metrics=last_eval,
             preempted=term.received,
             model_dir=self.model_dir,
+            stopped_by=term.signal_name,
         )
