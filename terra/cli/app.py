@@ -215,7 +215,7 @@ class Command:
             )
             return EXIT_FAILED
         except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)  # below a progress bar's unfinished line
+            print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
 
     def help_text(self, flag_values: Optional[flags.FlagValues]) -> str:

@@ -507,8 +507,10 @@ class Trainer:
         window_start = time.perf_counter()
         log_every = self.logging.every
         step = start_step
-        # The bar's line is ended first: the message is a line of its own.
-        with PreemptionSignal(announce=lambda line: bar.write(f"train: {line}") if self.is_host0 else None) as term:
+        # A Ctrl-C's message is a line of its own above the bar; the bar is closed (its line ended)
+        # before an error or a second Ctrl-C's "interrupted" is printed.
+        announce = lambda line: bar.write(f"train: {line}") if self.is_host0 else None  # noqa: E731
+        with bar, PreemptionSignal(announce=announce) as term:
             while step < self.steps:
                 tokens += pipeline.count_tokens(host_next)
                 for hook in self.step_hooks:
