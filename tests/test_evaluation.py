@@ -1,6 +1,7 @@
 """ROUGE through rouge-score, self-consistent decoding, terra-evaluate and terra-summarize end to end."""
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -191,8 +192,8 @@ def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(fin
     common, float32_out, _ = evaluated  # the module's float32 evaluation, with these flags
     assert evaluate_cli.call(common + ["--weights_dtype", "int8"]) == 0
     wide = json.loads((float32_out / "metrics.json").read_text())
-    with open(os.path.join(model_dir, "eval", "validation_step4_int8", "metrics.json")) as f:
-        narrow = json.load(f)  # the default output folder is named by the weights, beside float32's
+    with open(os.path.join(model_dir, "eval", "validation_step4_int8_len6", "metrics.json")) as f:
+        narrow = json.load(f)  # the default output folder is named by the weights and length, beside float32's
     assert wide["weights_dtype"] == "float32" and narrow["weights_dtype"] == "int8"
     assert abs(narrow["log_perplexity"] - wide["log_perplexity"]) < 0.01
     text = tmp_path / "doc.txt"
@@ -206,6 +207,46 @@ def test_evaluate_and_summarize_read_int8_weights_beside_the_float32_results(fin
     assert "random weights" not in out + err
     with pytest.raises(UsageError, match="--weights_dtype=int4: value should be one of <float32|bfloat16|int8>"):
         evaluate_cli.call(common + ["--weights_dtype", "int4"])
+    # The same evaluation again would replace it: refused before decoding, unless --overwrite.
+    with pytest.raises(ConfigError, match=r"validation_step4_int8_len6 holds an evaluation already \(20"):
+        evaluate_cli.call(common + ["--weights_dtype", "int8"])
+
+
+@pytest.mark.slow
+def test_evaluate_list_prints_every_evaluation_of_the_run_without_tensorflow(
+    finetuned, evaluated, no_tensorflow, capsys
+):
+    model_dir, _ = finetuned
+    _, float32_out, _ = evaluated
+    capsys.readouterr()
+    assert evaluate_cli.call(["--list", model_dir]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| 20")]  # one per evaluation, dated
+    float32 = json.loads((float32_out / "metrics.json").read_text())
+    first = f"| validation | 4 | float32 | 0 | 0 | 5 | 6 | {100 * float32['rouge']['rouge1']['f1']:.2f} |"
+    assert rows and first in rows[0] and rows[0].endswith(f"| {float32_out} |"), table
+    with pytest.raises(UsageError, match="give it alone"):
+        evaluate_cli.call(["--list", model_dir, "--checkpoint", model_dir])
+    with pytest.raises(InputError, match="has no evaluation recorded yet"):
+        evaluate_cli.call(["--list", str(float32_out)])
+
+
+def test_each_setting_that_changes_an_evaluation_names_its_folder(tmp_path):
+    name = functools.partial(evaluator.default_output_dir, "run", "test", 100, default_length=256)
+    assert name() == os.path.join("run", "eval", "test_step100")
+    assert name(max_decode_length=256) == name()
+    assert name(weights_dtype="int8") == os.path.join("run", "eval", "test_step100_int8")
+    assert name(temperature=0.5, seed=1, batch_size=4, num_examples=100, max_decode_length=64).endswith(
+        "test_step100_t0.5_seed1_batch4_first100_len64"
+    )
+    assert name(seed=3, batch_size=4) == name()  # greedy decoding depends on neither
+    (tmp_path / "metrics.json").write_text('{"date": "2026-12-07T06:00:00+00:00"}')
+    with pytest.raises(
+        ConfigError, match=r"holds an evaluation already \(2026-12-07T06:00:00\+00:00\): pass --overwrite"
+    ):
+        evaluator.check_not_evaluated(str(tmp_path), overwrite=False)
+    evaluator.check_not_evaluated(str(tmp_path), overwrite=True)
+    evaluator.check_not_evaluated(str(tmp_path / "new"), overwrite=False)
 
 
 def test_summarize_reads_text_json_and_stdin_and_truncates_long_documents(finetuned, tmp_path, monkeypatch, capsys):

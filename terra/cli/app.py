@@ -22,7 +22,7 @@ import difflib
 import os
 import sys
 import textwrap
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from absl import flags
 
@@ -73,8 +73,9 @@ class Command:
     names the gin files ``run`` will parse before the ``--gin`` bindings (``None``: not known
     before it runs), so that a binding to a macro they do not declare is reported before
     anything heavy is imported. ``reads_data``: the command imports the data layer itself
-    (TensorFlow is then loaded quietly before it runs); other commands load it only if their
-    config names the data layer. A command with ``subcommands`` dispatches on its first argument
+    (TensorFlow is then loaded quietly before it runs), or a function of the parsed flags that
+    says whether this command line does; other commands load it only if their config names the
+    data layer. A command with ``subcommands`` dispatches on its first argument
     instead."""
 
     name: str
@@ -84,7 +85,9 @@ class Command:
     run: Optional[Run] = None
     positional: str = ""  # e.g. "FILE..."; empty: the command takes no positional arguments
     gin_files: Optional[GinFiles] = None
-    reads_data: bool = False  # imports the data layer itself (TensorFlow is loaded before it runs)
+    # imports the data layer itself (TensorFlow is loaded before it runs); or a function of the
+    # parsed flags that says whether this command line does
+    reads_data: Union[bool, Callable[[flags.FlagValues], bool]] = False
     complete_config: bool = False  # its gin files and --gin flags are the whole config (terra-train)
     subcommands: Mapping[str, "Command"] = dataclasses.field(default_factory=dict)
 
@@ -135,7 +138,7 @@ class Command:
         # TensorFlow loads quietly where the data layer is first needed; a command that reads data
         # directly loads it now, before anything imports terra.data.
         tensorflow_setup.quiet_imports_in_this_process()
-        if self.reads_data:
+        if self.reads_data(flag_values) if callable(self.reads_data) else self.reads_data:
             tensorflow_setup.import_tensorflow_quietly()
         return self.run(flag_values, rest) or 0
 

@@ -2,12 +2,16 @@
 
 Name the run with --checkpoint MODEL_DIR (its own config.gin gives the model, task and lengths),
 or name its experiment with --gin_file and --gin.MODEL_DIR. Writes predictions.jsonl and
-metrics.json to MODEL_DIR/eval/<split>_step<step>/ (or --output_dir). Decoding is greedy unless
+metrics.json to MODEL_DIR/eval/<split>_step<step>/ (or --output_dir), the folder's name followed
+by every setting that changes the results (e.g. _int8, _t0.5_seed1_batch8, _first100, _len64), and
+adds a line to the run's table of evaluations (MODEL_DIR/eval/results.jsonl), which --list prints.
+A folder that holds an evaluation already is refused unless --overwrite. Decoding is greedy unless
 --temperature is set (the paper sampled its arXiv abstracts at 0.5).
 
   terra-evaluate --checkpoint runs/quickstart/finetune
   terra-evaluate --checkpoint /runs/terraformer_arxiv --split test --temperature 0.5 --seed 1 \\
       --tfds_data_dir=/data/tfds --vocabulary=vocab/c4-32k.model
+  terra-evaluate --list runs/quickstart/finetune        # every evaluation of the run, one line each
 """
 
 from absl import flags
@@ -26,6 +30,7 @@ OVERRIDES = (
     "seed",
     "output_dir",
     "weights_dtype",
+    "overwrite",
 )
 
 
@@ -57,17 +62,30 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
         "force", False, "score a run whose task is not a summarization task anyway", flag_values=flag_values
     )
     flag_groups.define_weights_dtype_flag(flag_values, default=None)
-    flags.register_multi_flags_validator(["checkpoint", "gin_file"], _check_run_named, flag_values=flag_values)
+    flags.DEFINE_bool("overwrite", None, "replace the evaluation already in the output folder", flag_values=flag_values)
+    flags.DEFINE_string(
+        "list", None, "print the evaluations of run MODEL_DIR, one line each, and exit", flag_values=flag_values
+    )
+    flags.register_multi_flags_validator(["checkpoint", "gin_file", "list"], _check_run_named, flag_values=flag_values)
 
 
 def _check_run_named(values) -> bool:
     """The run is named (a flag error, reported before anything heavy is imported)."""
+    if values["list"] is not None:
+        if values["checkpoint"] or values["gin_file"]:
+            raise errors.UsageError("--list MODEL_DIR prints a run's evaluations: give it alone, without --checkpoint.")
+        return True
     if not values["checkpoint"] and not values["gin_file"]:
         raise errors.UsageError("name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT --gin.MODEL_DIR=...")
     return True
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
+    if flag_values.list is not None:
+        from terra.evaluation import results_table
+
+        print(results_table.markdown(flag_values.list))
+        return 0
     from terra.evaluation import evaluator
     from terra.gin_config import parsing
     from terra.training import run_directory
@@ -106,7 +124,7 @@ COMMAND = app.command(
     define_flags=define_flags,
     run=run,
     gin_files=gin_files,
-    reads_data=True,
+    reads_data=lambda flag_values: flag_values.list is None,  # --list reads only the run's table
 )
 main, call = COMMAND.main, COMMAND.call
 

@@ -140,6 +140,7 @@ def run(flag_values: flags.FlagValues, _) -> int:
         batch_size=16,
         max_decode_length=flag_values.max_decode_length,
         num_examples=flag_values.eval_examples,
+        overwrite=True,  # `make run` again: the same finished run evaluated again, to the same results
         log=lambda s: print(textwrap.indent(s, "   ")),
     )
     for row in evaluation.predictions[: flag_values.examples]:

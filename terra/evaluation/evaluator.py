@@ -14,6 +14,7 @@ leaves a half-written file in place of an earlier one. Single-process (one host)
 """
 
 import dataclasses
+import datetime
 import json
 import os
 import time
@@ -23,8 +24,8 @@ import gin
 
 from terra.data import tasks
 from terra.errors import ConfigError
+from terra.evaluation import results_table, summaries
 from terra.evaluation import rouge as rouge_lib
-from terra.evaluation import summaries
 from terra.files import write_atomically
 from terra.quantization import check_weights_dtype, quantize_params
 from terra.training import checkpointing
@@ -72,6 +73,52 @@ def decode_and_score(
     return rouge, predictions
 
 
+def default_output_dir(
+    model_dir: str,
+    split: str,
+    step: int,
+    *,
+    weights_dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    num_examples: Optional[int] = None,
+    max_decode_length: Optional[int] = None,
+    default_length: Optional[int] = None,
+) -> str:
+    """``<model_dir>/eval/<split>_step<step>`` followed by each setting that changes the results,
+    where it is not the default: the weights' dtype (``_int8``), sampling (``_t0.5_seed1_batch8``:
+    each batch samples with its own seed), the first examples only (``_first100``) and another
+    decode length (``_len64``). Two evaluations that could differ never share a folder."""
+    parts = [f"{split}_step{step}"]
+    if weights_dtype != "float32":
+        parts.append(weights_dtype)
+    if temperature:
+        parts.append(f"t{temperature:g}_seed{seed}_batch{batch_size}")
+    if num_examples is not None:
+        parts.append(f"first{num_examples}")
+    if max_decode_length is not None and max_decode_length != default_length:
+        parts.append(f"len{max_decode_length}")
+    return os.path.join(model_dir, "eval", "_".join(parts))
+
+
+def check_not_evaluated(output_dir: str, overwrite: bool) -> None:
+    """A folder that holds an evaluation's ``metrics.json`` is not written over unless asked."""
+    path = os.path.join(output_dir, "metrics.json")
+    if overwrite or not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            when = json.load(f).get("date") or "an earlier run"
+    except (OSError, ValueError, AttributeError):
+        when = "an earlier run"
+    raise ConfigError(
+        f"{output_dir} holds an evaluation already ({when}): pass --overwrite to replace it (gin: "
+        "terra.evaluation.evaluate.overwrite = True), or --output_dir to write elsewhere; "
+        "terra-evaluate --list MODEL_DIR shows the run's evaluations."
+    )
+
+
 def check_writable(output_dir: str) -> None:
     """Create ``output_dir`` and write a file there now: a read-only or full disk, or a file in
     the way, is reported before decoding rather than after it."""
@@ -108,6 +155,7 @@ def evaluate(
     force: bool = False,
     weights_dtype: str = "float32",
     progress: bool = True,
+    overwrite: bool = False,
     log=print,
 ) -> EvaluationResult:
     """Decode and score ``split`` of ``task`` with the checkpoint in ``model_dir``.
@@ -120,8 +168,9 @@ def evaluate(
       max_decode_length: most tokens per summary (default: ``feature_lengths['targets']``).
       temperature, seed: 0 is greedy; otherwise sampling, reproducible for a seed.
       num_examples: evaluate only the first ones (default: the whole split).
-      output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``, with
-        ``_<weights_dtype>`` appended for narrow weights).
+      output_dir: where to write (default ``<model_dir>/eval/<split>_step<step>``, followed by
+        every setting that changes the results: see :func:`default_output_dir`). A folder that
+        holds an evaluation already is refused unless ``overwrite``.
       force: score a task that is not a summarization task anyway (its ROUGE means little).
       weights_dtype: 'float32', or 'int8' / 'bfloat16' to decode and score with the weights stored
         narrow (``terra.quantization``; activations and caches stay float32).
@@ -151,8 +200,19 @@ def evaluate(
     examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
     if not examples:
         raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")
-    narrow = "" if weights_dtype == "float32" else f"_{weights_dtype}"  # beside, not over, the float32 results
-    output_dir = output_dir or os.path.join(model_dir, "eval", f"{split}_step{step}{narrow}")
+    output_dir = output_dir or default_output_dir(
+        model_dir,
+        split,
+        step,
+        weights_dtype=weights_dtype,
+        temperature=temperature,
+        seed=seed,
+        batch_size=batch_size,
+        num_examples=num_examples,
+        max_decode_length=max_decode_length,
+        default_length=feature_lengths["targets"],
+    )
+    check_not_evaluated(output_dir, overwrite)
     check_writable(output_dir)  # before hours of decoding, not after
     vocabulary = provider.output_features["targets"].vocabulary
 
@@ -204,8 +264,11 @@ def evaluate(
         "log_perplexity": log_ppl,
         "decode_seconds": decode_seconds,
     }
+    metrics["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    metrics["batch_size"] = batch_size
     write_atomically(os.path.join(output_dir, "predictions.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     write_atomically(os.path.join(output_dir, "metrics.json"), json.dumps(metrics, indent=1) + "\n")
+    results_table.record(model_dir, output_dir, metrics)
     log(rouge_lib.markdown_table(rouge, label=f"step {step}"))
     log(f"target log-perplexity {log_ppl:.3f} nats/token; {decode_seconds:.1f} s decoding; written to {output_dir}")
     return EvaluationResult(metrics=metrics, predictions=rows, examples=examples, output_dir=output_dir)
