@@ -26,6 +26,7 @@ from terra.benchmarks import presets as bench_presets
 from terra.cli import (
     app,
     bench,
+    configs,
     convert,
     data,
     evaluate,
@@ -53,6 +54,7 @@ COMMANDS = {
     "terra-vocab": vocab,
     "terra-quickstart": quickstart,
     "terra-convert": convert,
+    "terra-configs": configs,
 }
 # Every command line that has flags of its own: (module, subcommand or None).
 LEAVES = [(m, None) for m in COMMANDS.values() if not m.COMMAND.subcommands] + [
@@ -440,6 +442,31 @@ def test_evaluate_checks_overrides_against_the_runs_own_config(tmp_path, no_tens
     )
     assert evaluate.main(["--checkpoint", str(tmp_path), "--gin.TASK_FEATURE_LENGHTS={'inputs': 8}"]) == 2
     assert "Did you mean TASK_FEATURE_LENGTHS?" in capsys.readouterr().err
+
+
+def test_configs_lists_every_shipped_gin_file_and_preset_in_one_line_each(no_tensorflow, capsys):
+    from terra.gin_config import parsing
+
+    assert configs.call([]) == 0
+    lines = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    listed = dict(lines)
+    shipped = {name for folder in parsing.CONFIG_FOLDERS for name in parsing.shipped_configs(folder)}
+    assert len(listed) == len(lines) and set(listed) == shipped | set(bench_presets.PRESETS)
+    assert (
+        listed["models/tiny.gin"]
+        == "A tiny dense encoder-decoder for tests and the quick start: runs in seconds on a laptop CPU."
+    )
+    assert listed["tiny"] == "Runs in seconds: a smoke test of the whole benchmark."  # a preset's docstring
+    assert all(10 < len(text) <= 96 for text in listed.values()), [t for t in listed.values() if len(t) > 96]
+
+
+def test_configs_prints_the_parsed_config_with_the_command_lines_bindings(capsys):
+    assert configs.call(["--gin_file=models/tiny.gin", "--gin.TransformerConfig.d_ff=96"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# models/tiny.gin with 1 binding(s)\n") and "TransformerConfig.d_ff = 96\n" in out
+    assert "TransformerConfig.d_model = " in out  # the size file's bindings, through its include
+    with pytest.raises(GinConfigError, match="Did you mean 'd_ff'"):
+        configs.call(["--gin_file=models/tiny.gin", "--gin.TransformerConfig.d_fff=96"])
 
 
 def _fails_with(error):
