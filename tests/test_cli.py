@@ -402,6 +402,29 @@ def test_an_unquoted_string_gets_a_hint_to_quote_it_and_a_bad_value_names_the_li
 
 
 @pytest.mark.parametrize(
+    "text, where",
+    [
+        (
+            "TransformerConfig.d_ff = 96\nTASK_FEATURE_LENGTHS = {'inputs': 16, 'targets': [8\n",
+            "EOF in multi-line statement: the '{' on line 2 is never closed",
+        ),
+        (
+            "# a comment's ( and '\nX = 'a(b'\nY = [1,\n\nZ = 3\n",
+            "the '[' on line 3 is never closed (gin gave up on line 5)",
+        ),
+        ('X = """abc\nY = 2\n', "EOF in multi-line string: the string on line 1 is never closed"),
+    ],
+    ids=["at the end", "before gin gave up", "a string"],
+)
+def test_a_gin_file_with_an_unclosed_bracket_names_the_line_it_opened_on(text, where, tmp_path, no_tensorflow, capsys):
+    (tmp_path / "bad.gin").write_text(text)
+    assert configs.main([f"--gin_file={tmp_path / 'bad.gin'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Invalid gin configuration (file {tmp_path / 'bad.gin'}): ") and where in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
     "binding",
     [
         "TRAIN_STEPS = 10",

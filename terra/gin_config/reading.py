@@ -12,7 +12,7 @@ import inspect
 import re
 import sys
 import tokenize
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import gin
 from gin import config_parser
@@ -68,7 +68,69 @@ def read_statements(text_or_file) -> List[Any]:
     try:
         return list(config_parser.ConfigParser(text_or_file, _UnresolvedDelegate()))
     except tokenize.TokenError as e:
-        raise SyntaxError(f"{e.args[0]} (an unclosed bracket or quote?)") from None
+        text = text_or_file if isinstance(text_or_file, str) else _reread(text_or_file)
+        opened = unclosed(text) if text is not None else None
+        where = " (an unclosed bracket or quote?)"
+        if opened:
+            where = f": the {opened[0]} on line {opened[1]} is never closed"
+        raise SyntaxError(f"{e.args[0]}{where}") from None
+    except SyntaxError as e:  # gin's, at the line where it gave up: name a bracket left open before it
+        text = text_or_file if isinstance(text_or_file, str) else _reread(text_or_file)
+        opened = unclosed(text) if text is not None else None
+        if opened is None or e.lineno is None or opened[1] >= e.lineno:
+            raise
+        message = f"the {opened[0]} on line {opened[1]} is never closed (gin gave up on line {e.lineno})"
+        raise SyntaxError(message) from None
+
+
+def _reread(file) -> Optional[str]:
+    try:
+        file.seek(0)
+        return file.read()
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+_CLOSING = {")": "(", "]": "[", "}": "{"}
+
+
+def unclosed(text: str) -> Optional[Tuple[str, int]]:
+    """``(what, line)`` of the first bracket (``'['``) or string (``string``) that ``text`` opens
+    and never closes, outside comments and strings; None when everything closes. Python's tokenizer
+    only reports the end of the file it reached looking for the close."""
+    stack: List[Tuple[str, int]] = []
+    quote, quote_line, line, i = None, 0, 1, 0
+    while i < len(text):
+        c = text[i]
+        if quote is not None:
+            if text.startswith(quote, i):
+                i, quote = i + len(quote), None
+                continue
+            if c == "\\" and i + 1 < len(text):
+                line += text[i + 1] == "\n"
+                i += 2
+                continue
+            line += c == "\n"
+            i += 1
+            continue
+        if c == "#":
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        if c in "'\"":
+            quote = text[i : i + 3] if text.startswith(c * 3, i) else c
+            quote_line = line
+            i += len(quote)
+            continue
+        if c in "([{":
+            stack.append((f"'{c}'", line))
+        elif c in _CLOSING and stack and stack[-1][0] == f"'{_CLOSING[c]}'":
+            stack.pop()
+        line += c == "\n"
+        i += 1
+    if stack:
+        return stack[0]
+    return ("string", quote_line) if quote is not None else None
 
 
 def _configurable_names() -> List[str]:
