@@ -26,7 +26,9 @@ import dataclasses
 import functools
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -38,6 +40,7 @@ from terra.tensorflow_setup import quiet_tensorflow_logging
 # without its C++ warnings unless the user set TF_CPP_MIN_LOG_LEVEL.
 quiet_tensorflow_logging()
 
+import gin  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -83,6 +86,8 @@ class InteractiveModel:
       model_dir: the run's directory (None for a fresh model).
       weights_dtype: how ``params`` store the weights: 'float32', or 'int8' / 'bfloat16' (a decode
         tree of ``terra.quantization``: generation, scores and logits read the narrow weights).
+      config_text: the gin config the model was built from (a run's ``config.gin`` and the
+        bindings that opened it, or the parsed files of ``build``): what :meth:`save` writes.
     """
 
     model: Model
@@ -93,6 +98,7 @@ class InteractiveModel:
     step: Optional[int] = None
     model_dir: Optional[str] = None
     weights_dtype: str = "float32"
+    config_text: Optional[str] = dataclasses.field(default=None, repr=False, compare=False)
     # The seqio task, or what builds it on first use (a run opened without the data layer).
     _task: Any = dataclasses.field(default=None, repr=False, compare=False)
     _build_task: Optional[Callable[[], Any]] = dataclasses.field(default=None, repr=False, compare=False)
@@ -123,6 +129,43 @@ class InteractiveModel:
             )
         params = quantize_params(self.params, weights_dtype)
         return dataclasses.replace(self, params=params, weights_dtype=weights_dtype)
+
+    def save(self, path: str) -> str:
+        """Writes the model as a run directory at ``path`` (a new or empty folder) and returns its
+        absolute path: ``config.gin`` (the config it was built from), the vocabulary's
+        SentencePiece model (``vocabulary/sentencepiece.model``, where it has one) and an orbax
+        checkpoint of ``params`` at ``step`` (0 for a fresh model), narrow weights as they are
+        stored. ``terra.load``, ``terra-evaluate --checkpoint`` and ``terra-summarize --checkpoint``
+        open it; ``INIT_FROM`` reads its parameters, and ``terra-train`` with ``MODEL_DIR`` there
+        continues it from its step with a fresh optimizer (float32 weights only). The folder
+        appears whole or not at all: it is written beside ``path`` and renamed into place."""
+        from terra import run_config
+
+        if self.config_text is None:
+            raise ConfigError("this model has no gin config to save with it: build it with terra.build or terra.load.")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"path must be a folder to create (a path string), not {type(path).__name__} {path!r}.")
+        target = files.absolute(os.fspath(path))
+        if files.has_scheme(target):
+            raise ConfigError(f"save writes a local folder; copy it to {target} afterwards (e.g. gsutil -m cp -r).")
+        if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+            raise ConfigError(f"{target} exists and is not an empty folder: save into a new folder.")
+        run_config.check_text(self.config_text, os.path.join(target, run_directory.CONFIG_FILE))
+        parent = os.path.dirname(target)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=parent)
+        try:
+            run_directory.write_config(staging, self.config_text)
+            if run_directory.vocabulary_file(self.vocabulary):
+                run_directory.save_vocabulary(staging, self.vocabulary)
+            checkpointing.save_params(staging, self.params, self.step or 0)
+            if os.path.isdir(target):
+                os.rmdir(target)  # empty: checked above
+            os.rename(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return target
 
     def __repr__(self) -> str:
         where = f"{self.model_dir} step {self.step}" if self.model_dir else "fresh parameters"
@@ -492,11 +535,12 @@ def _from_parsed_config(
     params_from,
     model_dir: Optional[str] = None,
     require_summarization: bool = False,
-    weights_dtype: str = "float32",
     text_vocabulary: Optional[Tuple[str, int]] = None,
     build_task: Optional[Callable[[], Any]] = None,
+    config_text: Optional[str] = None,
 ):
-    """The model the parsed config builds, its task and vocabulary, and ``params_from(model)``.
+    """The model the parsed config builds, its task and vocabulary, and ``params_from(model)``
+    (``(params, step, how they store the weights)``).
     ``text_vocabulary``: ``(SentencePiece model file, extra_ids)`` of a summarization run opened
     without the data layer; its task is then built by ``build_task`` on first use."""
     model = parsing.build_model()
@@ -519,7 +563,7 @@ def _from_parsed_config(
             )
     else:
         vocabulary = None
-    params, step = params_from(model)
+    params, step, weights_dtype = params_from(model)
     return InteractiveModel(
         model=model,
         params=params,
@@ -529,6 +573,7 @@ def _from_parsed_config(
         step=step,
         model_dir=files.absolute(model_dir) if model_dir else None,
         weights_dtype=weights_dtype,
+        config_text=config_text,
         _task=task,
         _build_task=build_task if text_vocabulary is not None else None,
     )
@@ -620,7 +665,7 @@ def load(
     bindings: Union[str, Sequence[str]] = (),
     *,
     require_summarization: bool = False,
-    weights_dtype: str = "float32",
+    weights_dtype: Optional[str] = None,
     cache_dtype: Optional[str] = None,
 ) -> InteractiveModel:
     """A training run's model, parameters (checkpoint ``step``, default the latest), task and
@@ -628,10 +673,13 @@ def load(
     strings, e.g. data locations: ``"terra.data.arxiv_source.tfds_data_dir = '/data/tfds'"``).
     ``require_summarization``: refuse, before reading the checkpoint, a run whose task is not
     a summarization task. ``weights_dtype``: 'int8' or 'bfloat16' stores the weights narrow
-    for decoding (``InteractiveModel.quantized``). ``cache_dtype``: 'float32', 'bfloat16' or
+    for decoding (``InteractiveModel.quantized``); None keeps them as the checkpoint stores them
+    (float32 from training; narrow where a quantized model was saved, which no other width can
+    be made from). ``cache_dtype``: 'float32', 'bfloat16' or
     'int8' stores the attention caches a decode step reads that way (the binding
     ``TransformerConfig.cache_dtype``, after ``bindings``; None keeps the run's)."""
-    check_weights_dtype(weights_dtype)
+    if weights_dtype is not None:
+        check_weights_dtype(weights_dtype)
     step = _step_number(step)
     if not isinstance(model_dir, (str, os.PathLike)):
         raise ConfigError(
@@ -650,16 +698,27 @@ def load(
             parsing.parse_gin([config], opening, finalize=False)
             return _tasks().resolve(parsing.bound_value("%TASK"))
 
+    def params_from(model):
+        params, restored_step = checkpointing.load_params(model, model_dir, step)
+        return params, restored_step, checkpointing.stored_weights_dtype(model_dir, restored_step)
+
     with _CONFIG_LOCK:
         parsing.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)
         run = _from_parsed_config(
-            lambda model: checkpointing.load_params(model, model_dir, step),
+            params_from,
             model_dir,
             require_summarization,
             text_vocabulary=text_vocabulary,
             build_task=build_task,
+            # what save() writes: the run's config and the user's bindings (its place is bound on load)
+            config_text="\n".join([config.text.rstrip("\n"), *bindings]) + "\n",
         )
-    return run.quantized(weights_dtype)
+    if weights_dtype is not None and run.weights_dtype not in ("float32", weights_dtype):
+        raise ConfigError(
+            f"{model_dir} stores {run.weights_dtype} weights (a quantized model saved from Python), which no other "
+            f"width can be made from: open it with weights_dtype={run.weights_dtype!r} (or leave weights_dtype out)."
+        )
+    return run if weights_dtype is None else run.quantized(weights_dtype)
 
 
 def build(
@@ -694,14 +753,11 @@ def build(
         if random_weights:
             from terra.benchmarks.decode_speed import random_params
 
-            return random_params(model, seed, weights_dtype), None
-        return model.init_params(jax.random.key(seed)), None
+            return random_params(model, seed, weights_dtype), None, weights_dtype
+        return model.init_params(jax.random.key(seed)), None, "float32"
 
     with _CONFIG_LOCK:
         parsing.parse_gin(gin_files, bindings, finalize=False, search_paths=search_paths)
-        run = _from_parsed_config(
-            params_from,
-            require_summarization=require_summarization,
-            weights_dtype=weights_dtype if random_weights else "float32",
-        )
+        config_text = gin.config_str()  # what save() writes
+        run = _from_parsed_config(params_from, require_summarization=require_summarization, config_text=config_text)
     return run.quantized(weights_dtype)

@@ -228,6 +228,34 @@ def test_the_api_imports_tensorflow_without_its_start_up_lines(tmp_path, monkeyp
     assert "Could not find cuda drivers" in capfd.readouterr().err  # a failed import shows why
 
 
+def test_a_saved_model_opens_with_load_as_it_was_narrow_weights_kept_narrow(copy_model, tmp_path):
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    changed = dataclasses.replace(copy_model, params=jax.tree.map(lambda p: p * 1.5, copy_model.params))
+    path = changed.save(tmp_path / "saved")  # parameters changed in a notebook are saved as changed
+    assert path == str(tmp_path / "saved") and sorted(os.listdir(path)) == ["checkpoints", "config.gin"]
+    loaded = terra.load(path)
+    assert (loaded.step, loaded.task_name, loaded.weights_dtype, loaded.model_dir) == (
+        0,
+        "synthetic_copy",
+        "float32",
+        path,
+    )
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, changed.params)
+    np.testing.assert_array_equal(loaded.generate(tokens, max_new_tokens=6), changed.generate(tokens, max_new_tokens=6))
+    narrow = copy_model.quantized("int8")
+    reopened = terra.load(narrow.save(tmp_path / "int8"))  # stored as int8, opened as int8
+    assert reopened.weights_dtype == "int8"
+    jax.tree.map(np.testing.assert_array_equal, reopened.params, narrow.params)
+    np.testing.assert_array_equal(
+        reopened.generate(tokens, max_new_tokens=6), narrow.generate(tokens, max_new_tokens=6)
+    )
+    with pytest.raises(ConfigError, match="stores int8 weights .* open it with weights_dtype='int8'"):
+        terra.load(tmp_path / "int8", weights_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="saved.* exists and is not an empty folder"):
+        copy_model.save(tmp_path / "saved")
+    assert sorted(os.listdir(tmp_path)) == ["int8", "saved"]  # no staging folder left beside them
+
+
 def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):
     # Thread A pauses inside its build, after parsing; without the lock, thread B's parse would
     # replace A's bindings in gin's global config while A still reads them.

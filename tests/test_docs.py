@@ -142,6 +142,7 @@ OTHER_BENCHMARKS = {
     "quantized_products",
     "command_startup",
     "stream_speed",
+    "save_load_speed",
 }
 # A second run of one benchmark stored beside the first: NAME_run2, NAME_a, NAME_beside.
 SECOND_RUN = re.compile(r"_(?:run\d+|[a-z]|beside|old|new|before|after)$")

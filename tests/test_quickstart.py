@@ -120,3 +120,30 @@ def test_the_fine_tuned_run_moved_elsewhere_loads_from_another_folder_with_its_o
 
     assert copy.read_bytes() == open(vocabularies.embedded_vocabulary_path(), "rb").read()
     assert run.step == 10 and run.generate(["sparse layers decode fast"], max_new_tokens=2)
+
+
+def test_a_run_saved_from_python_keeps_its_vocabulary_and_summarizes_and_evaluates_as_a_run(
+    quickstart_run, tmp_path, capsys
+):
+    import terra
+    from terra.cli import evaluate, summarize
+
+    out, _ = quickstart_run
+    run = terra.load(str(out / "finetune"))
+    saved = run.save(tmp_path / "saved")
+    assert (tmp_path / "saved" / "vocabulary" / "sentencepiece.model").read_bytes() == open(
+        run.vocabulary.sentencepiece_model_file, "rb"
+    ).read()
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Return the number of items in a container.")
+    argv = ["--max_decode_length", "8", str(doc)]
+    assert summarize.call(["--checkpoint", str(out / "finetune"), *argv]) == 0
+    original = capsys.readouterr().out
+    assert summarize.call(["--checkpoint", saved, *argv]) == 0
+    assert capsys.readouterr().out == original  # the same step, text and summary
+    narrow = run.quantized("int8").save(tmp_path / "int8")
+    assert evaluate.call(["--checkpoint", narrow, "--num_examples", "2", "--max_decode_length", "4"]) == 0
+    metrics = json.loads(
+        (tmp_path / "int8" / "eval" / "validation_step10_int8_first2_len4" / "metrics.json").read_text()
+    )
+    assert metrics["weights_dtype"] == "int8" and metrics["n_examples"] == 2

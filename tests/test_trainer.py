@@ -321,6 +321,28 @@ def test_sigkill_then_sigterm_then_rerun_ends_with_the_uninterrupted_parameters(
     _assert_same_params(resumed.params, straight.params, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
+def test_a_run_saved_from_python_continues_from_its_step_and_initialises_fine_tuning(three_steps, tmp_path, capsys):
+    import terra
+
+    model_dir, _, _ = three_steps  # the module's run, trained 3 steps
+    run = terra.load(str(model_dir))
+    saved = run.save(tmp_path / "saved")
+    capsys.readouterr()
+    _parse(saved, 5)
+    continued = trainer.Trainer().run()
+    out = capsys.readouterr().out
+    assert continued.step == 5 and "parameters saved from Python at step 3 (a fresh optimizer" in out, out
+    assert checkpointing.Checkpointer(saved).all_steps()[-1] == 5
+    _parse(tmp_path / "tuned", 1, f"INIT_FROM = {saved!r}")
+    tuned = trainer.Trainer().run()
+    assert tuned.step == 1 and f"parameters from {saved}" in capsys.readouterr().out
+    narrow = run.quantized("int8").save(tmp_path / "narrow")
+    _parse(narrow, 5)
+    with pytest.raises(ConfigError, match="holds int8 weights .* training updates float32 weights"):
+        trainer.Trainer().run()
+
+
 class _CtrlC:
     """A step hook that presses Ctrl-C (SIGINT to this process) ``times`` times after step ``at``."""
 

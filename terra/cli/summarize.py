@@ -111,7 +111,7 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
         "print each summary as it is decoded (whole words as they come), one document at a time",
         flag_values=flag_values,
     )
-    flag_groups.define_weights_dtype_flag(flag_values)
+    flag_groups.define_weights_dtype_flag(flag_values, default=None)  # None: as the checkpoint stores them
     flag_groups.define_cache_dtype_flag(flag_values)
     flag_groups.define_gin_flags(
         flag_values,
@@ -170,7 +170,7 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
             flag_values.seed,
             random_weights=True,
             search_paths=flag_values.gin_search_paths,
-            **options,
+            **{**options, "weights_dtype": options["weights_dtype"] or "float32"},
         )
         print(
             "note: --random_weights: the weights are random, so the summaries are noise; every document "

@@ -196,7 +196,16 @@ def evaluate(
     )
     max_decode_length = max_decode_length or feature_lengths["targets"]
     params, step = checkpointing.load_params(model, model_dir, step)  # fails before anything is written
-    params = quantize_params(params, weights_dtype)
+    stored = checkpointing.stored_weights_dtype(model_dir, step)
+    if stored == "float32":
+        params = quantize_params(params, weights_dtype)
+    elif weights_dtype in ("float32", stored):  # a quantized model saved from Python: its own weights
+        weights_dtype = stored
+    else:
+        raise ConfigError(
+            f"{model_dir} stores {stored} weights (a quantized model saved from Python): evaluate it with "
+            f"--weights_dtype={stored} (or without --weights_dtype)."
+        )
     examples = summaries.read_examples(provider, split, feature_lengths, num_examples)
     if not examples:
         raise ConfigError(f"split '{split}' of task '{provider.name}' has no examples.")

@@ -460,6 +460,17 @@ class Checkpointer:
         """The best retained step by ``best_metric`` (None without a best_metric)."""
         return self._manager.best_step() if self.best_metric is not None else None
 
+    def params_only_step(self) -> Optional[int]:
+        """The latest step when it holds parameters alone (``save_params``: a model saved from
+        Python, with no optimizer state or data position), else None."""
+        steps = self.all_steps()
+        if not steps:
+            return None
+        tree = _read_tree_metadata(self.directory / str(max(steps)) / STATE_ITEM)
+        if isinstance(tree, dict) and "params" in tree and "opt_state" not in tree:
+            return max(steps)
+        return None
+
     def should_save(self, step: int) -> bool:
         return self._manager.should_save(step)
 
@@ -766,6 +777,52 @@ __all__: Sequence[str] = (
 def load_params(model, checkpoint_dir: str, step: Optional[int] = None) -> Tuple[Any, int]:
     """``(params, step)`` of ``model`` (a ``terra.models.Model``) from a terra checkpoint (a
     model_dir, its checkpoints folder or a step directory; default the latest step), restored
-    onto the default device."""
+    onto the default device. Weights a checkpoint stores narrow (``save_params`` of a quantized
+    model: :func:`stored_weights_dtype`) come back as such, ``QuantizedTensor`` leaves."""
     step = resolve_step(checkpoint_dir, step)
-    return restore_params(checkpoint_dir, model.abstract_params(), step=step), step
+    abstract = model.abstract_params()
+    kind = stored_weights_dtype(checkpoint_dir, step)
+    if kind != "float32":
+        from terra.quantization import quantize_params
+
+        abstract = jax.eval_shape(lambda params: quantize_params(params, kind), abstract)
+    return restore_params(checkpoint_dir, abstract, step=step), step
+
+
+# The dtype a narrow weight's stored values have (terra.quantization.QuantizedTensor.values).
+_NARROW_VALUES = {"int8": "int8", "uint16": "bfloat16"}
+
+
+def stored_weights_dtype(checkpoint_dir: str, step: Optional[int] = None) -> str:
+    """How a checkpoint stores its weights: ``float32``, or ``int8`` / ``bfloat16`` for the
+    parameters of a quantized model (``InteractiveModel.save`` keeps them narrow): read from the
+    tree's metadata, a ``values`` leaf of int8 or uint16 beside a ``scale``."""
+    step_dir = _resolve_step_dir(checkpoint_dir, step)
+    try:
+        tree = _read_tree_metadata(step_dir / STATE_ITEM)
+    except Exception as e:
+        raise _unreadable(step_dir, "is unreadable", e) from e
+    params = tree.get("params") if isinstance(tree, dict) else None
+    found = set()
+
+    def visit(node):
+        if isinstance(node, dict):
+            values = node.get("values")
+            if "scale" in node and values is not None and str(getattr(values, "dtype", "")) in _NARROW_VALUES:
+                found.add(_NARROW_VALUES[str(values.dtype)])
+            for child in node.values():
+                visit(child)
+
+    visit(params)
+    if len(found) > 1:
+        raise CheckpointError(f"checkpoint {step_dir} mixes {sorted(found)} weights; terra writes one kind per run.")
+    return found.pop() if found else "float32"
+
+
+def save_params(model_dir: str, params: Any, step: int) -> None:
+    """A checkpoint of ``params`` alone at ``step`` in ``model_dir`` (no optimizer state, no data
+    position), laid out as a :class:`Checkpointer` writes one: ``terra.load``, ``terra-evaluate``
+    and ``INIT_FROM`` read it as they read a training run's, and ``terra-train`` resumes it with a
+    fresh optimizer (:meth:`Checkpointer.params_only_step`). Narrow weights are written as such."""
+    with Checkpointer(model_dir, save_interval_steps=1, keep_last=None) as checkpointer:
+        checkpointer.save(int(step), {"step": np.int32(step), "params": params}, force=True)

@@ -344,7 +344,12 @@ class Trainer:
 
     def _initial_state(self, train_batches, init_params):
         """``(state, start_step, origin)``: restored, fine-tuned from ``init_params`` (read from
-        ``init_from`` before anything was written), or fresh."""
+        ``init_from`` before anything was written), or fresh. A run saved from Python
+        (``InteractiveModel.save``: parameters alone) continues from its step with a fresh
+        optimizer and the data from its start."""
+        saved = self.checkpointer.params_only_step()
+        if saved is not None:
+            return self._from_saved_params(saved)
         restored = self.checkpointer.restore(self.abstract_state(), data_iterator=train_batches)
         if restored is not None:
             state, start_step = restored
@@ -358,6 +363,21 @@ class Trainer:
             0,
             f"parameters from {self.init_from}",
         )
+
+    def _from_saved_params(self, step: int):
+        kind = checkpointing.stored_weights_dtype(self.model_dir, step)
+        if kind != "float32":
+            raise ConfigError(
+                f"{self.model_dir} holds {kind} weights (a quantized model saved from Python): training updates "
+                "float32 weights. Save the float32 model (before .quantized()) and train that."
+            )
+        abstract = self.abstract_state()
+        params = checkpointing.restore_params(self.model_dir, abstract.params, step=step)
+        with self.placement():
+            opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(params)
+            step_array = jax.device_put(jnp.int32(step), self.state_shardings.step)
+        origin = f"parameters saved from Python at step {step} (a fresh optimizer; the data from its start)"
+        return TrainState(step=step_array, params=params, opt_state=opt_state), step, origin
 
     # ----- the pieces of one iteration -----------------------------------------------------
     def compile_step(self, state: TrainState, batch):
