@@ -252,7 +252,12 @@ class InteractiveModel:
         timing: Optional[Callable[[dict], Any]] = None,
         stop_at_eos: bool = True,
         streamer: Optional[Callable[[int, Any], Any]] = None,
-    ) -> Union[List[str], np.ndarray]:
+        repetition_penalty: float = 1.0,
+        no_repeat_ngram_size: int = 0,
+        num_return_sequences: int = 1,
+        stop_strings: Optional[Sequence[str]] = None,
+        return_scores: bool = False,
+    ) -> Union[List[str], np.ndarray, Tuple[Union[List[str], np.ndarray], List[np.ndarray]]]:
         """Decode every input, ``batch_size`` rows at a time (default: all at once).
 
         Args:
@@ -279,11 +284,22 @@ class InteractiveModel:
             random-weights model, whose greedy EOS would end the loop at an arbitrary step;
             ``num_beams == 1`` only).
           streamer: called as the jitted generation loop decodes, ``streamer(row, piece)``: ``row``
-            the input's index, ``piece`` for texts the text that became whole words (a word is held
-            back until it ends; the pieces of a row joined are its returned text), for token rows
-            each token id (EOS and what follows not included). It runs on the loop's thread,
-            between steps; an exception it raises ends the loop and is raised here
-            (``num_beams == 1`` only; :meth:`stream` iterates over the same pieces).
+            the output's index, ``piece`` for texts the text that became whole words (a word is
+            held back until it ends; the pieces of a row joined are its returned text), for token
+            rows each token id (EOS and what follows not included). It runs on a thread of the
+            decode (the native queue's reader, or XLA's between steps); an exception it raises
+            ends the loop and is raised here (``num_beams == 1`` only; :meth:`stream` iterates
+            over the same pieces).
+          repetition_penalty: the CTRL penalty of tokens a row has generated already, > 1 to
+            discourage them (1 is off); no_repeat_ngram_size: a token that would repeat an n-gram
+            of the row is never chosen (0 is off, at most 8). Both act inside the jitted loop on
+            each step's logits, greedy or sampled, as Hugging Face's processors of those names.
+          num_return_sequences: sampled outputs per input (``temperature > 0``), returned one
+            input after another: ``[in0 out0, in0 out1, ..., in1 out0, ...]``.
+          stop_strings: texts only: a row ends once its text contains one of them (kept, what
+            follows dropped); the loop ends once every row has.
+          return_scores: also return, per output, the log-probability (nats) of each of its
+            tokens under the model (EOS included): ``(outputs, [float32 array per output])``.
         """
         if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
             raise ConfigError(f"max_new_tokens must be a whole number of at least 1, not {max_new_tokens!r}.")
@@ -295,12 +311,35 @@ class InteractiveModel:
             raise ConfigError(
                 "streaming hands over each chosen token; beam search ranks its beams at the end: num_beams=1."
             )
+        from terra.decoding.generate import checked_controls
+
+        try:
+            controls = checked_controls(repetition_penalty, no_repeat_ngram_size, return_scores)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if controls is not None and num_beams != 1:
+            raise ConfigError(
+                "repetition_penalty, no_repeat_ngram_size and return_scores act on the sampling loop: num_beams=1."
+            )
+        if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+            raise ConfigError(
+                f"num_return_sequences must be a whole number of at least 1, not {num_return_sequences!r}."
+            )
+        if num_return_sequences > 1 and (temperature <= 0 or num_beams != 1):
+            raise ConfigError(
+                f"num_return_sequences={num_return_sequences} samples several outputs per input: set temperature > 0 "
+                "(greedy decoding gives one), with num_beams=1."
+            )
+        stop_strings = _stop_strings(stop_strings)
         tokens, were_texts = self.tokens(inputs, truncate=truncate)
+        if stop_strings and not were_texts:
+            raise ConfigError("stop_strings end texts: give texts, not token rows (or stop on a token with EOS).")
+        tokens = np.repeat(tokens, num_return_sequences, axis=0)  # each input's outputs side by side
         max_new_tokens = max_new_tokens or self._length("targets")
         batch_size = batch_size or len(tokens)
         from tqdm import tqdm
 
-        outputs, lengths = [], []
+        outputs, lengths, scores = [], [], []
         bar = tqdm(
             total=len(tokens), desc="generate", unit="input", file=sys.stderr, dynamic_ncols=True, disable=not progress
         )
@@ -314,13 +353,14 @@ class InteractiveModel:
                     )
                 options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + start)
                 stream = None
-                if streamer is not None:
+                if streamer is not None or stop_strings:
                     stream = streaming.BatchStream(
-                        streamer,
+                        streamer or (lambda row, piece: None),
                         rows=rows,
                         eos_id=self.config.eos_id,
                         first_row=start,
                         vocabulary=self.vocabulary if were_texts else None,
+                        stop_strings=stop_strings,
                     )
                     options["stream"] = stream
                 if timing is not None or not stop_at_eos:
@@ -330,8 +370,12 @@ class InteractiveModel:
                         input_tokens=int(np.sum(chunk[:rows] != self.config.pad_id)),
                         input_length=int(chunk.shape[1]),
                     )
-                    result = self._timed_generation(chunk, max_new_tokens, stop_at_eos, timing, about, **options)
+                    result = self._timed_generation(
+                        chunk, max_new_tokens, stop_at_eos, timing, about, controls=controls, **options
+                    )
                 else:
+                    if controls is not None:
+                        options.update(controls._asdict(), return_scores=True)
                     result = self.model.generate(
                         self.params,
                         chunk,
@@ -346,9 +390,14 @@ class InteractiveModel:
                 out[:, : result.tokens.shape[1]] = result.tokens[:rows]
                 outputs.append(out)
                 lengths.append(result.lengths[:rows])
+                if return_scores:
+                    scores += [row[:n] for row, n in zip(result.scores[:rows], result.lengths[:rows])]
                 bar.update(rows)
         tokens_out, lengths_out = np.concatenate(outputs), np.concatenate(lengths)
-        return self._texts(tokens_out, lengths_out) if were_texts else tokens_out
+        if were_texts:
+            texts = [_cut_at_stop(text, stop_strings) for text in self._texts(tokens_out, lengths_out)]
+            return (texts, scores) if return_scores else texts
+        return (tokens_out, scores) if return_scores else tokens_out
 
     def _timed_generation(
         self,
@@ -363,12 +412,13 @@ class InteractiveModel:
         top_p,
         seed,
         stream=None,
+        controls=None,
     ):
         """One batch as ``terra.decoding.generate`` decodes it (the same prefill and jitted
         generation loop, so the same tokens for a seed), with the prefill and the loop compiled
         ahead of time (once per shape) and each timed to ``block_until_ready``; ``timing`` (unless
         None) is called with ``about`` and the times so far as each phase ends (see ``generate``)."""
-        from terra.decoding.generate import Generation
+        from terra.decoding.generate import finished
 
         if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
             raise ConfigError(f"temperature={temperature} must be >= 0, top_k={top_k} >= 1, top_p={top_p} in (0, 1].")
@@ -393,7 +443,9 @@ class InteractiveModel:
         # the stream's id is an operand of the loop (None: the loop without the stream's callback)
         opened = None if stream is None else streaming.open_stream(stream, inputs.shape[0])
         stream_operand = () if opened is None else (opened.operand,)
-        key = (max_new_tokens, inputs.shape, stream is not None)
+        # the controls too (None: the loop without them)
+        operands = stream_operand if controls is None else (None if opened is None else opened.operand, controls)
+        key = (max_new_tokens, inputs.shape, stream is not None, controls is not None)
         times = {"compile_s": 0.0}
         try:
             if key not in self._compiled:
@@ -401,7 +453,7 @@ class InteractiveModel:
                 prefill = decoder.prefill.lower(self.params, inputs).compile()
                 cache = jax.eval_shape(decoder.prefill, self.params, inputs)
                 loop_fn = jax.jit(decoder.generate_tokens, donate_argnums=(1,))
-                loop = loop_fn.lower(self.params, cache, start, rng, *scalars, *stream_operand).compile()
+                loop = loop_fn.lower(self.params, cache, start, rng, *scalars, *operands).compile()
                 self._compiled[key] = (prefill, loop)
                 times["compile_s"] = time.perf_counter() - t0
                 report("compiled", **times)
@@ -411,17 +463,14 @@ class InteractiveModel:
             times["prefill_s"] = time.perf_counter() - t0
             report("prefilled", **times)
             t0 = time.perf_counter()
-            tokens, steps, _ = jax.block_until_ready(loop(self.params, cache, start, rng, *scalars, *stream_operand))
+            out = jax.block_until_ready(loop(self.params, cache, start, rng, *scalars, *operands))
             times["loop_s"] = time.perf_counter() - t0
         finally:
             if opened is not None:
                 opened.close()
-        times["steps"] = steps = int(steps)
+        times["steps"] = int(out[1])
         report("generated", **times)
-        tokens = np.asarray(tokens)[:, :steps]
-        is_eos = tokens == self.config.eos_id
-        lengths = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, tokens.shape[1]).astype(np.int32)
-        return Generation(tokens=tokens, lengths=lengths)
+        return finished(out, self.config.eos_id, with_scores=controls is not None)
 
     def stream(self, inputs: Inputs, **options) -> Iterator[Tuple[int, Union[str, int]]]:
         """``(row, piece)`` pairs as the jitted generation loop decodes ``inputs``: for texts, text
@@ -504,6 +553,22 @@ class InteractiveModel:
         """Teacher-forced logits ``[batch, target_length, vocab]`` float32 (the decoder reads the
         targets shifted right, the pad id first)."""
         return self._jit_logits(self.params, self._batch(encoder_tokens, decoder_target_tokens, truncate))
+
+
+def _stop_strings(stop_strings) -> List[str]:
+    if stop_strings is None:
+        return []
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) and s for s in stop_strings):
+        raise ConfigError(f"stop_strings must be non-empty strings, e.g. ['\\n\\n'], not {stop_strings!r}.")
+    return list(stop_strings)
+
+
+def _cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+    """``text`` up to and including the first of ``stop_strings`` in it (as a whole)."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return text[: min(ends)] if ends else text
 
 
 class _StreamAbandoned(Exception):

@@ -390,6 +390,54 @@ def test_the_stream_is_read_by_the_native_queue_or_called_back_from_the_loop(cop
     assert (threads == {"terra-stream-reader"}) == native, threads
 
 
+def test_the_loops_controls_choose_as_hugging_faces_processors_and_scores_are_log_probabilities(copy_model):
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    plain, scores = copy_model.generate(tokens, max_new_tokens=10, return_scores=True)
+    np.testing.assert_array_equal(plain, copy_model.generate(tokens, max_new_tokens=10))  # scores change no choice
+    log_probs = np.asarray(jax.nn.log_softmax(copy_model.logits(tokens, plain), axis=-1))
+    for r, row_scores in enumerate(scores):  # the model's log-probability of each token, EOS included
+        n = len(row_scores)
+        np.testing.assert_allclose(row_scores, log_probs[r, np.arange(n), plain[r, :n]], atol=2e-5)
+    # Each token is the argmax of the teacher-forced logits after the CTRL penalty of the tokens
+    # before it (no row of this model stops before 10 tokens).
+    penalized = copy_model.generate(tokens, max_new_tokens=10, repetition_penalty=1.3)
+    logits = np.asarray(copy_model.logits(tokens, penalized))
+    for r in range(len(penalized)):
+        for t in range(10):
+            seen = np.isin(np.arange(logits.shape[-1]), penalized[r, :t])
+            want = np.where(seen, np.where(logits[r, t] > 0, logits[r, t] / 1.3, logits[r, t] * 1.3), logits[r, t])
+            assert int(np.argmax(want)) == penalized[r, t], (r, t)
+    banned = copy_model.generate(tokens, max_new_tokens=10, no_repeat_ngram_size=2)
+    for row in banned:
+        bigrams = list(zip(row[:-1], row[1:]))
+        assert len(set(bigrams)) == len(bigrams), row
+    assert not np.array_equal(banned, plain)  # the plain rows repeat bigrams
+    with pytest.raises(ConfigError, match="no_repeat_ngram_size=9 must be a whole number from 0"):
+        copy_model.generate(tokens, no_repeat_ngram_size=9)
+    with pytest.raises(ConfigError, match="num_beams=1"):
+        copy_model.generate(tokens, num_beams=2, repetition_penalty=1.2)
+
+
+def test_several_sampled_outputs_per_input_and_stop_strings(copy_model):
+    tokens, _ = copy_model.tokens(["abc", "hello world"])
+    sampled = dict(max_new_tokens=8, temperature=1.0, seed=2)
+    three = copy_model.generate(tokens, num_return_sequences=3, **sampled)
+    np.testing.assert_array_equal(three, copy_model.generate(np.repeat(tokens, 3, axis=0), **sampled))
+    assert len({tuple(row) for row in three[:3]}) > 1  # an input's outputs are sampled apart
+    with pytest.raises(ConfigError, match="set temperature > 0"):
+        copy_model.generate(tokens, num_return_sequences=2)
+    texts = ["abc", "hello world"]
+    whole = copy_model.generate(texts, max_new_tokens=10)
+    stop = whole[1][1]  # a character the second output has, after its first
+    cut = copy_model.generate(texts, max_new_tokens=10, stop_strings=[stop])
+    assert cut[1] == whole[1][: whole[1].index(stop) + 1]
+    assert cut[0] == (whole[0][: whole[0].index(stop) + 1] if stop in whole[0] else whole[0])
+    pieces = _joined_by_row(copy_model.stream(texts, max_new_tokens=10, stop_strings=[stop]), 2)
+    assert ["".join(row) for row in pieces] == cut
+    with pytest.raises(ConfigError, match="give texts"):
+        copy_model.generate(tokens, stop_strings=["x"])
+
+
 def test_a_streamer_that_raises_ends_the_decode_and_its_error_is_raised(copy_model):
     tokens, _ = copy_model.tokens(["abc"])
     handed = []

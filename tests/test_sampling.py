@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from terra.decoding import filter_logits, sample_next_token
+from terra.decoding import filter_logits, sample_next_token, sampling
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -142,3 +142,36 @@ def test_unfiltered_sampling_draws_what_jax_random_categorical_draws(temperature
         key = jax.random.key(seed)
         expected = jax.random.categorical(key, logits / temperature, axis=-1)
         np.testing.assert_array_equal(sample(logits, key), expected)
+
+
+def _banned_by_hand(row, step, n, vocab):
+    """The tokens that would repeat an n-gram of ``row[:step]``, by enumeration."""
+    banned = np.zeros(vocab, bool)
+    if n == 0 or step < n:
+        return banned
+    prefix = tuple(row[step - n + 1 : step])
+    for start in range(step - n + 1):
+        if tuple(row[start : start + n - 1]) == prefix:
+            banned[row[start + n - 1]] = True
+    return banned
+
+
+def test_the_ngram_ban_is_every_token_that_would_repeat_an_ngram_of_the_row():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 5, size=(3, 12)).astype(np.int32)  # few ids: many repeated n-grams
+    ban = jax.jit(sampling.banned_ngram_tokens, static_argnums=3)
+    for n in range(sampling.MAX_NO_REPEAT_NGRAM + 1):
+        for step in (0, 1, 5, 12):
+            got = np.asarray(ban(jnp.asarray(tokens), step, n, 7))
+            for b in range(3):
+                np.testing.assert_array_equal(
+                    got[b], _banned_by_hand(list(tokens[b]), step, n, 7), f"n={n} step={step}"
+                )
+    assert ban._cache_size() == 1  # one program for every n and step
+
+
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = jnp.array([[2.0, -2.0, 3.0, 0.0]])
+    seen = jnp.array([[True, True, False, True]])
+    np.testing.assert_allclose(np.asarray(sampling.penalize_repetitions(logits, seen, 2.0)), [[1.0, -4.0, 3.0, 0.0]])
+    np.testing.assert_array_equal(np.asarray(sampling.penalize_repetitions(logits, seen, 1.0)), np.asarray(logits))

@@ -16,14 +16,14 @@ tokens) uses ``start`` instead of ``step``: its ``DecodeSession`` runs the same 
 jitted loop that takes each token from the host, so a call costs the loop's step.
 """
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from terra.decoding import streaming
 from terra.decoding.decode_session import DecodeSession, session_loop
-from terra.decoding.sampling import sample_next_token
+from terra.decoding.sampling import banned_ngram_tokens, penalize_repetitions, sample_next_token
 
 Cache = Any
 
@@ -123,6 +123,7 @@ class IncrementalDecoder:
         top_k=0,
         top_p=1.0,
         stream_id=None,
+        controls: Optional["Controls"] = None,
     ):
         """Up to ``max_new_tokens`` steps in one jitted ``while_loop`` (the cache donated),
         stopping early once every row has emitted ``eos_id`` (a row's tokens after its EOS are
@@ -138,8 +139,14 @@ class IncrementalDecoder:
         (``open_stream``), handed each step's tokens as they are chosen, which may end the loop;
         the same loop with one hand-over per step, compiled once for every stream.
 
+        ``controls``: a :class:`Controls` (the repetition penalty and the n-gram ban, traced
+        scalars) makes the loop apply them to each step's logits before the choice, and return
+        each chosen token's log-probability too; None is the loop without them.
+
         Returns ``(tokens [batch, max_decode_length] int32, steps, cache)``: the first ``steps``
-        columns were generated, the rest are ``pad_id``.
+        columns were generated, the rest are ``pad_id``; with ``controls``, ``(tokens, steps,
+        cache, scores)``, ``scores [batch, max_decode_length]`` float32 the log-probability of each
+        token under the model's own distribution (0 after a row's EOS).
         """
         return self._generate_tokens_jit(
             params,
@@ -153,6 +160,7 @@ class IncrementalDecoder:
             jnp.int32(top_k),
             jnp.float32(top_p),
             None if stream_id is None else jnp.int32(stream_id),
+            None if controls is None else controls.traced(),
         )
 
     def _generate_tokens(
@@ -168,27 +176,67 @@ class IncrementalDecoder:
         top_k,
         top_p,
         stream_id=None,
+        controls=None,
     ):
-        """The loop ``generate_tokens`` jits; ``stream_id`` None traces it without the stream's
-        callback (a pytree without leaves: jit keeps one program for each)."""
+        """The loop ``generate_tokens`` jits; ``stream_id`` or ``controls`` None traces it without
+        the stream's callback or the controls (a pytree without leaves: jit keeps one program for
+        each)."""
         batch = token.shape[0]
         tokens = jnp.full((batch, self.max_decode_length), pad_id, jnp.int32)
+        extra = ()
+        if controls is not None:  # the tokens each row has chosen, and their log-probabilities
+            vocab = self.logits_width(params, cache, batch)
+            extra = (jnp.zeros((batch, vocab), bool), jnp.zeros((batch, self.max_decode_length), jnp.float32))
 
         def keep_going(carry):
-            i, _, _, done, _, _ = carry
+            i, _, _, done, _, _, _ = carry
             return (i < max_new_tokens) & ~jnp.all(done)
 
         def one_token(carry):
-            i, cache, token, done, rng, tokens = carry
+            i, cache, token, done, rng, tokens, extra = carry
             logits, cache = self.step_fn(params, cache, token)
             rng, sample_rng = jax.random.split(rng)
-            token = jnp.where(done, pad_id, sample_next_token(logits, sample_rng, temperature, top_k, top_p))
+            chosen_from = logits if controls is None else controls.apply(logits, extra[0], tokens, i)
+            token = jnp.where(done, pad_id, sample_next_token(chosen_from, sample_rng, temperature, top_k, top_p))
+            if controls is not None:
+                seen, scores = extra
+                log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                score = jnp.where(done, 0.0, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0])
+                scores = jax.lax.dynamic_update_slice(scores, score[:, None], (0, i))
+                seen = seen.at[jnp.arange(batch), token].set(True)
+                extra = (seen, scores)
             tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
             done = done | (token == eos_id)
             if stream_id is not None:  # the host may end the loop: every row is then done
                 done = done | streaming.hand_over(stream_id, i, token)
-            return i + 1, cache, token, done, rng, tokens
+            return i + 1, cache, token, done, rng, tokens, extra
 
-        start = (jnp.int32(0), cache, token.astype(jnp.int32), jnp.zeros((batch,), bool), rng, tokens)
-        steps, cache, _, _, _, tokens = jax.lax.while_loop(keep_going, one_token, start)
-        return tokens, steps, cache
+        start = (jnp.int32(0), cache, token.astype(jnp.int32), jnp.zeros((batch,), bool), rng, tokens, extra)
+        steps, cache, _, _, _, tokens, extra = jax.lax.while_loop(keep_going, one_token, start)
+        if controls is None:
+            return tokens, steps, cache
+        return tokens, steps, cache, extra[1]
+
+
+class Controls(NamedTuple):
+    """What ``generate_tokens`` applies to each step's logits before the choice, as Hugging Face's
+    logits processors do: ``repetition_penalty`` (1: off; the CTRL penalty of the tokens a row has
+    generated, ``sampling.penalize_repetitions``) and ``no_repeat_ngram_size`` (0: off; a token
+    that would repeat an n-gram of the row is never chosen, ``sampling.banned_ngram_tokens``).
+    Traced scalars: one compiled loop serves every value."""
+
+    repetition_penalty: Any = 1.0
+    no_repeat_ngram_size: Any = 0
+
+    def traced(self) -> "Controls":
+        return Controls(jnp.float32(self.repetition_penalty), jnp.int32(self.no_repeat_ngram_size))
+
+    def apply(self, logits, seen, tokens, step):
+        logits = penalize_repetitions(logits, seen, self.repetition_penalty)
+        n = self.no_repeat_ngram_size
+        banned = jax.lax.cond(
+            n > 0,
+            lambda: banned_ngram_tokens(tokens, step, n, logits.shape[-1]),
+            lambda: jnp.zeros(logits.shape, bool),
+        )
+        return jnp.where(banned, -jnp.inf, logits)

@@ -85,3 +85,39 @@ def sample_next_token(logits: jax.Array, rng: jax.Array, temperature, top_k=0, t
     # sizeable share of a fully sparse step (docs/decode_speed.md). Under vmap both branches run.
     token = jax.lax.cond(temperature > 0, sample, block_argmax, logits)
     return token.astype(jnp.int32)
+
+
+# The longest n-gram ``no_repeat_ngram_size`` may ban: the loop compares this many shifted copies
+# of the generated tokens whatever the (traced) size, so one compiled loop serves every size.
+MAX_NO_REPEAT_NGRAM = 8
+
+
+def penalize_repetitions(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
+    """The CTRL repetition penalty as Hugging Face applies it: the logit of each token a row has
+    generated already (``seen`` ``[batch, vocab]`` bool) divided by ``penalty`` where positive,
+    multiplied by it where negative; ``penalty == 1`` changes nothing. ``penalty`` may be traced."""
+    logits = logits.astype(jnp.float32)
+    penalty = jnp.asarray(penalty, jnp.float32)
+    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(seen, penalized, logits)
+
+
+def banned_ngram_tokens(tokens: jax.Array, step, n, vocab: int) -> jax.Array:
+    """``[batch, vocab]`` bool: the tokens that would repeat an ``n``-gram the row has generated.
+
+    ``tokens`` ``[batch, L]`` are the row's tokens so far (positions ``< step`` generated); the
+    candidate at ``step`` is banned when it and the ``n - 1`` tokens before it equal an earlier
+    ``n``-gram (Hugging Face's ``no_repeat_ngram_size``). ``n`` may be traced, from 0 (nothing
+    banned) to :data:`MAX_NO_REPEAT_NGRAM`; ``step`` is traced."""
+    batch, length = tokens.shape
+    n = jnp.asarray(n, jnp.int32)
+    padded = jnp.concatenate([tokens, jnp.zeros((batch, MAX_NO_REPEAT_NGRAM), tokens.dtype)], axis=1)
+    start = jnp.arange(length, dtype=jnp.int32)  # where an earlier n-gram starts
+    # It must end before the candidate: its last token at start + n - 1 <= step - 1.
+    match = (start <= step - n)[None, :] & (n > 0)
+    for k in range(MAX_NO_REPEAT_NGRAM - 1):  # the n - 1 tokens before the candidate
+        before = jax.lax.dynamic_index_in_dim(padded, jnp.maximum(step - n + 1 + k, 0), axis=1, keepdims=False)
+        match &= (k >= n - 1) | (padded[:, k : k + length] == before[:, None])
+    completing = jnp.take_along_axis(padded, jnp.broadcast_to(start + jnp.maximum(n - 1, 0), (batch, length)), axis=1)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
+    return jnp.zeros((batch, vocab), bool).at[rows, completing].max(match)

@@ -24,7 +24,7 @@ import ctypes
 import itertools
 import threading
 import unicodedata
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,14 +146,24 @@ class BatchStream:
     """The receiver of one batch's loop: row ``r`` of the batch is output ``first_row + r`` (the
     batch's first ``rows`` rows are real; the others pad a last batch). Each row's tokens up to its
     EOS (not included) go to ``on_piece(output_row, piece)``: text pieces through :class:`RowText`
-    when ``vocabulary`` is given, else each token id as an int. An exception ``on_piece`` raises
-    ends the loop after its step; ``finish()`` (after the loop) flushes each row's held-back text
-    and raises that exception."""
+    when ``vocabulary`` is given, else each token id as an int. With ``stop_strings`` (text rows),
+    a row also ends once its text contains one of them: its last piece ends with it, and the loop
+    is asked to stop once every row has ended. An exception ``on_piece`` raises ends the loop
+    after its step; ``finish()`` (after the loop) flushes each row's held-back text and raises
+    that exception."""
 
     def __init__(
-        self, on_piece: Callable[[int, Any], Any], *, rows: int, eos_id: int, first_row: int = 0, vocabulary: Any = None
+        self,
+        on_piece: Callable[[int, Any], Any],
+        *,
+        rows: int,
+        eos_id: int,
+        first_row: int = 0,
+        vocabulary: Any = None,
+        stop_strings: Sequence[str] = (),
     ):
         self.on_piece, self.rows, self.eos_id, self.first_row = on_piece, rows, eos_id, first_row
+        self.stop_strings = list(stop_strings) if vocabulary is not None else []
         self.texts = [RowText(vocabulary) for _ in range(rows)] if vocabulary is not None else None
         self.done = np.zeros((rows,), bool)
         self.error: Optional[BaseException] = None
@@ -174,9 +184,25 @@ class BatchStream:
                     piece = self.texts[r].add(token)
                     if piece:
                         self.on_piece(self.first_row + r, piece)
+                    if self.stop_strings:
+                        self._stop_at_string(r)
         except BaseException as error:  # raised by finish(), on the caller's thread
             self.error = error
-        return self.error is not None
+        return self.error is not None or (bool(self.stop_strings) and bool(self.done.all()))
+
+    def _stop_at_string(self, r: int) -> None:
+        """Ends row ``r`` once its text holds a stop string: the rest of its text up to the end
+        of the first one is its last piece."""
+        row = self.texts[r]
+        text = row.vocabulary.decode(row.ids)
+        ends = [text.find(s) + len(s) for s in self.stop_strings if s in text]
+        if not ends:
+            return
+        end = min(ends)
+        if end > row.printed:
+            self.on_piece(self.first_row + r, text[row.printed : end])
+        row.printed = len(text)
+        self.done[r] = True
 
     def _end_row(self, r: int) -> None:
         self.done[r] = True

@@ -259,6 +259,9 @@ class Seq2SeqModel(abc.ABC):
         seed: int = 0,
         encoder_mask=None,
         stream=None,
+        repetition_penalty: float = 1.0,
+        no_repeat_ngram_size: int = 0,
+        return_scores: bool = False,
     ) -> Generation:
         """Generate up to ``max_decode_length`` tokens per row, stopping each row at EOS.
 
@@ -268,12 +271,17 @@ class Seq2SeqModel(abc.ABC):
         must be left at their defaults), ranked by log-likelihood over the GNMT length
         penalty ``((5 + length) / 6) ** length_penalty``. ``stream``: each step's tokens handed to
         the host as the loop chooses them (``terra.decoding.generate``; not with beam search, whose
-        beams are only ranked at the end).
+        beams are only ranked at the end). ``repetition_penalty``, ``no_repeat_ngram_size`` and
+        ``return_scores``: see ``terra.decoding.generate`` (not with beam search).
         """
         if num_beams < 1:
             raise ValueError(f"num_beams={num_beams} must be >= 1.")
         if num_beams > 1 and stream is not None:
             raise ValueError("a stream hands over each chosen token: beam search ranks its beams at the end.")
+        if num_beams > 1 and (repetition_penalty != 1 or no_repeat_ngram_size or return_scores):
+            raise ValueError(
+                "repetition_penalty, no_repeat_ngram_size and return_scores act on the sampling loop: use num_beams=1."
+            )
         decoder = self.decoder(max_decode_length)
         if num_beams > 1:
             if temperature or top_k is not None or top_p is not None:
@@ -303,6 +311,9 @@ class Seq2SeqModel(abc.ABC):
             eos_id=self.config.eos_id,
             pad_id=self.config.pad_id,
             stream=stream,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            return_scores=return_scores,
         )
 
 
