@@ -375,7 +375,11 @@ class InteractiveModel:
                     )
                 else:
                     if controls is not None:
-                        options.update(controls._asdict(), return_scores=True)
+                        options.update(
+                            repetition_penalty=controls.repetition_penalty,
+                            no_repeat_ngram_size=controls.no_repeat_ngram_size,
+                            return_scores=True,
+                        )
                     result = self.model.generate(
                         self.params,
                         chunk,
