@@ -106,9 +106,10 @@ def split_documents(text: str, name: str) -> List[Tuple[str, str]]:
     return docs
 
 
-def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
+def read_documents(paths: Sequence[str], stdin=None, *, partial: bool = False):
     """Every document of every path (``-`` is standard input); raises ``InputError`` naming
-    each unusable file."""
+    each unusable file. ``partial``: returns ``(documents, problems)`` instead, the usable
+    documents and a line per unusable file, and raises only when no document is usable."""
     docs, problems = [], []
     for path in paths:
         name = "standard input" if path == "-" else path
@@ -132,6 +133,6 @@ def read_documents(paths: Sequence[str], stdin=None) -> List[Tuple[str, str]]:
             problems.append(f"{name}: cannot be read ({e.strerror or e}).")
         except InputError as e:
             problems.append(str(e))
-    if problems:
+    if problems and (not partial or not docs):
         raise InputError("nothing was summarized:\n  " + "\n  ".join(problems))
-    return docs
+    return (docs, problems) if partial else docs

@@ -565,6 +565,18 @@ def test_a_missing_vocabulary_file_is_one_line_naming_it_before_model_dir_is_wri
     assert not model_dir.exists()
 
 
+def test_c4_validation_files_kept_elsewhere_are_named_by_a_flag(tmp_path):
+    from terra.cli import flag_groups
+
+    flag_values = flags.FlagValues()
+    flag_groups.define_data_flags(flag_values)
+    flag_values(["terra-train", f"--c4_json={tmp_path / 'train'}", f"--c4_validation_json={tmp_path / 'val'}"])
+    assert flag_groups.data_bindings(flag_values) == [
+        f"terra.data.c4_source.json_path = {str(tmp_path / 'train')!r}",
+        f"terra.data.c4_source.validation_json_path = {str(tmp_path / 'val')!r}",
+    ]
+
+
 def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(monkeypatch):
     from terra import tensorflow_setup
 

@@ -4,7 +4,6 @@ and length fit a task."""
 
 import dataclasses
 import logging
-import re
 
 import gin
 import numpy as np
@@ -189,9 +188,12 @@ def test_too_long_features_name_the_binding_to_change():
         "feature lengths {'inputs': 100, 'targets': 130} exceed the model's max_len=64; "
         "bind TransformerConfig.max_len = 130 or shorten the features."
     )
-    # The vocabulary is checked first, as the trainer's check does.
-    with pytest.raises(ConfigError, match=re.escape("bind TransformerConfig.vocab_size = 259")):
+    # Both problems at once, in one error: one run reports all of them.
+    with pytest.raises(ConfigError) as error:
         tasks.check_vocabulary_and_lengths(copy, {"inputs": 100, "targets": 130}, vocab_size=10, max_len=64)
+    assert str(error.value).startswith("2 problems, each to fix before a run: (1) the task's 'inputs' vocabulary")
+    assert "bind TransformerConfig.vocab_size = 259" in str(error.value)
+    assert "(2) feature lengths {'inputs': 100, 'targets': 130} exceed" in str(error.value)
 
 
 def test_a_language_model_sequence_beyond_max_len_names_the_binding_to_change():

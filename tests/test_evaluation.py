@@ -281,6 +281,21 @@ def test_summarize_stream_prints_the_summaries_the_batched_decode_prints(finetun
     assert err.count("timing: batch 1/1: 1 document, ") == 2  # one decode per document
 
 
+def test_summarize_summarizes_what_it_can_and_names_every_file_it_could_not(finetuned, tmp_path, capsys):
+    model_dir, _ = finetuned
+    good, empty = tmp_path / "a.txt", tmp_path / "empty.txt"
+    good.write_text("we study sparse layers in a model .")
+    empty.write_text("  \n")
+    argv = ["--checkpoint", model_dir, "--max_decode_length", "4", str(good), str(empty), str(tmp_path / "gone.txt")]
+    with pytest.raises(InputError, match=r"2 input file\(s\) could not be summarized \(1 document\(s\) above were\)"):
+        summarize.call(argv)
+    printed = capsys.readouterr().out
+    assert printed.count("== ") == 1 and f"== {good} (step " in printed  # a.txt is summarized
+    with pytest.raises(InputError) as error:
+        summarize.call(argv[:-1] + [str(empty)])
+    assert f"{empty} is empty" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_summarize_rejects_bad_inputs_and_checkpoints_with_clear_messages(finetuned, tmp_path):
     model_dir, _ = finetuned
     empty = tmp_path / "empty.txt"

@@ -61,6 +61,10 @@ DATA_FLAGS: Dict[str, tuple] = {
         "C4-style JSON lines (field text; allenai/c4, OLMo, Dolma): a folder, a glob, or a pattern with {split}",
         ("terra.data.c4_source.json_path",),
     ),
+    "c4_validation_json": (
+        "C4-style JSON lines to evaluate on, where --c4_json's folder has no validation files: a folder, glob or file",
+        ("terra.data.c4_source.validation_json_path",),
+    ),
     "arxiv_cohan": (
         "directory of the extracted arxiv-dataset/{train,val,test}.txt",
         ("terra.data.arxiv_source.cohan_path",),

@@ -31,6 +31,9 @@ both ahead of them (first batch only; not in the other times), and the process's
 memory so far (VmHWM). The compile and the prefill also get a line as each ends (a paper-size
 model takes minutes on each).
 
+A file that cannot be summarized (empty, not text, unreadable) does not stop the others: they are
+summarized, then one 'error:' line names every such file (exit status 2).
+
 Exit status: 0 done; 2 a bad command line (e.g. not exactly one of --checkpoint and
 --random_weights), configuration, vocabulary, checkpoint or document, with one 'error:' line
 saying what to change; 1 a run that cannot continue; 130 interrupted.
@@ -153,7 +156,8 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
     from terra.documents import read_documents
 
     out, err = out or sys.stdout, err or sys.stderr
-    docs = read_documents(paths, stdin)
+    # What can be summarized is; the unusable files are reported after the summaries (exit 2).
+    docs, problems = read_documents(paths, stdin, partial=True)
     from terra import api
     from terra.text_encoding import encode_text
 
@@ -199,7 +203,7 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
             print(f"== {label} ({where})", file=out, flush=True)
             _stream_summary(run, ids, out, err, timed, options)
             print(file=out, flush=True)
-        return 0
+        return _report_unusable(problems, len(docs))
     batch_size = min(flag_values.batch_size, len(encoded))
     batches = math.ceil(len(encoded) / batch_size)
     tokens = run.generate(
@@ -217,7 +221,18 @@ def summarize(flag_values: flags.FlagValues, paths, stdin=None, out=None, err=No
             file=out,
         )
         print(file=out)
-    return 0
+    return _report_unusable(problems, len(docs))
+
+
+def _report_unusable(problems, summarized: int) -> int:
+    """0, or the files that could not be summarized as one ``InputError`` (exit 2), raised after
+    the summaries of the others."""
+    if not problems:
+        return 0
+    raise errors.InputError(
+        f"{len(problems)} input file(s) could not be summarized ({summarized} document(s) above were): "
+        + "; ".join(" ".join(p.split()) for p in problems)
+    )
 
 
 def _stream_summary(run, ids, out, err, timed: bool, options: dict) -> None:

@@ -8,7 +8,7 @@ a summarization run without the data pipeline.
 import dataclasses
 import difflib
 from types import ModuleType
-from typing import Callable, Dict, Mapping, Sequence
+from typing import Callable, Dict, List, Mapping, Sequence
 
 from terra.errors import ConfigError
 
@@ -144,16 +144,37 @@ def check_fits(
 ):
     """Raise ConfigError, naming the binding to change, when a model with ``vocab_size`` ids and
     ``max_len`` positions cannot take a task whose features have ``vocabulary_sizes`` ids
-    (``{feature: ids}``) at ``feature_lengths``."""
-    for name, size in vocabulary_sizes.items():
-        if size > vocab_size:
-            raise ConfigError(
-                f"the task's '{name}' vocabulary has {size} ids but the model's vocab_size is {vocab_size}; bind "
-                f"TransformerConfig.vocab_size = {size} (or a multiple of 128 above it)."
-            )
+    (``{feature: ids}``) at ``feature_lengths``: every problem in one error."""
+    raise_problems(fit_problems(vocabulary_sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len))
+
+
+def fit_problems(
+    vocabulary_sizes: Mapping[str, int], feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int
+) -> List[str]:
+    """What :func:`check_fits` finds, one sentence each (the vocabulary, then the lengths)."""
+    problems = []
+    too_many = {name: size for name, size in vocabulary_sizes.items() if size > vocab_size}
+    if too_many:
+        name, size = next(iter(too_many.items()))
+        problems.append(
+            f"the task's '{name}' vocabulary has {size} ids but the model's vocab_size is {vocab_size}; bind "
+            f"TransformerConfig.vocab_size = {max(too_many.values())} (or a multiple of 128 above it)"
+        )
     too_long = {k: v for k, v in feature_lengths.items() if v > max_len}
     if too_long:
-        raise ConfigError(
+        problems.append(
             f"feature lengths {too_long} exceed the model's max_len={max_len}; "
-            f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features."
+            f"bind TransformerConfig.max_len = {max(too_long.values())} or shorten the features"
+        )
+    return problems
+
+
+def raise_problems(problems: Sequence[str]) -> None:
+    """Nothing, one problem as its own ``ConfigError``, or several numbered in one."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0] + ".")
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} problems, each to fix before a run: "
+            + " ".join(f"({i}) {p}." for i, p in enumerate(problems, 1))
         )

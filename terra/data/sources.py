@@ -345,8 +345,9 @@ def c4_json_source(
         description=description,
         how_to_get=C4_HOW_TO_GET,
         missing_hint={
-            "validation": "Name the validation files with c4_source.validation_json_path (gin), or give a folder "
-            "whose validation files have 'validation' or 'val' in their names, or a pattern with {split}."
+            "validation": "Name the validation files with --c4_validation_json=PATH (gin: "
+            "c4_source.validation_json_path), or give a folder whose validation files have 'validation' or 'val' "
+            "in their names, or a pattern with {split}."
         },
     )
 

@@ -381,18 +381,18 @@ def check_vocabulary_and_lengths(
     ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
     ``inputs + targets``. Call it before anything is built or written."""
     sizes = {name: feature.vocabulary.vocab_size for name, feature in provider.output_features.items()}
-    catalog.check_fits(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
-    if feature_converter is None:
-        return
-    model_lengths = feature_converter.get_model_feature_lengths(dict(feature_lengths))
-    sequences = ("encoder_input_tokens", "decoder_input_tokens")
-    too_long = {k: v for k, v in model_lengths.items() if k in sequences and v > max_len}
-    if too_long:
-        raise ConfigError(
-            f"{type(feature_converter).__name__} makes model sequences {too_long} of feature lengths "
-            f"{dict(feature_lengths)}, beyond the model's max_len={max_len}; bind TransformerConfig.max_len = "
-            f"{max(too_long.values())} or shorten the features."
-        )
+    problems = catalog.fit_problems(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
+    if feature_converter is not None and not any("max_len" in p for p in problems):
+        model_lengths = feature_converter.get_model_feature_lengths(dict(feature_lengths))
+        sequences = ("encoder_input_tokens", "decoder_input_tokens")
+        too_long = {k: v for k, v in model_lengths.items() if k in sequences and v > max_len}
+        if too_long:
+            problems.append(
+                f"{type(feature_converter).__name__} makes model sequences {too_long} of feature lengths "
+                f"{dict(feature_lengths)}, beyond the model's max_len={max_len}; bind TransformerConfig.max_len = "
+                f"{max(too_long.values())} or shorten the features"
+            )
+    catalog.raise_problems(problems)
 
 
 def members(provider: Provider) -> list:
