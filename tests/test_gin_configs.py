@@ -131,6 +131,21 @@ def test_size_overlays_apply_to_every_model_config(size_file):
         assert built[config].config.d_model < 1024, model_file
 
 
+def test_a_tiny_terraformer_initialises_the_tiny_lsh_terraformer_as_journey_2_does():
+    """The README's fine-tuning journey shrunk with sizes/tiny.gin: the LSH model's parameters
+    (after the fine-tuning experiment's param_map) have the shapes of the pretrained model's."""
+    from terra.models import shared_qk_from_dense_attention
+
+    def shapes(files):
+        parsing.parse_gin([*files, "sizes/tiny.gin"], finalize=False)
+        return parsing.build_model().abstract_params()
+
+    pretrained = shapes(["models/terraformer_800m.gin"])
+    lsh = shapes(["models/terraformer_lsh_800m.gin"])
+    mapped = jax.eval_shape(shared_qk_from_dense_attention, pretrained)
+    assert jax.tree.map(lambda x: x.shape, mapped) == jax.tree.map(lambda x: x.shape, lsh)
+
+
 def test_files_parse_in_order_and_later_bindings_win():
     parsing.parse_gin(["models/dense_800m.gin", "models/tiny.gin"], ["TransformerConfig.d_model = 128"])
     model = parsing.build_model()
