@@ -108,6 +108,11 @@ def write_atomically(path: str, data: Union[str, bytes]) -> None:
     try:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
         tmp.replace(target)
+    except OSError as error:
+        if error.filename is not None or error.errno is None:
+            raise
+        # A write that fails part-way (a full disk) names no file: name the one being written.
+        raise OSError(error.errno, error.strerror, str(target)) from error
     finally:
         if tmp.exists():
             tmp.unlink()

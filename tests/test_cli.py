@@ -527,6 +527,28 @@ def test_each_class_of_failure_has_one_exit_status(error, status, monkeypatch, c
         assert err.startswith(f"error: cannot write {error.filename}: ") and "rerun the same command" in err
 
 
+def test_a_write_cut_short_by_a_full_disk_names_the_file_it_was_writing(tmp_path, monkeypatch):
+    """A new MODEL_DIR's first files on a full disk: the OSError of a write names no file; the
+    command's one line must (files.write_atomically names the file it writes)."""
+    from etils import epath
+
+    from terra import files
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")  # as a write() that fails part-way raises it
+
+    monkeypatch.setattr(epath.Path, "write_bytes", full)
+    target = tmp_path / "run" / "vocabulary" / "sentencepiece.model"
+    target.parent.mkdir(parents=True)
+    with pytest.raises(OSError) as error:
+        files.write_atomically(str(target), b"model")
+    assert (error.value.errno, error.value.filename) == (28, str(target)) and not list(target.parent.iterdir())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _fails_with(error.value).main([]) == 1
+    assert err.getvalue().startswith(f"error: cannot write {target}: no space left on the device.")
+
+
 def test_other_os_errors_are_not_mistaken_for_a_full_disk():
     assert errors.storage_problem(OSError(2, "No such file or directory")) is None
     assert errors.storage_problem(ValueError("bad")) is None
