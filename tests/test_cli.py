@@ -599,6 +599,28 @@ def test_c4_validation_files_kept_elsewhere_are_named_by_a_flag(tmp_path):
     ]
 
 
+@pytest.mark.slow
+def test_a_run_reports_every_problem_of_its_config_and_data_in_one_error(tmp_path, capsys):
+    # Pretraining on a user's own C4 folder at tiny size, three mistakes at once: the vocabulary
+    # (4,100 ids) beyond vocab_size 512, the features beyond max_len, no validation files.
+    c4 = tmp_path / "c4"
+    c4.mkdir()
+    (c4 / "c4-train.00000-of-00001.json").write_text('{"text": "a line of text", "url": "u"}\n')
+    model_dir = tmp_path / "run"
+    argv = [
+        "--gin_file=experiments/pretrain_c4_dense_800m.gin",
+        "--gin_file=sizes/tiny.gin",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        f"--c4_json={c4}",
+        "--gin.TransformerConfig.max_len=64",
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 3 problems, each to fix before a run: (1) the task's 'inputs' vocabulary has "), err
+    assert "(2) feature lengths" in err and "(3) " in err and "--c4_validation_json" in err and err.count("\n") == 1
+    assert not model_dir.exists()
+
+
 def test_tensorflows_cpp_log_is_off_in_the_api_unless_the_user_sets_its_level(monkeypatch):
     from terra import tensorflow_setup
 

@@ -171,6 +171,7 @@ def fit_problems(
 
 def raise_problems(problems: Sequence[str]) -> None:
     """Nothing, one problem as its own ``ConfigError``, or several numbered in one."""
+    problems = [p.rstrip(". ") for p in problems]
     if len(problems) == 1:
         raise ConfigError(problems[0] + ".")
     if problems:

@@ -40,7 +40,7 @@ import logging
 import os
 import re
 import sys
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import gin
 import seqio
@@ -380,6 +380,17 @@ def check_vocabulary_and_lengths(
     with a ``feature_converter``, also a model sequence (``encoder_input_tokens``,
     ``decoder_input_tokens``) beyond ``max_len``, such as the language-model form's
     ``inputs + targets``. Call it before anything is built or written."""
+    catalog.raise_problems(
+        vocabulary_and_length_problems(
+            provider, feature_lengths, vocab_size=vocab_size, max_len=max_len, feature_converter=feature_converter
+        )
+    )
+
+
+def vocabulary_and_length_problems(
+    provider: Provider, feature_lengths: Mapping[str, int], *, vocab_size: int, max_len: int, feature_converter=None
+) -> List[str]:
+    """What :func:`check_vocabulary_and_lengths` finds, one sentence each."""
     sizes = {name: feature.vocabulary.vocab_size for name, feature in provider.output_features.items()}
     problems = catalog.fit_problems(sizes, feature_lengths, vocab_size=vocab_size, max_len=max_len)
     if feature_converter is not None and not any("max_len" in p for p in problems):
@@ -392,7 +403,7 @@ def check_vocabulary_and_lengths(
                 f"{dict(feature_lengths)}, beyond the model's max_len={max_len}; bind TransformerConfig.max_len = "
                 f"{max(too_long.values())} or shorten the features"
             )
-    catalog.raise_problems(problems)
+    return problems
 
 
 def members(provider: Provider) -> list:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from terra.errors import ConfigError, TrainingError
+from terra.errors import ConfigError, DataNotFoundError, TrainingError
 from terra.layers import axes
 from terra.models.protocol import Model
 from terra.parallel import mesh as mesh_lib
@@ -191,27 +191,34 @@ class Trainer:
         self.evaluation = evaluation or EvaluationSettings()
         self.logging = logging or LoggingSettings()
         self.step_hooks = tuple(step_hooks)
-        from terra.data import tasks
+        from terra.data import catalog, tasks
 
         self.provider = tasks.resolve(task)
-        tasks.check_vocabulary_and_lengths(
+        # Every problem of the config and its evaluation data, in one error: one rerun fixes them all.
+        problems = tasks.vocabulary_and_length_problems(
             self.provider,
             self.feature_lengths,
             vocab_size=model.config.vocab_size,
             max_len=model.config.max_len,
             feature_converter=feature_converter,
         )
-        self.host_batch = host_batch_size(batch_size)
         directions = self.evaluation.metric_directions()
         if self.checkpoints.best_metric not in directions:
-            raise ConfigError(
+            problems.append(
                 f"CheckpointSettings.best_metric={self.checkpoints.best_metric!r} is not a metric this run evaluates; "
-                f"use one of {sorted(directions)} (eval/rouge* needs a ROUGE hook in EvaluationSettings.hooks)."
+                f"use one of {sorted(directions)} (eval/rouge* needs a ROUGE hook in EvaluationSettings.hooks)"
             )
-        self.best_mode = directions[self.checkpoints.best_metric]
         # The train split is checked when its first batch is read, in run(), still before model_dir.
         if self.evaluation.teacher_forced or self.evaluation.hooks:
-            tasks.check_task_data(self.provider, self.evaluation.split)
+            try:
+                tasks.check_task_data(self.provider, self.evaluation.split)
+            except (DataNotFoundError, ConfigError) as error:
+                if not problems:
+                    raise
+                problems.append(" ".join(str(error).split()))
+        catalog.raise_problems(problems)
+        self.host_batch = host_batch_size(batch_size)
+        self.best_mode = directions[self.checkpoints.best_metric]
         self.eval_feature_lengths = dict(self.evaluation.feature_lengths or self.feature_lengths)
         for hook in self.evaluation.hooks:
             hook.prepare(
