@@ -10,9 +10,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
+#include "host_registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace terra::native {
@@ -30,19 +30,7 @@ struct Exchange {
   bool token_posted = false, logits_posted = false, stop = false, ended = false;
 };
 
-std::mutex g_sessions_mutex;
-
-// Never destroyed: a loop may still wait in one while the process exits.
-std::unordered_map<int32_t, std::shared_ptr<Exchange>>& Sessions() {
-  static auto* sessions = new std::unordered_map<int32_t, std::shared_ptr<Exchange>>;
-  return *sessions;
-}
-
-std::shared_ptr<Exchange> Find(int32_t id) {
-  std::lock_guard<std::mutex> lock(g_sessions_mutex);
-  auto it = Sessions().find(id);
-  return it == Sessions().end() ? nullptr : it->second;
-}
+std::shared_ptr<Exchange> Find(int32_t id) { return HostRegistry<Exchange>::Get().Find(id); }
 
 // The loop's side: waits for the host's next token (or its stop) and writes it out.
 ffi::Error AwaitToken(Exchange& e, std::unique_lock<std::mutex>& lock, ffi::Result<ffi::Buffer<ffi::S32>>& token,
@@ -106,8 +94,7 @@ extern "C" int terra_session_open(int32_t id, int64_t batch, int64_t vocab) {
   auto e = std::make_shared<Exchange>();
   e->batch = batch, e->vocab = vocab;
   e->token.resize(batch), e->logits.resize(batch * vocab);
-  std::lock_guard<std::mutex> lock(g_sessions_mutex);
-  return Sessions().emplace(id, std::move(e)).second ? 0 : 1;
+  return HostRegistry<Exchange>::Get().Add(id, std::move(e)) ? 0 : 1;
 }
 
 // Posts `token` [batch] and waits for the step's logits, written to `logits` [batch, vocab].
@@ -137,14 +124,8 @@ extern "C" void terra_session_stop(int32_t id) {
 
 // The loop has returned or failed: wakes a host waiting for logits, and forgets the session.
 extern "C" void terra_session_end(int32_t id) {
-  std::shared_ptr<Exchange> e;
-  {
-    std::lock_guard<std::mutex> lock(g_sessions_mutex);
-    auto it = Sessions().find(id);
-    if (it == Sessions().end()) return;
-    e = it->second;
-    Sessions().erase(it);
-  }
+  std::shared_ptr<Exchange> e = HostRegistry<Exchange>::Get().Remove(id);
+  if (!e) return;
   std::lock_guard<std::mutex> lock(e->mutex);
   e->ended = true;
   e->changed.notify_all();

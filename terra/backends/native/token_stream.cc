@@ -4,16 +4,15 @@
 // which releases Python's lock while it waits) takes the steps in order on a thread of its own.
 // One mutex and condition variable per stream; nothing runs Python on XLA's threads.
 
-#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
+#include "host_registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace terra::native {
@@ -30,19 +29,7 @@ struct TokenStream {
   bool stop = false, ended = false;
 };
 
-std::mutex g_streams_mutex;
-
-// Never destroyed: a loop may still push to one while the process exits.
-std::unordered_map<int32_t, std::shared_ptr<TokenStream>>& Streams() {
-  static auto* streams = new std::unordered_map<int32_t, std::shared_ptr<TokenStream>>;
-  return *streams;
-}
-
-std::shared_ptr<TokenStream> FindStream(int32_t id) {
-  std::lock_guard<std::mutex> lock(g_streams_mutex);
-  auto it = Streams().find(id);
-  return it == Streams().end() ? nullptr : it->second;
-}
+std::shared_ptr<TokenStream> FindStream(int32_t id) { return HostRegistry<TokenStream>::Get().Find(id); }
 
 // (stream s32[], step s32[], tokens s32[batch]) -> stop pred[]: appends the step's tokens; stop
 // is true once the host asked for it, or when the stream is not open (nobody would read it).
@@ -79,8 +66,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(terra_stream_push, PushImpl,
 extern "C" int terra_stream_open(int32_t id, int64_t batch) {
   auto s = std::make_shared<TokenStream>();
   s->batch = batch;
-  std::lock_guard<std::mutex> lock(g_streams_mutex);
-  return Streams().emplace(id, std::move(s)).second ? 0 : 1;
+  return HostRegistry<TokenStream>::Get().Add(id, std::move(s)) ? 0 : 1;
 }
 
 // Waits for the stream's next step: writes its number to `step` and its tokens to `tokens`
@@ -115,10 +101,7 @@ extern "C" void terra_stream_end(int32_t id) {
 }
 
 // Forgets the stream (after its reader is done).
-extern "C" void terra_stream_close(int32_t id) {
-  std::lock_guard<std::mutex> lock(g_streams_mutex);
-  Streams().erase(id);
-}
+extern "C" void terra_stream_close(int32_t id) { HostRegistry<TokenStream>::Get().Remove(id); }
 
 #pragma GCC visibility pop
 
