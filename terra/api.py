@@ -52,7 +52,7 @@ from terra.decoding import streaming  # noqa: E402
 from terra.errors import ConfigError  # noqa: E402
 from terra.gin_config import parsing  # noqa: E402
 from terra.models.protocol import Model  # noqa: E402
-from terra.quantization import check_weights_dtype, quantize_params  # noqa: E402
+from terra.quantization import check_weights_dtype, quantize_params, weights_dtype_of  # noqa: E402
 from terra.text_encoding import clean_article, encode_text  # noqa: E402
 from terra.training import checkpointing, run_directory  # noqa: E402
 
@@ -148,7 +148,7 @@ class InteractiveModel:
         target = files.absolute(os.fspath(path))
         if files.has_scheme(target):
             raise ConfigError(f"save writes a local folder; copy it to {target} afterwards (e.g. gsutil -m cp -r).")
-        if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        if os.path.lexists(target) and (os.path.islink(target) or not os.path.isdir(target) or os.listdir(target)):
             raise ConfigError(f"{target} exists and is not an empty folder: save into a new folder.")
         run_config.check_text(self.config_text, os.path.join(target, run_directory.CONFIG_FILE))
         parent = os.path.dirname(target)
@@ -156,12 +156,15 @@ class InteractiveModel:
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.saving-", dir=parent)
         try:
             run_directory.write_config(staging, self.config_text)
-            if run_directory.vocabulary_file(self.vocabulary):
-                run_directory.save_vocabulary(staging, self.vocabulary)
+            run_directory.save_vocabulary(staging, self.vocabulary)  # nothing for one without a file
             checkpointing.save_params(staging, self.params, self.step or 0)
-            if os.path.isdir(target):
-                os.rmdir(target)  # empty: checked above
-            os.rename(staging, target)
+            try:
+                if os.path.isdir(target):
+                    os.rmdir(target)  # empty: checked above
+                os.rename(staging, target)
+            except OSError as error:  # another save (a thread, a process) filled the folder meanwhile
+                problem = f"{target} could not be written ({error.strerror}): save into a new folder."
+                raise ConfigError(problem) from None
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -374,18 +377,15 @@ class InteractiveModel:
                         chunk, max_new_tokens, stop_at_eos, timing, about, controls=controls, **options
                     )
                 else:
-                    if controls is not None:
-                        options.update(
-                            repetition_penalty=controls.repetition_penalty,
-                            no_repeat_ngram_size=controls.no_repeat_ngram_size,
-                            return_scores=True,
-                        )
                     result = self.model.generate(
                         self.params,
                         chunk,
                         max_decode_length=max_new_tokens,
                         num_beams=num_beams,
                         length_penalty=length_penalty,
+                        repetition_penalty=repetition_penalty,
+                        no_repeat_ngram_size=no_repeat_ngram_size,
+                        return_scores=return_scores,
                         **options,
                     )
                 if stream is not None:
@@ -444,11 +444,9 @@ class InteractiveModel:
             jnp.int32(0 if top_k is None else top_k),  # 0 and 1.0 are the traced loop's "off"
             jnp.float32(1.0 if top_p is None else top_p),
         )
-        # the stream's id is an operand of the loop (None: the loop without the stream's callback)
+        # The stream's id and the controls are operands of the loop (None: the loop without them).
         opened = None if stream is None else streaming.open_stream(stream, inputs.shape[0])
-        stream_operand = () if opened is None else (opened.operand,)
-        # the controls too (None: the loop without them)
-        operands = stream_operand if controls is None else (None if opened is None else opened.operand, controls)
+        operands = (None if opened is None else opened.operand, controls)
         key = (max_new_tokens, inputs.shape, stream is not None, controls is not None)
         times = {"compile_s": 0.0}
         try:
@@ -571,8 +569,8 @@ def _stop_strings(stop_strings) -> List[str]:
 
 def _cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     """``text`` up to and including the first of ``stop_strings`` in it (as a whole)."""
-    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
-    return text[: min(ends)] if ends else text
+    end = streaming.stop_end(text, stop_strings)
+    return text if end is None else text[:end]
 
 
 class _StreamAbandoned(Exception):
@@ -769,7 +767,7 @@ def load(
 
     def params_from(model):
         params, restored_step = checkpointing.load_params(model, model_dir, step)
-        return params, restored_step, checkpointing.stored_weights_dtype(model_dir, restored_step)
+        return params, restored_step, weights_dtype_of(params)
 
     with _CONFIG_LOCK:
         parsing.parse_gin([config], opening, finalize=False, data_layer=None if text_vocabulary is None else False)

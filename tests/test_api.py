@@ -253,7 +253,22 @@ def test_a_saved_model_opens_with_load_as_it_was_narrow_weights_kept_narrow(copy
         terra.load(tmp_path / "int8", weights_dtype="bfloat16")
     with pytest.raises(ConfigError, match="saved.* exists and is not an empty folder"):
         copy_model.save(tmp_path / "saved")
-    assert sorted(os.listdir(tmp_path)) == ["int8", "saved"]  # no staging folder left beside them
+    os.symlink(tmp_path / "int8", tmp_path / "link")  # a link to a folder is not a new folder
+    with pytest.raises(ConfigError, match="link exists and is not an empty folder"):
+        copy_model.save(tmp_path / "link")
+    outcomes = []
+
+    def save_twice_at_once():
+        try:
+            outcomes.append(copy_model.save(tmp_path / "raced"))
+        except ConfigError as error:
+            outcomes.append(str(error))
+
+    threads = [threading.Thread(target=save_twice_at_once) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert str(tmp_path / "raced") in outcomes and any("save into a new folder" in o for o in outcomes), outcomes
+    assert sorted(os.listdir(tmp_path)) == ["int8", "link", "raced", "saved"]  # no staging folder left beside them
 
 
 def test_two_threads_building_at_once_keep_their_own_configs(monkeypatch):

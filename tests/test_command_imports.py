@@ -1,5 +1,6 @@
 """Commands and API calls that read no data never import TensorFlow, seqio or TensorFlow
-Datasets (their import is most of a command's start-up): ``terra-params``, ``terra-convert trax``
+Datasets (their import is most of a command's start-up): ``terra-params``, ``terra-configs``,
+``terra-evaluate --list``, ``terra-convert trax``
 without a task, ``terra-bench decode``, ``terra.build`` of a model config, ``terra.load`` of a
 run without a task or of a summarization run, and ``terra-summarize`` of a document. One process
 runs them in turn, as commands do (``main``), and after each one reports which of those packages
@@ -28,8 +29,10 @@ def step(name, fn):
     status = fn()
     report.append({{"step": name, "status": status, "loaded": loaded()}})
 
-from terra.cli import bench, convert, params, summarize
+from terra.cli import bench, configs, convert, evaluate, params, summarize
 step("terra-params", lambda: params.main(["--gin_file=models/tiny.gin"]))
+step("terra-configs", lambda: configs.main([]))
+step("terra-evaluate --list", lambda: evaluate.main(["--list", "{evaluated}"]))
 step(
     "terra-convert trax",
     lambda: convert.main(
@@ -91,6 +94,14 @@ def _summarization_run(run) -> str:
     return str(run)
 
 
+def _evaluated_run(run) -> str:
+    """A run folder holding only its table of evaluations, one line of it."""
+    (run / "eval").mkdir(parents=True)
+    line = {"date": "2026-12-07T06:00:00+00:00", "split": "validation", "step": 4, "rouge_f1": {"rouge1": 0.25}}
+    (run / "eval" / "results.jsonl").write_text(json.dumps(line) + "\n")
+    return str(run)
+
+
 @pytest.mark.slow
 def test_commands_that_read_no_data_never_import_tensorflow(tmp_path):
     document = tmp_path / "doc.txt"
@@ -102,6 +113,7 @@ def test_commands_that_read_no_data_never_import_tensorflow(tmp_path):
         bench=tmp_path / "bench",
         summarization_run=_summarization_run(tmp_path / "summarization"),
         document=document,
+        evaluated=_evaluated_run(tmp_path / "evaluated"),
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu", TERRA_HUGE_PAGES_RESTARTED="1")
     result = subprocess.run(

@@ -231,6 +231,39 @@ def test_evaluate_list_prints_every_evaluation_of_the_run_without_tensorflow(
         evaluate_cli.call(["--list", str(float32_out)])
 
 
+def test_a_strangers_table_of_evaluations_is_read_as_data_and_never_followed_or_waited_on(tmp_path, capsys):
+    from terra import evaluation_table
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    table = run / "eval" / "results.jsonl"
+    lines = [
+        "not json",
+        "[1, 2]",
+        json.dumps({"date": "2026|12\n07", "split": {"a": 1}, "rouge_f1": [0.5], "log_perplexity": "low"}),
+        json.dumps({"date": "2026-12-07", "step": 4, "rouge_f1": {"rouge1": 0.25, "rouge2": True}}),
+    ]
+    table.write_text("\n".join(lines) + "\n")
+    assert evaluate_cli.call(["--list", str(run)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2026")]
+    assert len(rows) == 2 and all(row.count(" | ") == 13 for row in rows), rows  # one cell each, no bar inside
+    assert rows[0].startswith("| 2026/12 07 | {'a': 1} |") and "| 25.00 | — |" in rows[1]
+    table.unlink()
+    os.mkfifo(table)  # a FIFO: refused at once, not waited on
+    with pytest.raises(InputError, match="is not a regular file"):
+        evaluate_cli.call(["--list", str(run)])
+    table.unlink()
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("kept\n")
+    table.symlink_to(elsewhere)  # a link planted in the run: nothing appended through it
+    with pytest.raises(InputError, match="cannot add the evaluation"):
+        evaluation_table.record(str(run), str(run / "eval" / "x"), {"rouge": {}, "date": "now"})
+    assert elsewhere.read_text() == "kept\n"
+    os.mkfifo(tmp_path / "metrics.json")  # an earlier evaluation's file that is not one: refused, not read
+    with pytest.raises(ConfigError, match=r"holds an evaluation already \(an earlier run\)"):
+        evaluator.check_not_evaluated(str(tmp_path), overwrite=False)
+
+
 def test_each_setting_that_changes_an_evaluation_names_its_folder(tmp_path):
     name = functools.partial(evaluator.default_output_dir, "run", "test", 100, default_length=256)
     assert name() == os.path.join("run", "eval", "test_step100")

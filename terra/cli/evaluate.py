@@ -82,9 +82,9 @@ def _check_run_named(values) -> bool:
 
 def run(flag_values: flags.FlagValues, _) -> int:
     if flag_values.list is not None:
-        from terra.evaluation import results_table
+        from terra import evaluation_table
 
-        print(results_table.markdown(flag_values.list))
+        print(evaluation_table.markdown(flag_values.list))
         return 0
     from terra.evaluation import evaluator
     from terra.gin_config import parsing

@@ -104,6 +104,13 @@ def hand_over(stream_id: jax.Array, step: jax.Array, tokens: jax.Array) -> jax.A
     return io_callback(_deliver, stop, stream_id, step, tokens)
 
 
+def stop_end(text: str, stop_strings: Sequence[str]) -> Optional[int]:
+    """Where ``text`` ends if cut after the first of ``stop_strings`` it holds (the one that ends
+    first), or None when it holds none."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return min(ends) if ends else None
+
+
 def _is_cjk(char: str) -> bool:
     # CJK ideographs are words of their own: printed as they come, as Hugging Face's streamer does.
     return "CJK" in unicodedata.name(char, "")
@@ -195,10 +202,9 @@ class BatchStream:
         of the first one is its last piece."""
         row = self.texts[r]
         text = row.vocabulary.decode(row.ids)
-        ends = [text.find(s) + len(s) for s in self.stop_strings if s in text]
-        if not ends:
+        end = stop_end(text, self.stop_strings)
+        if end is None:
             return
-        end = min(ends)
         if end > row.printed:
             self.on_piece(self.first_row + r, text[row.printed : end])
         row.printed = len(text)

@@ -22,12 +22,13 @@ from typing import Dict, List, Mapping, Optional
 
 import gin
 
+from terra import evaluation_table
 from terra.data import tasks
 from terra.errors import ConfigError
-from terra.evaluation import results_table, summaries
 from terra.evaluation import rouge as rouge_lib
-from terra.files import write_atomically
-from terra.quantization import check_weights_dtype, quantize_params
+from terra.evaluation import summaries
+from terra.files import read_regular_file, write_atomically
+from terra.quantization import check_weights_dtype, quantize_params, weights_dtype_of
 from terra.training import checkpointing
 
 
@@ -105,13 +106,13 @@ def default_output_dir(
 def check_not_evaluated(output_dir: str, overwrite: bool) -> None:
     """A folder that holds an evaluation's ``metrics.json`` is not written over unless asked."""
     path = os.path.join(output_dir, "metrics.json")
-    if overwrite or not os.path.exists(path):
+    if overwrite or not os.path.lexists(path):
         return
-    try:
-        with open(path, encoding="utf-8") as f:
-            when = json.load(f).get("date") or "an earlier run"
-    except (OSError, ValueError, AttributeError):
-        when = "an earlier run"
+    try:  # the earlier evaluation's date; a file that is not one (a FIFO, a huge file) is not read
+        when = json.loads(read_regular_file(path, 1 << 20, ValueError, "metrics file")).get("date")
+    except (ValueError, AttributeError):
+        when = None
+    when = " ".join(when.split())[:40] if isinstance(when, str) and when.strip() else "an earlier run"
     raise ConfigError(
         f"{output_dir} holds an evaluation already ({when}): pass --overwrite to replace it (gin: "
         "terra.evaluation.evaluate.overwrite = True), or --output_dir to write elsewhere; "
@@ -196,7 +197,7 @@ def evaluate(
     )
     max_decode_length = max_decode_length or feature_lengths["targets"]
     params, step = checkpointing.load_params(model, model_dir, step)  # fails before anything is written
-    stored = checkpointing.stored_weights_dtype(model_dir, step)
+    stored = weights_dtype_of(params)
     if stored == "float32":
         params = quantize_params(params, weights_dtype)
     elif weights_dtype in ("float32", stored):  # a quantized model saved from Python: its own weights
@@ -277,7 +278,7 @@ def evaluate(
     metrics["batch_size"] = batch_size
     write_atomically(os.path.join(output_dir, "predictions.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     write_atomically(os.path.join(output_dir, "metrics.json"), json.dumps(metrics, indent=1) + "\n")
-    results_table.record(model_dir, output_dir, metrics)
+    evaluation_table.record(model_dir, output_dir, metrics)
     log(rouge_lib.markdown_table(rouge, label=f"step {step}"))
     log(f"target log-perplexity {log_ppl:.3f} nats/token; {decode_seconds:.1f} s decoding; written to {output_dir}")
     return EvaluationResult(metrics=metrics, predictions=rows, examples=examples, output_dir=output_dir)

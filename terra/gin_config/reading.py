@@ -68,25 +68,26 @@ def read_statements(text_or_file) -> List[Any]:
     try:
         return list(config_parser.ConfigParser(text_or_file, _UnresolvedDelegate()))
     except tokenize.TokenError as e:
-        text = text_or_file if isinstance(text_or_file, str) else _reread(text_or_file)
-        opened = unclosed(text) if text is not None else None
+        opened = _left_open(text_or_file)
         where = " (an unclosed bracket or quote?)"
         if opened:
             where = f": the {opened[0]} on line {opened[1]} is never closed"
         raise SyntaxError(f"{e.args[0]}{where}") from None
     except SyntaxError as e:  # gin's, at the line where it gave up: name a bracket left open before it
-        text = text_or_file if isinstance(text_or_file, str) else _reread(text_or_file)
-        opened = unclosed(text) if text is not None else None
+        opened = _left_open(text_or_file)
         if opened is None or e.lineno is None or opened[1] >= e.lineno:
             raise
         message = f"the {opened[0]} on line {opened[1]} is never closed (gin gave up on line {e.lineno})"
         raise SyntaxError(message) from None
 
 
-def _reread(file) -> Optional[str]:
+def _left_open(text_or_file) -> Optional[Tuple[str, int]]:
+    """:func:`unclosed` of a text, or of a file read again from its start (None if it cannot be)."""
+    if isinstance(text_or_file, str):
+        return unclosed(text_or_file)
     try:
-        file.seek(0)
-        return file.read()
+        text_or_file.seek(0)
+        return unclosed(text_or_file.read())
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -12,6 +12,7 @@ from terra.quantization.quantized import (
     quantize_compiled,
     quantize_leaf,
     quantize_params,
+    weights_dtype_of,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "quantize_compiled",
     "quantize_leaf",
     "quantize_params",
+    "weights_dtype_of",
 ]

@@ -178,6 +178,16 @@ def quantize_params(params: Any, weights_dtype: str) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, leaf: quantize_leaf(path, leaf, weights_dtype), params)
 
 
+def weights_dtype_of(params: Any) -> str:
+    """How a parameter tree stores its weights: the kind of its :class:`QuantizedTensor` leaves
+    (``int8``, ``bfloat16``), or ``float32`` where it has none."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, QuantizedTensor))
+    kinds = {leaf.kind for leaf in leaves if isinstance(leaf, QuantizedTensor)}
+    if len(kinds) > 1:
+        raise ValueError(f"a parameter tree mixes {sorted(kinds)} weights; terra stores one kind per tree.")
+    return kinds.pop() if kinds else "float32"
+
+
 def dequantize_params(params: Any) -> Any:
     """A decode tree -> float32 (each :class:`QuantizedTensor` replaced by what it stands for)."""
     return jax.tree.map(
