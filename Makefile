@@ -36,12 +36,14 @@ PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-re
 # The whole suite, what CI runs (docs/contributing.md): everything on one device, then the
 # partitioning tests (@pytest.mark.multi_device) in a session of their own with eight, as JAX fixes
 # the device count when it starts. The second session prints the CPU time of both; a failure in
-# either fails the target after both have run.
+# either fails the target after both have run. CPU_REPORT=PATH writes every test's CPU seconds and
+# JAX phases there (docs/benchmarks/test_suite/cpu_by_test.json is one).
 MULTI_DEVICE_TESTS = $(shell grep -l "pytest.mark.multi_device" tests/test_*.py)
 test: $(STAMP) lint
 	@ledger=$$(mktemp) && trap 'rm -f "$$ledger"' EXIT && export TERRA_TEST_CPU_LEDGER="$$ledger" && status=0 && \
 	$(PYTEST) -m "not multi_device" --durations=15 tests || status=1; \
-	TERRA_TEST_DEVICES=8 $(PYTEST) -m multi_device --durations=5 $(MULTI_DEVICE_TESTS) || status=1; \
+	TERRA_TEST_DEVICES=8 $(PYTEST) -m multi_device --durations=5 $(if $(CPU_REPORT),--cpu-report=$(CPU_REPORT)) \
+		$(MULTI_DEVICE_TESTS) || status=1; \
 	exit $$status
 
 # The unit tier for the edit-test loop: everything not marked slow.

@@ -85,6 +85,11 @@ def commands(paths: Dict[str, str]) -> List[Dict]:
             "module": "train",
             "args": [f"--gin_file={paths['loop']}"],
         },
+        {
+            "label": "terra-vocab, a missing input file (an error)",
+            "module": "vocab",
+            "args": [f"--input={os.path.join(paths['run'], 'absent.txt')}", "--out={out}/v.model"],
+        },
         {"label": "terra-params, 800M dense", "module": "params", "args": ["--gin_file=models/dense_800m.gin"]},
         {
             "label": "terra-convert trax, the dense fixture",

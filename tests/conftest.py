@@ -58,6 +58,7 @@ from terra.models import EncoderDecoderModel, EncoderDecoderTransformer  # noqa:
 
 
 def pytest_configure(config):
+    _account_jax_phases()
     config.pluginmanager.register(SlowByMeasure(), "terra-slow-by-measure")
     config.addinivalue_line(
         "markers", "slow: costs seconds (a training, a subprocess, a long compile); make test-fast deselects it"
@@ -169,6 +170,7 @@ def _store_durations(config):
 
 _SUITE_START = time.perf_counter()
 _TEST_CPU = {}  # nodeid -> CPU seconds, as the workers report them
+_TEST_JAX = {}  # nodeid -> JAX's phases in the test's own process
 
 
 def _cpu_seconds() -> float:
@@ -184,6 +186,31 @@ def _counted(item):
     start = _cpu_seconds()
     yield
     item.cpu_seconds = getattr(item, "cpu_seconds", 0.0) + _cpu_seconds() - start
+
+
+# Where a test process's seconds went by JAX's own events: tracing, lowering to MLIR, XLA
+# compilation (or its retrieval from the persistent cache), and the programs compiled and found in
+# the cache; the rest of a test's CPU time is running programs, Python, TensorFlow and subprocesses.
+JAX_PHASES = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
+    "/jax/core/compile/backend_compile_duration": "compile_seconds",
+}
+JAX_COUNTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "compiles"}
+_JAX_ACCOUNT = {}  # the running test's figures
+
+
+def _account_jax_phases():
+    def duration(event, seconds, **_):
+        if event in JAX_PHASES:
+            _JAX_ACCOUNT[JAX_PHASES[event]] = _JAX_ACCOUNT.get(JAX_PHASES[event], 0.0) + seconds
+
+    def count(event, **_):
+        if event in JAX_COUNTS:
+            _JAX_ACCOUNT[JAX_COUNTS[event]] = _JAX_ACCOUNT.get(JAX_COUNTS[event], 0) + 1
+
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    jax.monitoring.register_event_listener(count)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -205,7 +232,10 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if call.when == "teardown":  # the test's whole CPU time travels to the controller with its last report
-        outcome.get_result().user_properties.append(("cpu_seconds", round(getattr(item, "cpu_seconds", 0.0), 3)))
+        properties = outcome.get_result().user_properties
+        properties.append(("cpu_seconds", round(getattr(item, "cpu_seconds", 0.0), 3)))
+        properties.append(("jax", {name: round(value, 3) for name, value in _JAX_ACCOUNT.items()}))
+        _JAX_ACCOUNT.clear()
 
 
 # `make test` runs two sessions (the second for the multi_device tests); each adds its figures to
@@ -234,7 +264,12 @@ def pytest_terminal_summary(terminalreporter, config):
     seconds, the workers and the subprocesses tests start included, and the tests that took most."""
     if hasattr(config, "workerinput") or not _TEST_CPU:
         return
-    session = {"cpu_seconds": _cpu_seconds(), "wall_seconds": time.perf_counter() - _SUITE_START, "tests": _TEST_CPU}
+    session = {
+        "cpu_seconds": _cpu_seconds(),
+        "wall_seconds": time.perf_counter() - _SUITE_START,
+        "tests": _TEST_CPU,
+        "jax": _TEST_JAX,
+    }
     sessions = _sessions_so_far(session)
     total = sum(s["cpu_seconds"] for s in sessions)
     wall = sum(s["wall_seconds"] for s in sessions)
@@ -246,11 +281,24 @@ def pytest_terminal_summary(terminalreporter, config):
         f"suite CPU time: {total / 60:.1f} CPU-minutes in {wall / 60:.1f} minutes of wall time{in_sessions} "
         f"({in_tests:.1f} of them in the {len(tests)} tests themselves, the rest start-up and collection)"
     )
+    phases = {}
+    for s in sessions:
+        for figures in s.get("jax", {}).values():
+            for name, value in figures.items():
+                phases[name] = phases.get(name, 0) + value
+    write(
+        f"  of which JAX in the test processes: tracing {phases.get('trace_seconds', 0) / 60:.1f}, lowering "
+        f"{phases.get('lower_seconds', 0) / 60:.1f}, XLA compilation {phases.get('compile_seconds', 0) / 60:.1f} "
+        f"CPU-minutes ({phases.get('compiles', 0):,} programs compiled, {phases.get('cache_hits', 0):,} read "
+        "from the persistent cache); the rest runs programs, Python, TensorFlow and subprocesses"
+    )
     for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:10]:
         write(f"  {seconds:7.1f} CPU-s  {nodeid}")
     if config.getoption("cpu_report"):
         with open(config.getoption("cpu_report"), "w") as f:
-            json.dump({"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": tests}, f)
+            jax_phases = {nodeid: phases for s in sessions for nodeid, phases in s.get("jax", {}).items()}
+            report = {"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": tests}
+            json.dump({**report, "jax": jax_phases}, f)
 
 
 def pytest_runtest_logreport(report):
@@ -258,6 +306,8 @@ def pytest_runtest_logreport(report):
     for name, value in report.user_properties:
         if name == "cpu_seconds":
             _TEST_CPU[report.nodeid] = value
+        elif name == "jax":
+            _TEST_JAX[report.nodeid] = value
 
 
 def pytest_sessionfinish(session):

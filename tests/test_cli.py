@@ -707,14 +707,17 @@ def test_a_syntax_error_in_a_gin_file_is_reported_before_tensorflow_loads(tmp_pa
         (evaluate, [], "error: name the run: --checkpoint MODEL_DIR, or --gin_file=EXPERIMENT"),
         (train, [QUICKSTART], "error: MODEL_DIR must be set: experiments/quickstart.gin leaves it %gin.REQUIRED"),
         (train, ["--gin_file={loop}"], "error: Invalid gin configuration (file {loop}): its includes form a loop"),
+        (vocab, ["--input={tmp}/absent.txt", "--out={tmp}/v.model"], "error: input file not found: {tmp}/absent.txt"),
+        (vocab, ["--out={tmp}/v.model"], "error: give exactly one text source: --input FILE, --embedded or --task"),
     ],
-    ids=["evaluate with no run", "train without MODEL_DIR", "an include loop"],
+    ids=["evaluate with no run", "train without MODEL_DIR", "an include loop", "vocab input missing", "vocab no text"],
 )
 def test_flag_and_config_errors_are_reported_before_tensorflow_loads(
     tmp_path, no_tensorflow, capsys, command, argv, message
 ):
     loop = tmp_path / "loop.gin"
     loop.write_text(f"include '{loop}'\n")
-    assert command.main([a.format(loop=loop) for a in argv]) == 2
+    assert command.main([a.format(loop=loop, tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(message.format(loop=loop)) and err.count("\n") == 1, err
+    assert err.startswith(message.format(loop=loop, tmp=tmp_path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "v.model").exists()

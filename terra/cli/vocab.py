@@ -13,7 +13,7 @@ model's path and a round trip of a two-line sample through seqio.
 
 from absl import flags
 
-from terra import errors
+from terra import errors, tensorflow_setup
 from terra.cli import app, flag_groups
 
 
@@ -57,13 +57,21 @@ def define_flags(flag_values: flags.FlagValues, argv) -> None:
     flag_groups.define_data_flags(flag_values)
 
 
-def texts(flag_values: flags.FlagValues):
-    """The documents the command line names (exactly one of --input, --embedded, --task)."""
+def check_sources(flag_values: flags.FlagValues) -> None:
+    """Exactly one of --input, --embedded and --task, and every --input a file: checked before
+    the data layer (seqio, TensorFlow) loads, so a mistyped path is reported in a second."""
     import os
 
     chosen = [name for name in ("input", "embedded", "task") if flag_values[name].value]
     if len(chosen) != 1:
         raise errors.UsageError("give exactly one text source: --input FILE, --embedded or --task NAME.")
+    for path in flag_values.input:
+        if not os.path.isfile(path):
+            raise errors.InputError(f"input file not found: {os.path.abspath(path)}")
+
+
+def texts(flag_values: flags.FlagValues):
+    """The documents the command line names (its sources checked by :func:`check_sources`)."""
     if flag_values.embedded:
         from terra.data import embedded
 
@@ -79,8 +87,6 @@ def texts(flag_values: flags.FlagValues):
         )
     documents = []
     for path in flag_values.input:
-        if not os.path.isfile(path):
-            raise errors.InputError(f"input file not found: {os.path.abspath(path)}")
         documents.extend(vocabulary_training.read_documents(path, documents=flag_values.documents))
     if not documents:
         raise errors.InputError(f"no text in {', '.join(flag_values.input)}")
@@ -88,6 +94,8 @@ def texts(flag_values: flags.FlagValues):
 
 
 def run(flag_values: flags.FlagValues, _) -> int:
+    check_sources(flag_values)
+    tensorflow_setup.before_data_layer()  # the vocabulary is seqio's, the --task text a seqio task's
     from terra.data import vocabularies
     from terra.data.vocabulary_training import ROUND_TRIP_SAMPLE
 
@@ -115,7 +123,7 @@ def run(flag_values: flags.FlagValues, _) -> int:
     return 0
 
 
-COMMAND = app.command("terra-vocab", "terra.cli.vocab", __doc__, define_flags=define_flags, run=run, reads_data=True)
+COMMAND = app.command("terra-vocab", "terra.cli.vocab", __doc__, define_flags=define_flags, run=run)
 main, call = COMMAND.main, COMMAND.call
 
 if __name__ == "__main__":
