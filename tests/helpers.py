@@ -31,6 +31,12 @@ def without_device_count(flags: str) -> str:
     return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
 
 
+def xla_flags_with_devices(count: int) -> str:
+    """This process's ``XLA_FLAGS`` (the suite's compile flags, tests/conftest.py) for a
+    subprocess that forces ``count`` host devices of its own."""
+    return f"{without_device_count(os.environ.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count={count}"
+
+
 def is_png(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"

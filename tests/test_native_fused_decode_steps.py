@@ -21,9 +21,10 @@ from terra.layers import SparseFeedForward, SparseQKVAttention, SparseQueryCross
 from cheap_init_prng import init_key
 from helpers import quantize_for_setup, quantize_params_for_setup, xla_optimizations
 
-# These tests read optimized programs or compare hand-written kernels with XLA's optimized
-# products (conftest.optimized_compile).
-pytestmark = pytest.mark.usefixtures("optimized_compile", "native_kernels_on")
+# The fused and the product-by-product paths both call native kernels, whatever XLA's
+# optimization level (conftest.fast_compile); the one optimized program read here is compiled with
+# XLA's optimizations on, as decoding compiles it.
+pytestmark = pytest.mark.usefixtures("fast_compile", "native_kernels_on")
 
 KINDS = ("int8", "bfloat16")
 
@@ -56,11 +57,10 @@ def _float_feed_forward(d_model, d_ff, n_units):
     """The layer and its float32 parameters, shared by both stores."""
     layer = SparseFeedForward(d_model=d_model, d_ff=d_ff, ff_sparsity=n_units)
     x = jnp.ones((1, 1, d_model))
-    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
-        params = nn.unbox(jax.jit(layer.init)(init_key(0), x)["params"])
-        # A controller bias large enough that the choice depends on it as well.
-        params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
-        return layer, params
+    params = nn.unbox(jax.jit(layer.init)(init_key(0), x)["params"])
+    # A controller bias large enough that the choice depends on it as well.
+    params["controller_bias"] = jax.random.normal(jax.random.key(1), params["controller_bias"].shape)
+    return layer, params
 
 
 @functools.cache
@@ -175,13 +175,12 @@ def _float_attentions():
             for (_, d_model, _), (layer, args) in layers.items()
         ]
 
-    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
-        params = jax.jit(init)(init_key(0))
-        return {
-            # Biases that count.
-            case: (layer, jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, case_params), args)
-            for (case, (layer, args)), case_params in zip(layers.items(), params)
-        }
+    params = jax.jit(init)(init_key(0))
+    return {
+        # Biases that count.
+        case: (layer, jax.tree.map(lambda a: a + 0.1 if a.ndim == 1 else a, case_params), args)
+        for (case, (layer, args)), case_params in zip(layers.items(), params)
+    }
 
 
 @functools.cache
@@ -303,8 +302,7 @@ def fully_sparse():
     bindings = ["vocab_size = 96", "n_encoder_layers = 1", "n_decoder_layers = 1"]
     parsing.parse_gin(["models/tiny_fully_sparse.gin"], [f"TransformerConfig.{b}" for b in bindings], finalize=False)
     model = parsing.build_model()
-    with xla_optimizations(False):  # set-up, not under test (conftest.optimized_compile)
-        return model, model.init_params(init_key(0))
+    return model, model.init_params(init_key(0))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -326,7 +324,8 @@ def test_a_narrow_fully_sparse_model_decodes_with_the_fused_layers_inside_the_ge
     assert "terra_sparse_feed_forward" in step and "terra_sparse_attention" in step
     # The fused calls write the KV caches and the convolution rows in place: the donated cache is
     # never copied inside the step.
-    hlo = decoder.step.lower(narrow, cache, start).compile().as_text()
+    with xla_optimizations(True):
+        hlo = decoder.step.lower(narrow, cache, start).compile().as_text()
     conv_rows = jax.tree.leaves(cache["decoder_0"]["self_attention"]["conv_rows"])[0].shape
     cache_shapes = (",37,", "[" + ",".join(map(str, conv_rows)) + "]")
     entry = hlo[hlo.index("ENTRY") :].splitlines()

@@ -33,7 +33,7 @@ from terra.parallel.sharding import (
     sharded_init,
 )
 
-from helpers import tiny_config
+from helpers import tiny_config, xla_flags_with_devices
 
 N_DEVICES = len(jax.devices())
 DATA = N_DEVICES // 2
@@ -271,7 +271,6 @@ def test_initialize_distributed_rejects_a_malformed_environment_variable(monkeyp
 _WORKER = """
 import os
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import numpy as np
 from terra.parallel.mesh import describe_mesh, initialize_distributed, make_mesh
 initialize_distributed()  # from TERRA_COORDINATOR / TERRA_NUM_PROCESSES / TERRA_PROCESS_ID
@@ -301,6 +300,8 @@ def test_two_cpu_processes_form_one_mesh_through_gloo(tmp_path):
         env = dict(
             os.environ,
             PYTHONPATH=root,
+            # The suite's compile flags (tests/conftest.py), two devices in each process.
+            XLA_FLAGS=xla_flags_with_devices(2),
             TERRA_COORDINATOR=f"127.0.0.1:{port}",
             TERRA_NUM_PROCESSES="2",
             TERRA_PROCESS_ID=str(process_id),

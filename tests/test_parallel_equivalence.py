@@ -39,6 +39,8 @@ from terra.training import adafactor
 from terra.training.train_state import TrainState
 from terra.training.train_step import train_step
 
+from helpers import xla_flags_with_devices
+
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]
 STEPS = 3
 BATCH, INPUT_LENGTH, TARGET_LENGTH = 8, 16, 12
@@ -278,7 +280,6 @@ def test_random_bits_do_not_depend_on_how_the_result_is_sharded(partitionable):
 _WORKER = """
 import os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 from terra.parallel.mesh import initialize_distributed
 initialize_distributed()  # from TERRA_COORDINATOR / TERRA_NUM_PROCESSES / TERRA_PROCESS_ID
 import jax
@@ -326,8 +327,10 @@ def _run_workers(tmp_path, initial, n: int = 2) -> str:
             TERRA_PROCESS_ID=str(process_id),
             TERRA_TEST_RESULT=result,
             TERRA_TEST_INITIAL_STATE=initial_path,
-            # The reference in this process is compiled under fast_compile; so are the workers.
+            # The reference in this process is compiled under fast_compile; so are the workers,
+            # with the suite's compile flags (tests/conftest.py) and two devices each.
             JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+            XLA_FLAGS=xla_flags_with_devices(2),
         )
         workers.append(
             subprocess.Popen(

@@ -25,7 +25,7 @@ from terra.gin_config import parsing
 from terra.training import checkpointing, trainer
 from terra.training import metrics as metrics_lib
 
-from helpers import REPO_ROOT, TINY_COPY_MODEL, without_device_count
+from helpers import REPO_ROOT, TINY_COPY_MODEL, xla_flags_with_devices
 
 # A tiny encoder-decoder on the copy task (bytes vocabulary: nothing to train or download).
 TINY = TINY_COPY_MODEL + [
@@ -378,8 +378,7 @@ def test_ctrl_c_saves_the_step_and_says_how_to_resume_and_a_second_one_stops_at_
 @pytest.mark.slow
 def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     extra = ("terra.training.Trainer.shuffle = False",)
-    flags = without_device_count(os.environ["XLA_FLAGS"]) + " --xla_force_host_platform_device_count=4"
-    env = _env(XLA_FLAGS=flags, TERRA_LOG_DIR=str(tmp_path / "logs"))
+    env = _env(XLA_FLAGS=xla_flags_with_devices(2), TERRA_LOG_DIR=str(tmp_path / "logs"))
     result = subprocess.run(
         [
             "bash",
@@ -394,7 +393,7 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
         timeout=400,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "over 8 cpu devices, 2 processes" in result.stdout
+    assert "over 4 cpu devices, 2 processes" in result.stdout
     _parse(tmp_path / "single", 5, *extra)
     trainer.Trainer().run()
     np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=1e-4)
