@@ -196,18 +196,23 @@ JAX_PHASES = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
     "/jax/core/compile/backend_compile_duration": "compile_seconds",
 }
-JAX_COUNTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "compiles"}
 _JAX_ACCOUNT = {}  # the running test's figures
+
+
+def _add(name, value):
+    _JAX_ACCOUNT[name] = _JAX_ACCOUNT.get(name, 0) + value
 
 
 def _account_jax_phases():
     def duration(event, seconds, **_):
         if event in JAX_PHASES:
-            _JAX_ACCOUNT[JAX_PHASES[event]] = _JAX_ACCOUNT.get(JAX_PHASES[event], 0.0) + seconds
+            _add(JAX_PHASES[event], seconds)
+        if JAX_PHASES.get(event) == "compile_seconds":  # one per program, compiled or read from the cache
+            _add("programs", 1)
 
     def count(event, **_):
-        if event in JAX_COUNTS:
-            _JAX_ACCOUNT[JAX_COUNTS[event]] = _JAX_ACCOUNT.get(JAX_COUNTS[event], 0) + 1
+        if event == "/jax/compilation_cache/cache_hits":
+            _add("cache_hits", 1)
 
     jax.monitoring.register_event_duration_secs_listener(duration)
     jax.monitoring.register_event_listener(count)
@@ -289,14 +294,15 @@ def pytest_terminal_summary(terminalreporter, config):
     write(
         f"  of which JAX in the test processes: tracing {phases.get('trace_seconds', 0) / 60:.1f}, lowering "
         f"{phases.get('lower_seconds', 0) / 60:.1f}, XLA compilation {phases.get('compile_seconds', 0) / 60:.1f} "
-        f"CPU-minutes ({phases.get('compiles', 0):,} programs compiled, {phases.get('cache_hits', 0):,} read "
-        "from the persistent cache); the rest runs programs, Python, TensorFlow and subprocesses"
+        f"CPU-minutes ({phases.get('programs', 0) - phases.get('cache_hits', 0):,} programs compiled, "
+        f"{phases.get('cache_hits', 0):,} read from the persistent cache); the rest runs programs, Python, "
+        "TensorFlow and subprocesses"
     )
     for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:10]:
         write(f"  {seconds:7.1f} CPU-s  {nodeid}")
     if config.getoption("cpu_report"):
         with open(config.getoption("cpu_report"), "w") as f:
-            jax_phases = {nodeid: phases for s in sessions for nodeid, phases in s.get("jax", {}).items()}
+            jax_phases = {nodeid: figures for s in sessions for nodeid, figures in s.get("jax", {}).items()}
             report = {"total_cpu_seconds": round(total, 1), "wall_seconds": round(wall, 1), "tests": tests}
             json.dump({**report, "jax": jax_phases}, f)
 
