@@ -207,7 +207,7 @@ def _account_jax_phases():
     def duration(event, seconds, **_):
         if event in JAX_PHASES:
             _add(JAX_PHASES[event], seconds)
-        if JAX_PHASES.get(event) == "compile_seconds":  # one per program, compiled or read from the cache
+        if event == "/jax/core/compile/backend_compile_duration":  # one per program, compiled or read from the cache
             _add("programs", 1)
 
     def count(event, **_):

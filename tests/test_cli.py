@@ -709,8 +709,16 @@ def test_a_syntax_error_in_a_gin_file_is_reported_before_tensorflow_loads(tmp_pa
         (train, ["--gin_file={loop}"], "error: Invalid gin configuration (file {loop}): its includes form a loop"),
         (vocab, ["--input={tmp}/absent.txt", "--out={tmp}/v.model"], "error: input file not found: {tmp}/absent.txt"),
         (vocab, ["--out={tmp}/v.model"], "error: give exactly one text source: --input FILE, --embedded or --task"),
+        (vocab, ["--input={tmp}", "--out={tmp}/v.model"], "error: input is not a regular file: {tmp}"),
     ],
-    ids=["evaluate with no run", "train without MODEL_DIR", "an include loop", "vocab input missing", "vocab no text"],
+    ids=[
+        "evaluate with no run",
+        "train without MODEL_DIR",
+        "an include loop",
+        "vocab input missing",
+        "vocab no text",
+        "vocab input a folder",
+    ],
 )
 def test_flag_and_config_errors_are_reported_before_tensorflow_loads(
     tmp_path, no_tensorflow, capsys, command, argv, message

@@ -66,8 +66,10 @@ def check_sources(flag_values: flags.FlagValues) -> None:
     if len(chosen) != 1:
         raise errors.UsageError("give exactly one text source: --input FILE, --embedded or --task NAME.")
     for path in flag_values.input:
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise errors.InputError(f"input file not found: {os.path.abspath(path)}")
+        if not os.path.isfile(path):  # a folder, a FIFO or a device: nothing is read from it
+            raise errors.InputError(f"input is not a regular file: {os.path.abspath(path)}")
 
 
 def texts(flag_values: flags.FlagValues):
