@@ -1,5 +1,6 @@
 """Commands and API calls that read no data never import TensorFlow, seqio or TensorFlow
-Datasets (their import is most of a command's start-up): ``terra-params``, ``terra-configs``,
+Datasets (their import is most of a command's start-up): ``terra-params`` (of a model config or
+of an experiment, whose task config it reads past), ``terra-configs``,
 ``terra-evaluate --list``, ``terra-convert trax``
 without a task, ``terra-bench decode``, ``terra.build`` of a model config, ``terra.load`` of a
 run without a task or of a summarization run, and ``terra-summarize`` of a document. One process
@@ -31,6 +32,7 @@ def step(name, fn):
 
 from terra.cli import bench, configs, convert, evaluate, params, summarize
 step("terra-params", lambda: params.main(["--gin_file=models/tiny.gin"]))
+step("terra-params of an experiment", lambda: params.main(["--gin_file=experiments/quickstart.gin"]))
 step("terra-configs", lambda: configs.main([]))
 step("terra-evaluate --list", lambda: evaluate.main(["--list", "{evaluated}"]))
 step(

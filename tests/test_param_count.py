@@ -49,3 +49,29 @@ def test_the_terra_params_command_prints_the_800m_count():
     )
     assert result.returncode == 0, result.stderr
     assert "775,195,904" in result.stdout and "matches" in result.stdout
+
+
+@pytest.mark.parametrize("experiment", ["experiments/quickstart.gin", "experiments/synthetic_copy_terraformer.gin"])
+def test_an_experiments_model_is_counted_past_its_task_as_the_full_parse_builds_it(experiment):
+    from terra.benchmarks import param_count
+
+    # The full parse: the data layer registered, the task config's imports run.
+    parsing.parse_gin([experiment], finalize=False, data_layer=True)
+    model = parsing.build_model()
+    counts = param_count.model_counts([experiment])  # parsed without the data layer
+    assert counts["params"] == model.param_count()
+    assert counts["read_per_token"] == model.params_read_per_token()
+
+
+def test_a_file_that_imports_the_data_layer_parses_without_running_the_import_when_asked(tmp_path, monkeypatch):
+    # A data-layer module not imported yet (taken out of sys.modules here) stays unimported: the
+    # import is refused and passed over, the model bindings kept.
+    monkeypatch.delitem(sys.modules, "terra.data.fixtures", raising=False)
+    config = tmp_path / "with_import.gin"
+    config.write_text("import terra.data.fixtures\ninclude 'models/tiny.gin'\nTransformerConfig.d_model = 48\n")
+    parsing.parse_gin([str(config)], finalize=False, data_layer=False)
+    assert parsing.build_model().config.d_model == 48 and "terra.data.fixtures" not in sys.modules
+    # With the data layer a module that is not there is an error naming the file, as before.
+    config.write_text("import terra.evaluation.nowhere\ninclude 'models/tiny.gin'\n")
+    with pytest.raises(parsing.GinConfigError, match="with_import.gin"):
+        parsing.parse_gin([str(config)], finalize=False, data_layer=True)

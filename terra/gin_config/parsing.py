@@ -19,11 +19,13 @@ What :func:`build_macro` builds is frozen to the config it was built under
 
 import contextlib
 import dataclasses
+import importlib.abc
 import importlib.util
 import inspect
 import logging
 import os
 import re
+import sys
 import tokenize
 import types
 import typing
@@ -178,7 +180,23 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
             return any((registry_file.full_selector(s) or "").startswith(_DATA_LAYER_PACKAGES) for s in selectors)
         return False
 
-    texts, seen, pending = list(gin_bindings), set(), list(gin_files)
+    texts = _config_texts(gin_files, search_paths)
+    if texts is None:
+        return True
+    return any(
+        statement is None or names(statement)
+        for text in [*texts, *gin_bindings]
+        for statement in _statements_or_none(text)
+    )
+
+
+_DATA_LAYER_PACKAGES = ("terra.data", "terra.evaluation")
+
+
+def _config_texts(gin_files: Sequence[Any], search_paths: Sequence[str] = ()) -> Optional[List[str]]:
+    """The texts of ``gin_files`` and of every file they include, read without parsing them;
+    ``None`` where one cannot be followed here (not found, a URL, unreadable)."""
+    texts, seen, pending = [], set(), list(gin_files)
     while pending:
         item = pending.pop()
         if isinstance(item, GinText):
@@ -187,9 +205,9 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
         try:
             path = resolve_gin_file(item, [*search_paths, *sorted(_SEARCH_PATHS_ADDED)])
         except GinConfigError:
-            return True
+            return None
         if files.has_scheme(path):
-            return True  # not followed here
+            return None  # not followed here
         if path in seen:
             continue  # an include loop is the full parse's to report
         seen.add(path)
@@ -197,14 +215,32 @@ def names_data_layer(gin_files: Sequence[Any], gin_bindings: Sequence[str], sear
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError):
-            return True
-        statements = _statements_or_none(text)
-        pending += [s.filename for s in statements if isinstance(s, config_parser.IncludeStatement)]
+            return None
+        pending += [s.filename for s in _statements_or_none(text) if isinstance(s, config_parser.IncludeStatement)]
         texts.append(text)
-    return any(statement is None or names(statement) for text in texts for statement in _statements_or_none(text))
+    return texts
 
 
-_DATA_LAYER_PACKAGES = ("terra.data", "terra.evaluation")
+class _DataLayerRefused(importlib.abc.MetaPathFinder):
+    """Fails the import of a data-layer module not imported yet, as if it were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if ".".join(name.split(".")[:2]) in _DATA_LAYER_PACKAGES:
+            raise ModuleNotFoundError(f"No module named {name!r} (parsing without the data layer)", name=name)
+        return None
+
+
+@contextlib.contextmanager
+def _data_layer_imports_refused():
+    """A gin file's ``import terra.data...`` fails while it is parsed (gin's ``skip_unknown``
+    then skips it) unless the module is imported already: a file includes a task config, whose
+    import would load TensorFlow, and the caller parses without the data layer."""
+    finder = _DataLayerRefused()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 def _data_layer_names(texts: Sequence[str]) -> List[str]:
@@ -427,20 +463,27 @@ def parse_gin(
     first). The model-only commands (``terra-params``, ``terra-bench decode``) parse unlocked.
 
     ``data_layer=False`` (unlocked only) parses without the data layer even where the config names
-    it: its bindings and references are left out (gin's ``skip_unknown``) and a :class:`GinText`'s
-    imports of it are not run, for a caller that reads what it needs of them itself
-    (``terra.load`` of a summarization run reads its vocabulary's file and sentinel count)."""
+    it: its bindings and references are left out (gin's ``skip_unknown``) and its imports of it
+    (a :class:`GinText`'s, a file's or an included task config's) are not run, for a caller that
+    needs only the model (``terra-params`` of an experiment) or reads what it needs of the data
+    layer itself (``terra.load`` of a summarization run reads its vocabulary's file and sentinel
+    count)."""
     if data_layer is None:
         data_layer = finalize or names_data_layer(gin_files, gin_bindings, search_paths)
     register_terra_configurables(data_layer)
     gin.clear_config()
     add_search_paths([*search_paths, CONFIGS_DIR])
     files = [f if isinstance(f, GinText) else resolve_gin_file(f, search_paths) for f in gin_files]
-    skipped = ()
+    skipped, refused = (), contextlib.nullcontext()
     if not data_layer:
         files = [_without_data_layer_imports(f) if isinstance(f, GinText) else f for f in files]
-        skipped = _data_layer_names([f.text for f in files if isinstance(f, GinText)] + list(gin_bindings))
-    with _quiet_gin_path_probes():
+        texts = _config_texts(files) or [f.text for f in files if isinstance(f, GinText)]
+        skipped = _data_layer_names(texts + list(gin_bindings))
+        if not all(isinstance(f, GinText) for f in files):
+            # A file's (or an include's) imports of the data layer run when gin reads it: refused,
+            # and skipped (a non-empty skip list lets gin pass over a failed import).
+            skipped, refused = [*skipped, *_DATA_LAYER_PACKAGES], _data_layer_imports_refused()
+    with _quiet_gin_path_probes(), refused:
         _parse_files_and_bindings(files, gin_bindings, skipped)
     check_binding_types(gin_bindings)
     _make_paths_absolute()
