@@ -53,13 +53,15 @@ def _compiled_decode(layer, params, x, prefix_mask, step_mask):
     _, cache = layer.apply(
         variables, x[:, :PREFIX], decode=True, max_decode_length=MAX_LEN, prefix_mask=prefix_mask, mutable=["cache"]
     )
-    outputs = []
-    for t in range(PREFIX, x.shape[1]):
-        y, cache = layer.apply(
-            {**variables, **cache}, x[:, t : t + 1], step_mask[:, t - PREFIX][:, None], decode=True, mutable=["cache"]
-        )
-        outputs.append(y)
-    return jnp.concatenate(outputs, axis=1), cache["cache"]["lsh"]
+
+    def step(cache, token_and_mask):  # one decode step; scanned, so the program holds it once
+        y, cache = layer.apply({**variables, **cache}, *token_and_mask, decode=True, mutable=["cache"])
+        return cache, y
+
+    # [STEPS, batch, 1, D] tokens and [STEPS, batch, 1] masks, one of each per step.
+    tokens, masks = jnp.swapaxes(x[:, PREFIX:, None], 0, 1), jnp.swapaxes(step_mask[:, :, None], 0, 1)
+    cache, outputs = jax.lax.scan(step, cache, (tokens, masks))
+    return jnp.swapaxes(outputs[:, :, 0], 0, 1), cache["cache"]["lsh"]
 
 
 def _inputs(seed, padded):

@@ -32,6 +32,10 @@ from helpers import quantize_params_for_setup
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
+# Compiled whole: run op by op, a model compiles each of its hundreds of operations alone.
+_dequantize_params = jax.jit(dequantize_params)
+
+
 def _weights(shape, seed=0):
     w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
     w[..., 0] *= 40  # an outlier per row: the scale must follow each row's own range
@@ -127,13 +131,14 @@ def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel
     n_out = 1 if isinstance(features, int) else len(features)
     layer = Dense(features, kernel_axes=("a",) * n_out + ("b",) * n_contract, n_contract=n_contract)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3) + in_shape).astype(np.float32))
-    params = layer.init(jax.random.key(0), x)["params"]
+    # Each step jitted: op by op, every operation compiles as a program of its own.
+    params = jax.jit(layer.init)(init_key(0), x)["params"]  # a key whose initializer compiles cheaply
     params = jax.tree.map(
         lambda p: p.value if hasattr(p, "value") else p, params, is_leaf=lambda p: hasattr(p, "value")
     )
-    narrow = quantize_params(params, kind)
+    narrow = quantize_params_for_setup(params, kind)
     assert isinstance(narrow["kernel"], QuantizedTensor) and not isinstance(narrow["bias"], QuantizedTensor)
-    want = layer.apply({"params": dequantize_params(narrow)}, x)
+    want = jax.jit(layer.apply)({"params": _dequantize_params(narrow)}, x)
 
     def in_a_loop(p, x):  # as the decode loop reads it: under jit, inside a while_loop
         return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, layer.apply({"params": p}, x)), (0, want * 0))[1]
@@ -202,18 +207,19 @@ def test_sparse_feedforward_reading_quantized_weights_equals_the_dequantized_wei
 
     layer = SparseFeedForward(d_model=12, d_ff=32, ff_sparsity=4, d_lowrank=4)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 1, 12)).astype(np.float32))
-    params = jax.tree.map(
+    params = jax.tree.map(  # jitted (op by op, every operation compiles alone), from a cheap key
         lambda p: p.value if hasattr(p, "value") else p,
-        layer.init(jax.random.key(0), x)["params"],
+        jax.jit(layer.init)(init_key(0), x)["params"],
         is_leaf=lambda p: hasattr(p, "value"),
     )
-    narrow = quantize_params(params, kind)
+    narrow = quantize_params_for_setup(params, kind)
     assert isinstance(narrow["wi"], QuantizedTensor) and isinstance(narrow["wo"], QuantizedTensor)
     assert narrow["controller_up"].transposed and narrow["controller_up"].shape == params["controller_up"].shape
-    wide = dequantize_params(narrow)
+    wide = _dequantize_params(narrow)
     for decode in (True, False):  # the gathered rows (decode) and the masked product (eval)
-        got = jax.jit(functools.partial(layer.apply, decode=decode))({"params": narrow}, x)
-        want = layer.apply({"params": wide}, x, decode=decode)
+        apply = jax.jit(functools.partial(layer.apply, decode=decode))  # one program per parameter tree
+        got = apply({"params": narrow}, x)
+        want = apply({"params": wide}, x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -235,11 +241,20 @@ def _tiny_family(gin_file):
     sizes = ["vocab_size = 96", "max_len = 32", "n_encoder_layers = 1", "n_decoder_layers = 1"]
     # Unlocked: the model alone, without registering the data layer (which imports TensorFlow).
     parsing.parse_gin([gin_file], [f"TransformerConfig.{size}" for size in sizes], finalize=False)
-    model = parsing.build_model()
-    rng = np.random.default_rng(0)
-    inputs = jnp.asarray(rng.integers(2, 96, size=(2, 9)), jnp.int32).at[1, -3:].set(0)
-    targets = jnp.asarray(rng.integers(2, 96, size=(2, 6)), jnp.int32)
-    return model, {"encoder_input_tokens": inputs, "decoder_target_tokens": targets}
+    return parsing.build_model()
+
+
+BATCH_ROWS = 10  # more than a pass of the native kernels (8 rows): a pass of 8 and one of 2
+
+
+def _batch():
+    """``BATCH_ROWS`` rows, two of them padded: every decode below steps a batch of this shape
+    (or one row of it), so the decoders of a family and store compile once for all the tests."""
+    rng = np.random.default_rng(1)
+    inputs = rng.integers(2, 96, size=(BATCH_ROWS, 9)).astype(np.int32)
+    inputs[1, -3:] = inputs[3, -4:] = 0
+    targets = rng.integers(2, 96, size=(BATCH_ROWS, 6)).astype(np.int32)
+    return {"encoder_input_tokens": jnp.asarray(inputs), "decoder_target_tokens": jnp.asarray(targets)}
 
 
 def _decode_logits(model, params, batch):
@@ -252,22 +267,19 @@ def _decode_logits(model, params, batch):
     return jnp.stack(steps, axis=1)
 
 
-# Compiled whole: run op by op, a model compiles each of its hundreds of operations alone.
-_dequantize_params = jax.jit(dequantize_params)
-
-
 @pytest.fixture(scope="module")
 def families():
     """``{gin file: (model, batch, float32 parameters, jitted teacher-forced logits)}``, built once
-    for both stores: the model is frozen when built (gin's later configs do not reach it), and the
-    float32 trees the two stores dequantize to have the same shapes, so the reference's compiled
-    decoder (cached by the model) and logits serve both."""
+    for both stores and both decode tests: the model is frozen when built (gin's later configs do
+    not reach it), and the float32 trees the two stores dequantize to have the same shapes as the
+    float32 parameters, so the reference's compiled decoder (cached by the model) and logits serve
+    both stores, and a store's decoder of ``BATCH_ROWS`` rows serves both tests."""
     return {}
 
 
 def _family(families, gin_file):
     if gin_file not in families:
-        model, batch = _tiny_family(gin_file)
+        model, batch = _tiny_family(gin_file), _batch()
         # A key whose initializer compiles cheaply (cheap_init_prng): any parameters prove it.
         families[gin_file] = model, batch, model.init_params(init_key(0)), jax.jit(model.logits)
     return families[gin_file]
@@ -292,9 +304,6 @@ def _is_quantized(leaf):
     return isinstance(leaf, QuantizedTensor)
 
 
-BATCH_ROWS = 10  # more than a pass of the native kernels (8 rows): a pass of 8 and one of 2
-
-
 @pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
 @pytest.mark.slow
@@ -302,17 +311,10 @@ def test_batched_decode_equals_each_row_decoded_alone(gin_file, kind, families):
     # A batch takes the same kernels as one row (native_kernels.MAX_ROWS rows of them): every row of
     # a batch of 10 steps to the logits its sequence gets alone, so greedy decoding picks the same
     # tokens whatever else is in the batch.
-    model, _, params, _ = _family(families, gin_file)
+    model, batch, params, _ = _family(families, gin_file)
     params = params if kind == "float32" else quantize_params_for_setup(params, kind)
-    rng = np.random.default_rng(1)
-    inputs = jnp.asarray(rng.integers(2, 96, size=(BATCH_ROWS, 9)), jnp.int32).at[3, -4:].set(0)
-    targets = jnp.asarray(rng.integers(2, 96, size=(BATCH_ROWS, 4)), jnp.int32)
-    together = _decode_logits(model, params, {"encoder_input_tokens": inputs, "decoder_target_tokens": targets})
+    together = _decode_logits(model, params, batch)
     for row in range(BATCH_ROWS):
-        alone = _decode_logits(
-            model,
-            params,
-            {"encoder_input_tokens": inputs[row : row + 1], "decoder_target_tokens": targets[row : row + 1]},
-        )
+        alone = _decode_logits(model, params, {name: np.asarray(rows)[row : row + 1] for name, rows in batch.items()})
         np.testing.assert_allclose(together[row], alone[0], atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(jnp.argmax(together[row], -1), jnp.argmax(alone[0], -1))

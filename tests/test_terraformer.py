@@ -48,11 +48,30 @@ def _model(config=None, **kwargs):
     return TerraformerModel(Terraformer(config or tiny_config(vocab_size=VOCAB), **kwargs))
 
 
+# One block each side: the encoder block inverts an attention half and a feed-forward half, the
+# decoder block two attention halves and a feed-forward, each with its own cache; a second block
+# repeats those halves at the cost of tracing and compiling them again.
+ONE_BLOCK = dict(vocab_size=VOCAB, n_encoder_layers=1, n_decoder_layers=1)
+
+
 @pytest.fixture(scope="module")
 def built():
     """``variant -> (model, params)``, each built and initialised once for the module (the tests
     only read the parameters), from a key whose initializer compiles cheaply (cheap_init_prng)."""
-    return initialised_once(lambda variant: _model(**VARIANTS[variant]), seed=1)
+    return initialised_once(lambda variant: _model(tiny_config(**ONE_BLOCK), **VARIANTS[variant]), seed=1)
+
+
+@functools.cache
+def _teacher_forced(model):
+    """The jitted teacher-forced logits of one model, shared by the tests that read them: each
+    passes a batch of ``_explicit`` (one tree, so one program per model)."""
+    return jax.jit(model.logits)
+
+
+def _explicit(model, batch):
+    """``batch`` with the encoder mask and the decoder inputs the model would derive, given."""
+    mask = batch["encoder_input_tokens"] != 0
+    return dict(batch, encoder_mask=mask, decoder_input_tokens=model.decoder_input_tokens(batch))
 
 
 def _batch(batch=2, inputs=7, targets=6, seed=0):
@@ -81,7 +100,7 @@ def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
 def test_incremental_decode_matches_teacher_forced_forward(built, variant):
     model, params = built(variant)
     batch = _batch()
-    teacher_forced = jax.jit(model.logits)(params, batch)
+    teacher_forced = _teacher_forced(model)(params, _explicit(model, batch))
     decoder = IncrementalDecoder(model.module, 8)
     decoder_inputs = np.asarray(model.decoder_input_tokens(batch))
 
@@ -101,15 +120,13 @@ def test_incremental_decode_matches_teacher_forced_forward(built, variant):
 @pytest.mark.slow
 def test_outputs_ignore_encoder_padding_and_future_decoder_tokens(built):
     model, params = built("fully_sparse")
-    batch = _batch()
-    mask = batch["encoder_input_tokens"] != 0
-    forward = jax.jit(model.logits)  # one compilation: the three batches have the same shapes
-    logits = forward(params, dict(batch, encoder_mask=mask))
+    batch = _explicit(model, _batch())
+    mask = batch["encoder_mask"]
+    forward = _teacher_forced(model)  # one compilation: the three batches have the same shapes
+    logits = forward(params, batch)
     garbage = jnp.where(mask, batch["encoder_input_tokens"], 7)  # padded positions hold real ids
-    np.testing.assert_allclose(
-        forward(params, dict(batch, encoder_input_tokens=garbage, encoder_mask=mask)), logits, atol=1e-5
-    )
-    changed = dict(batch, decoder_input_tokens=model.decoder_input_tokens(batch).at[:, 4].set(9), encoder_mask=mask)
+    np.testing.assert_allclose(forward(params, dict(batch, encoder_input_tokens=garbage)), logits, atol=1e-5)
+    changed = dict(batch, decoder_input_tokens=batch["decoder_input_tokens"].at[:, 4].set(9))
     after = forward(params, changed)
     np.testing.assert_allclose(after[:, :4], logits[:, :4], atol=1e-5)
     assert float(jnp.max(jnp.abs(after[:, 4:] - logits[:, 4:]))) > 1e-3
@@ -132,10 +149,8 @@ def test_reversible_gradients_equal_plain_autodiff():
     layers = REPLAYING
     batch = _batch()
     key = jax.random.key(3)  # training mode: Gumbel noise, straight-through masks, hashes, same keys
-    # One block each: the encoder stack still inverts an attention half and a feed-forward half,
-    # the decoder stack two attention halves and a feed-forward, each kind replaying its own
-    # decisions; a second block repeats those halves and doubles the two gradients' compile time.
-    config = tiny_config(vocab_size=VOCAB, n_encoder_layers=1, n_decoder_layers=1)
+    # One block each (ONE_BLOCK): each kind of half replays its own decisions.
+    config = tiny_config(**ONE_BLOCK)
     reversible = _model(config, **layers)
     plain = _model(config, reversible=False, **layers)
     params = reversible.init_params(init_key(4))
@@ -165,7 +180,7 @@ def test_reversible_training_memory_grows_far_less_than_plain_autodiff(capsys):
 def test_terraformer_has_no_attention_output_dropout_by_default(built):
     # Residual dropout 0.5, attention-probability dropout 0: an attention half-residual is
     # random in training only through an output dropout.
-    config = tiny_config(vocab_size=VOCAB, dropout=0.5)
+    config = tiny_config(dropout=0.5, **ONE_BLOCK)
     x = jax.random.normal(jax.random.key(0), (2, 5, config.d_model))
     mask = jnp.ones((2, 5), bool)
     _, params = built("fully_sparse")  # dropout adds no parameters: the same tree
