@@ -30,8 +30,15 @@ def _cache(cache_dtype, batch, heads, length, dh, seed):
     rng = np.random.default_rng(seed)
     spread = np.exp(rng.normal(size=(batch, heads, length, 1)))
     keys, values = (jnp.asarray(rng.normal(size=(batch, heads, length, dh)) * spread, jnp.float32) for _ in range(2))
-    (keys, key_scale), (values, value_scale) = (decode_state.narrow_rows(t, cache_dtype) for t in (keys, values))
+    (keys, key_scale), (values, value_scale) = _narrow_rows((keys, values), cache_dtype)
     return keys, values, key_scale, value_scale
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _narrow_rows(tensors, cache_dtype):
+    """``decode_state.narrow_rows`` of each tensor in one program (op by op, each of its operations
+    compiles on its own)."""
+    return [decode_state.narrow_rows(t, cache_dtype) for t in tensors]
 
 
 def _query(batch, heads, dh, seed):

@@ -51,8 +51,16 @@ def _canonical_params(weights_format):
     compiled) filled with seeded N(0, 1/last-axis) values (biases N(0, 0.01)). These tests check the attention, not
     the initialisers (``Dense``'s and the sparse layers' are tested with them); compiling
     every initialiser's threefry draws would cost seconds of XLA:CPU time per format."""
-    shapes = _shapes(LSHSelfAttention(d_model=D, n_heads=H, weights_format=weights_format), jnp.zeros((1, CHUNK, D)))
-    rng = np.random.default_rng(1)
+    return _filled_params(
+        LSHSelfAttention(d_model=D, n_heads=H, weights_format=weights_format), jnp.zeros((1, CHUNK, D))
+    )
+
+
+def _filled_params(layer, x, seed=1):
+    """``layer``'s parameter tree for inputs like ``x``, filled with seeded N(0, 1/last-axis)
+    values (biases N(0, 0.01)) on the host: nothing compiled."""
+    shapes = _shapes(layer, x)
+    rng = np.random.default_rng(seed)
 
     def fill(path, leaf):
         scale = 0.1 if "bias" in jax.tree_util.keystr(path) else leaf.shape[-1] ** -0.5
@@ -191,16 +199,22 @@ def test_sort_and_chunk_attention_matches_a_port_of_the_reference(n_hashes, n_be
 def test_one_chunk_lsh_equals_full_shared_qk_attention(length, n_hashes):
     layer = _layer(n_hashes=n_hashes)
     x = _x(length)
-    mask = jnp.ones((2, length)).at[1, -2:].set(0)
+    mask = np.ones((2, length), np.float32)
+    mask[1, -2:] = 0
     variables = _init(layer)
     y = _apply(layer, variables, x, mask)
     np.testing.assert_allclose(y, _apply(_full(layer), variables, x, mask), atol=1e-5, rtol=1e-5)
+
     # and the dense path is the textbook formula: causal, exclude-self (-1e5), padding
-    q = jax.random.normal(jax.random.key(2), (1, 1, 4, 8))
-    v = jax.random.normal(jax.random.key(3), (1, 1, 4, 8))
-    k = q / jnp.sqrt(jnp.mean(q**2, -1, keepdims=True) + 1e-6) / jnp.sqrt(8.0)
-    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) - 1e5 * jnp.eye(4) - 1e9 * jnp.triu(jnp.ones((4, 4)), 1)
-    want = jax.nn.softmax(logits, -1) @ v
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def textbook():
+        q = jax.random.normal(jax.random.key(2), (1, 1, 4, 8))
+        v = jax.random.normal(jax.random.key(3), (1, 1, 4, 8))
+        k = q / jnp.sqrt(jnp.mean(q**2, -1, keepdims=True) + 1e-6) / jnp.sqrt(8.0)
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) - 1e5 * jnp.eye(4) - 1e9 * jnp.triu(jnp.ones((4, 4)), 1)
+        return q, v, jax.nn.softmax(logits, -1) @ v
+
+    q, v, want = textbook()
     np.testing.assert_allclose(jax.jit(full_shared_qk_attention)(q, v), want, atol=1e-6)
     np.testing.assert_allclose(want[0, 0, 0], v[0, 0, 0], atol=1e-6)  # only itself to attend to
 
@@ -215,8 +229,12 @@ def test_lsh_is_causal():
     variables = _init(layer)
     y, state = _apply(layer, variables, x, rngs={"lsh": jax.random.key(5)}, mutable=("intermediates",))
     (buckets,) = state["intermediates"]["buckets"]
+    # One program per position, where op by op each operation compiles on its own.
+    changed_from = jax.jit(
+        lambda x, t: x.at[:, t:].set(10.0 * jax.random.normal(jax.random.key(t), x[:, t:].shape)), static_argnums=1
+    )
     for t in (1, CHUNK + 3, 3 * CHUNK):
-        changed = x.at[:, t:].set(10.0 * jax.random.normal(jax.random.key(t), x[:, t:].shape))
+        changed = changed_from(x, t)
         y_changed = _apply(layer, variables, changed, buckets=buckets, rngs={"lsh": jax.random.key(t)})
         np.testing.assert_allclose(y_changed[:, :t], y[:, :t], atol=1e-6, rtol=1e-6)
         assert not np.allclose(y_changed[:, t:], y[:, t:], atol=1e-3)
@@ -328,15 +346,19 @@ def test_sparse_shared_qk_is_one_convolution_with_the_averaged_weights():
     layer = _layer(weights_format="sparse", std_length=4 * CHUNK)  # full attention over the projections
     x = _x(2 * CHUNK)
     variables = _init(layer)
-    params = variables["params"]
-    u = MultiplicativeDense(D, H, split_modules=True).apply({"params": params["mult"]}, x)
 
-    def conv(name, module_kernel):
-        return ModuleConvolution(D // H, 3, module_kernel).apply({"params": params[name]}, u)
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def two_convolutions(params, x):
+        u = MultiplicativeDense(D, H, split_modules=True).apply({"params": params["mult"]}, x)
 
-    heads = lambda t: jnp.swapaxes(t.reshape(2, -1, H, D // H), 1, 2)  # noqa: E731
-    q = heads((conv("q_conv", 3) + conv("k_conv", 3)) / 2)
-    want = jnp.swapaxes(full_shared_qk_attention(q, heads(conv("v_conv", 1))), 1, 2).reshape(x.shape)
+        def conv(name, module_kernel):
+            return ModuleConvolution(D // H, 3, module_kernel).apply({"params": params[name]}, u)
+
+        heads = lambda t: jnp.swapaxes(t.reshape(2, -1, H, D // H), 1, 2)  # noqa: E731
+        q = heads((conv("q_conv", 3) + conv("k_conv", 3)) / 2)
+        return jnp.swapaxes(full_shared_qk_attention(q, heads(conv("v_conv", 1))), 1, 2).reshape(x.shape)
+
+    want = two_convolutions(variables["params"], x)
     np.testing.assert_allclose(_apply(layer, variables, x), want, atol=1e-5, rtol=1e-5)
 
 
@@ -361,10 +383,10 @@ def test_signed_argmax_is_the_argmax_of_the_value_and_its_negation():
     rows = [rng.normal(size=8) for _ in range(50)]
     rows += [[1.0, -1.0, 0.5, 0.0], [-2.0, 0.5, 2.0, -2.0], [0.0, -0.0, 0.0, 0.0], [1.0, np.nan, -3.0, np.nan]]
     rows += [[0.5, 3.0, 3.0, -1.0], [-4.0, 1.0, -4.0, 2.0]]
+    both = jax.jit(lambda x: (signed_argmax(x), block_argmax(jnp.concatenate([x, -x], axis=-1))))
     for row in rows:
-        x = jnp.asarray(np.asarray(row, np.float32)[None])
-        want = block_argmax(jnp.concatenate([x, -x], axis=-1))
-        assert int(signed_argmax(x)[0]) == int(want[0]), row
+        got, want = both(jnp.asarray(np.asarray(row, np.float32)[None]))
+        assert int(got[0]) == int(want[0]), row
 
 
 def test_decode_beyond_one_chunk_prefers_same_bucket_keys():
@@ -500,7 +522,9 @@ def test_native_chunk_attention_gradient_is_the_xla_forms():
         return lambda q, k, v: jnp.sum(attend(q, k, v, positions, valid)[0] * weights)
 
     native_loss = loss(lambda *a: lsh_chunk_attention(*a, before=1, after=0, causal=True, unfused=xla))
-    for fast, slow in zip(jax.grad(native_loss, (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
+    # Jitted: op by op each operation of the backward pass compiles on its own.
+    native_grads, xla_grads = (jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (native_loss, loss(xla)))
+    for fast, slow in zip(native_grads, xla_grads):
         np.testing.assert_allclose(fast, slow, atol=1e-5, rtol=1e-5)
 
 
@@ -510,7 +534,7 @@ def test_deterministic_lsh_layer_runs_the_native_chunk_attention_with_the_same_o
     the native chunk attention; with the kernels off, the XLA form: the same outputs."""
     layer = LSHSelfAttention(d_model=32, n_heads=2, chunk_len=64, n_hashes=2, causal=True)
     x = jax.random.normal(jax.random.key(11), (1, 200, 32))
-    params = layer.init(jax.random.key(12), x)
+    params = _filled_params(layer, x, seed=12)
     native_forward = jax.jit(lambda p, x: layer.apply(p, x))
     assert "terra_lsh_chunk_attention" in native_forward.lower(params, x).as_text()
     with native_kernels.disabled():

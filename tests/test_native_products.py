@@ -116,6 +116,13 @@ def _uses_kernel(x, q) -> bool:
     return "terra_output_major" in str(jax.make_jaxpr(lambda x, q: backends.output_major_product(x, q))(x, q))
 
 
+@jax.jit
+def _kernel_products(xs, qs):
+    """The output-major kernel's product of each ``x`` and stored ``q``: one program for them all,
+    where op by op each call and shape compiles its own; the instruction set is read when it runs."""
+    return [native_kernels.output_major(x, q.values, q.scale, q.kind) for x, q in zip(xs, qs)]
+
+
 def _use_isa(isa):
     if not native_kernels.available():
         pytest.fail(f"the native kernels are not available: {native_kernels.REBUILD}")
@@ -158,11 +165,11 @@ def test_every_row_count_with_remainders_of_rows_inputs_and_threads(rows, isa):
     # passes of 8 over each chunk of weights: 13 rows leave a pass of 5, 64 (MAX_ROWS) none.
     _use_isa(isa)
     try:
-        for n_out, n_in in ((3, 4100), (37, 1029), (301, 1024)):
-            for kind in KINDS:
-                q = quantize_for_setup(_weights((n_out, n_in)), kind)
-                x = _inputs(rows, n_in)
-                _assert_close(native_kernels.output_major(x, q.values, q.scale, kind), x, q)
+        shapes = [(n_out, n_in) for n_out, n_in in ((3, 4100), (37, 1029), (301, 1024)) for _ in KINDS]
+        xs = [_inputs(rows, n_in) for _, n_in in shapes]
+        qs = [quantize_for_setup(_weights(shape), kind) for shape, kind in zip(shapes, KINDS * 3)]
+        for x, q, got in zip(xs, qs, _kernel_products(xs, qs)):
+            _assert_close(got, x, q)
     finally:
         native_kernels.use_isa(native_kernels.ISAS[-1])
 

@@ -55,13 +55,22 @@ def _assert_within_rounding(got, want, size):
     assert worst <= 1.0, f"error {worst:.2f}x the bound"
 
 
-def _check_input_major(x, q):
-    n_in = q.values.shape[0]
-    w = _stored(q).reshape(n_in, -1)
-    x64 = np.asarray(x, np.float64)
-    scale = q.scale.reshape(n_in, -1) if q.kind == "int8" else q.scale
-    got = native_kernels.input_major(x, q.values.reshape(n_in, -1), scale, q.kind)
-    _assert_within_rounding(got, x64 @ w, np.abs(x64) @ np.abs(w))
+@functools.partial(jax.jit, static_argnums=3)
+def _input_major_products(xs, values, scale, kind):
+    """The input-major kernel's product of each of ``xs`` with the stored kernel (flattened to
+    ``[in, out]``): one program for them all, where op by op each call and shape compiles its own;
+    the instruction set is read when it runs."""
+    n_in = values.shape[0]
+    scale = scale.reshape(n_in, -1) if kind == "int8" else scale
+    return [native_kernels.input_major(x, values.reshape(n_in, -1), scale, kind) for x in xs]
+
+
+def _check_input_major(xs, q):
+    """Each of ``xs`` times the stored kernel ``q``."""
+    w = _stored(q).reshape(q.values.shape[0], -1)
+    for x, got in zip(xs, _input_major_products(xs, q.values, q.scale, q.kind)):
+        x64 = np.asarray(x, np.float64)
+        _assert_within_rounding(got, x64 @ w, np.abs(x64) @ np.abs(w))
 
 
 # [in, out] kernels (a scale per input row) and [in, groups, out / groups] ones (a scale per input
@@ -97,8 +106,7 @@ def test_input_major_kernel_equals_the_stored_product_on_odd_shapes_in_every_ins
     # and 64 leave remainders of each; 64 is a multiplicative layer's S.
     _use_isa(isa)
     for shape, q in zip(INPUT_MAJOR_KERNELS, _input_major_weights(kind)):
-        for rows in (1, 5, 7, 29, 64):
-            _check_input_major(_normal((rows, shape[0]), 100 + rows), q)
+        _check_input_major([_normal((rows, shape[0]), 100 + rows) for rows in (1, 5, 7, 29, 64)], q)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -106,10 +114,9 @@ def test_a_large_input_major_product_split_between_threads_equals_the_stored_pro
     # 2048 x 300 weights and 8 or 64 rows (chunks of rows and tiles of outputs): above the work run
     # on the calling thread alone.
     q = quantize_for_setup(_normal((2048, 300), 0), kind)
-    _check_input_major(_normal((8, 2048), 1), q)
-    _check_input_major(_normal((64, 2048), 4), q)
+    _check_input_major([_normal((8, 2048), 1), _normal((64, 2048), 4)], q)
     grouped = quantize_for_setup(_normal((64, 64, 64), 2), kind)  # the controller's layout: 4096 outputs
-    _check_input_major(_normal((1, 64), 3), grouped)
+    _check_input_major([_normal((1, 64), 3)], grouped)
 
 
 def _check_gathered(kind, n, d, k, batch, seed=0):
@@ -119,12 +126,21 @@ def _check_gathered(kind, n, d, k, batch, seed=0):
     w = _stored(q)[rows]  # [batch, k, d]
     x = _normal((batch, d), seed + 1)
     x64 = np.asarray(x, np.float64)
-    got = native_kernels.gathered_dot(x, q.values, q.scale, jnp.asarray(rows), kind)
-    _assert_within_rounding(got, np.einsum("bd,bkd->bk", x64, w), np.einsum("bd,bkd->bk", np.abs(x64), np.abs(w)))
     h = _normal((batch, k), seed + 2)
     h64 = np.asarray(h, np.float64)
-    got = native_kernels.gathered_sum(h, q.values, q.scale, jnp.asarray(rows), kind)
-    _assert_within_rounding(got, np.einsum("bk,bkd->bd", h64, w), np.einsum("bk,bkd->bd", np.abs(h64), np.abs(w)))
+    dot, summed = _gathered_products(x, h, q.values, q.scale, jnp.asarray(rows), kind)
+    _assert_within_rounding(dot, np.einsum("bd,bkd->bk", x64, w), np.einsum("bd,bkd->bk", np.abs(x64), np.abs(w)))
+    _assert_within_rounding(summed, np.einsum("bk,bkd->bd", h64, w), np.einsum("bk,bkd->bd", np.abs(h64), np.abs(w)))
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _gathered_products(x, h, values, scale, rows, kind):
+    """Both gathered-row kernels in one program, where op by op each call and shape compiles its
+    own; the instruction set is read when it runs."""
+    return (
+        native_kernels.gathered_dot(x, values, scale, rows, kind),
+        native_kernels.gathered_sum(h, values, scale, rows, kind),
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,6 +1,8 @@
 """SparseFeedForward (paper §3.1, docs/design/reference_code.md §1 and the §9 checklist) and the
 mixture-of-experts baseline."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,8 @@ def _layer(**kwargs):
 def layer_and_vars():
     layer = _layer()
     x = jax.random.normal(jax.random.key(0), (3, 5, D_MODEL))
-    return layer, layer.init(jax.random.key(1), x), x
+    # Jitted: one program, where op by op each initializer's operations compile on their own.
+    return layer, jax.jit(layer.init)(jax.random.key(1), x), x
 
 
 def _all_eqns(jaxpr):
@@ -40,9 +43,22 @@ def _all_eqns(jaxpr):
                     yield from _all_eqns(inner)
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("deterministic", "decode"))
+def _run(layer, variables, x, indices=None, rngs=None, *, deterministic=True, decode=False):
+    """``layer.apply``'s output and the indices it chose, compiled once per layer and signature
+    and shared by the tests (op by op, each operation compiles on its own)."""
+    y, state = layer.apply(
+        variables, x, deterministic=deterministic, decode=decode, indices=indices, rngs=rngs, mutable=["intermediates"]
+    )
+    return y, state["intermediates"]["indices"][0]
+
+
+def _apply(layer, variables, x, **kwargs):
+    return _run(layer, variables, x, **kwargs)[0]
+
+
 def _indices(layer, variables, x, **kwargs):
-    _, state = layer.apply(variables, x, mutable=["intermediates"], **kwargs)
-    return state["intermediates"]["indices"][0]
+    return _run(layer, variables, x, **kwargs)[1]
 
 
 def test_controller_is_low_rank_with_d_lowrank_d_ff_over_n(layer_and_vars):
@@ -59,7 +75,9 @@ def test_controller_is_low_rank_with_d_lowrank_d_ff_over_n(layer_and_vars):
 
 def test_decode_gather_equals_eval_mask(layer_and_vars):
     layer, variables, x = layer_and_vars
-    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        _apply(layer, variables, x, decode=True), _apply(layer, variables, x), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_decode_reads_only_the_selected_row_of_each_block(layer_and_vars):
@@ -70,7 +88,7 @@ def test_decode_reads_only_the_selected_row_of_each_block(layer_and_vars):
     keep = jax.nn.one_hot(idx, N)[..., None]  # [blocks, N, 1]
     zeroed = {**params, "wi": params["wi"] * keep, "wo": params["wo"] * keep}
     np.testing.assert_allclose(
-        layer.apply({"params": zeroed}, x, decode=True), layer.apply(variables, x, decode=True), atol=1e-6
+        _apply(layer, {"params": zeroed}, x, decode=True), _apply(layer, variables, x, decode=True), atol=1e-6
     )
     # No product in the decode path touches a full [d_ff, d_model] matrix: only gathered rows.
     jaxpr = jax.make_jaxpr(lambda v, x: layer.apply(v, x, decode=True))(variables, x)
@@ -85,12 +103,12 @@ def test_decode_reads_only_the_selected_row_of_each_block(layer_and_vars):
 
 def test_eval_picks_the_argmax_with_no_noise(layer_and_vars):
     layer, variables, x = layer_and_vars
-    logits = layer.apply(variables, x, method=layer.controller_logits)
+    logits = jax.jit(lambda v, x: layer.apply(v, x, method=layer.controller_logits))(variables, x)
     np.testing.assert_array_equal(_indices(layer, variables, x), jnp.argmax(logits, -1))
     ties = jnp.array([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
-    np.testing.assert_array_equal(block_argmax(ties), jnp.argmax(ties, -1))
-    out = layer.apply(variables, x, rngs={"dropout": jax.random.key(5)})
-    np.testing.assert_array_equal(out, layer.apply(variables, x, rngs={"dropout": jax.random.key(6)}))
+    np.testing.assert_array_equal(jax.jit(block_argmax)(ties), np.argmax(ties, -1))
+    out = _apply(layer, variables, x, rngs={"dropout": jax.random.key(5)})
+    np.testing.assert_array_equal(out, _apply(layer, variables, x, rngs={"dropout": jax.random.key(6)}))
 
 
 def test_training_with_temperature_zero_picks_the_eval_indices(layer_and_vars):
@@ -107,7 +125,7 @@ def test_training_with_temperature_zero_picks_the_eval_indices(layer_and_vars):
 def test_the_hard_mask_is_used_on_about_quant_prob_of_calls(layer_and_vars):
     _, variables, x = layer_and_vars
     layer = _layer(temperature=0.0, quant_prob=0.3)
-    eval_out = layer.apply(variables, x)
+    eval_out = _apply(layer, variables, x)
 
     @jax.jit
     def is_hard(key):
@@ -128,13 +146,13 @@ def test_straight_through_trains_the_controller_and_not_unselected_units(layer_a
     def loss(p):
         return jnp.sum(layer.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(0)}) ** 2)
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)  # one program, where op by op each operation compiles alone
     assert np.any(grads["controller_up"] != 0) and np.any(grads["controller_down"]["kernel"] != 0)
     unselected = 1.0 - jax.nn.one_hot(idx, N)[..., None]
     assert np.all(grads["wi"] * unselected == 0) and np.all(grads["wo"] * unselected == 0)
     np.testing.assert_allclose(
-        layer.apply({"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(0)}),
-        layer.apply(variables, x),
+        _apply(layer, {"params": params}, x, deterministic=False, rngs={"dropout": jax.random.key(0)}),
+        _apply(layer, variables, x),
         atol=1e-6,
     )
 
@@ -144,16 +162,16 @@ def test_given_indices_replace_the_controllers_choice(layer_and_vars):
     forced = jnp.zeros((3, 5, D_FF // N), jnp.int32)
     assert np.array_equal(_indices(layer, variables, x, indices=forced), forced)
     np.testing.assert_allclose(
-        layer.apply(variables, x, indices=forced, decode=True), layer.apply(variables, x, indices=forced), atol=1e-5
+        _apply(layer, variables, x, indices=forced, decode=True), _apply(layer, variables, x, indices=forced), atol=1e-5
     )
 
 
 def test_paper_formula_option_adds_the_first_layer_bias_and_decodes_the_same():
     layer = _layer(paper_formula=True)
     x = jax.random.normal(jax.random.key(0), (2, 3, D_MODEL))
-    variables = layer.init(jax.random.key(1), x)
+    variables = jax.jit(layer.init)(jax.random.key(1), x)
     assert nn.unbox(variables)["params"]["wi_bias"].shape == (D_FF // N, N)
-    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+    np.testing.assert_allclose(_apply(layer, variables, x, decode=True), _apply(layer, variables, x), atol=1e-5)
 
 
 def test_d_ff_not_divisible_by_n_is_a_config_error():
@@ -166,7 +184,7 @@ def test_ff_chunk_size_draws_one_coin_per_chunk(layer_and_vars):
     n_tokens = 15
     n_chunks, chunk_len = chunk_layout(n_tokens, 4)
     assert (n_chunks, chunk_len) == (4, 4)  # equal chunks of at most 4, one padding token
-    eval_out = _layer().apply(variables, x)
+    eval_out = _apply(_layer(), variables, x)
 
     def hard_tokens(ff_chunk_size):
         """Per key, which tokens took the hard branch: with temperature 0 and no dropout the
@@ -203,13 +221,13 @@ def test_ff_chunk_size_leaves_eval_output_unchanged(layer_and_vars, ff_chunk_siz
     layer, variables, x = layer_and_vars
     chunked = _layer(ff_chunk_size=ff_chunk_size)
     assert jax.tree.structure(jax.eval_shape(chunked.init, jax.random.key(1), x)) == jax.tree.structure(variables)
-    np.testing.assert_allclose(chunked.apply(variables, x), layer.apply(variables, x), atol=1e-6)
+    np.testing.assert_allclose(_apply(chunked, variables, x), _apply(layer, variables, x), atol=1e-6)
     np.testing.assert_array_equal(_indices(chunked, variables, x), _indices(layer, variables, x))
-    np.testing.assert_allclose(chunked.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+    np.testing.assert_allclose(_apply(chunked, variables, x, decode=True), _apply(layer, variables, x), atol=1e-5)
     # Given indices (a reversible layer's replay) are used chunk by chunk too.
     forced = jnp.zeros((3, 5, D_FF // N), jnp.int32)
     np.testing.assert_allclose(
-        chunked.apply(variables, x, indices=forced), layer.apply(variables, x, indices=forced), atol=1e-6
+        _apply(chunked, variables, x, indices=forced), _apply(layer, variables, x, indices=forced), atol=1e-6
     )
     np.testing.assert_array_equal(_indices(chunked, variables, x, indices=forced), forced)
 
@@ -247,7 +265,7 @@ def test_inference_chunks_leave_eval_output_unchanged_and_bound_its_memory(layer
     chunks: the same outputs and choices, and one chunk's [tokens, d_ff] buffers at a time."""
     layer, variables, x = layer_and_vars
     chunked = _layer(inference_chunk_size=4)
-    np.testing.assert_allclose(chunked.apply(variables, x), layer.apply(variables, x), atol=1e-6)
+    np.testing.assert_allclose(_apply(chunked, variables, x), _apply(layer, variables, x), atol=1e-6)
     np.testing.assert_array_equal(_indices(chunked, variables, x), _indices(layer, variables, x))
 
     def temp_bytes(inference_chunk_size):
@@ -293,8 +311,9 @@ def test_bad_chunk_size_is_a_config_error(name):
 def test_moe_baseline_decode_equals_eval_and_reads_one_block():
     layer = MixtureOfExpertsFeedForward(d_model=D_MODEL, d_ff=D_FF, n_experts=4)
     x = jax.random.normal(jax.random.key(0), (2, 5, D_MODEL))
-    variables = layer.init(jax.random.key(1), x)
-    np.testing.assert_allclose(layer.apply(variables, x, decode=True), layer.apply(variables, x), atol=1e-5)
+    variables = jax.jit(layer.init)(jax.random.key(1), x)
+    both = jax.jit(lambda v, x: (layer.apply(v, x, decode=True), layer.apply(v, x)))  # one program
+    np.testing.assert_allclose(*both(variables, x), atol=1e-5)
     params = nn.unbox(variables)["params"]
     assert (
         MixtureOfExpertsFeedForward.params_read_per_token(params) == 4 * D_MODEL + 2 * (D_FF // 4) * D_MODEL + D_MODEL

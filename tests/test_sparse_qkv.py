@@ -1,6 +1,8 @@
 """The multiplicative layer, sparse QKV attention, the sparse query cross-attention and the
 sparse loss (paper §3.2–3.3, docs/design/reference_code.md §2–§3 and the §9 checklist)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,9 @@ from terra.errors import ConfigError
 from terra.layers import MultiplicativeDense, SparseLossLogits, SparseQKVAttention, SparseQueryCrossAttention
 from terra.layers.multiplicative import COMBINED_KERNEL_ROWS
 from terra.layers.sparse_qkv import convolve_modules, sparse_qkv_param_count
-from terra.quantization import quantize_params
+
+from cheap_init_prng import init_key
+from helpers import quantize_params_for_setup
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -24,15 +28,30 @@ def _size(tree):
     return sum(x.size for x in jax.tree.leaves(nn.unbox(tree)))
 
 
+@functools.cache
+def _sparse_qkv(variant):
+    """The layer and its variables (any parameters prove what its tests check: decode equals the
+    full pass, causality), initialised in one program from a key that compiles cheaply and
+    shared by the tests of the variant."""
+    layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
+    return layer, jax.jit(layer.init)(init_key(1), jnp.ones((1, 3, D)))
+
+
 def test_multiplicative_dense_computes_the_gated_product():
     layer = MultiplicativeDense(12, n_modules=3)
     x = jax.random.normal(jax.random.key(0), (2, 5, 7))
-    variables = layer.init(jax.random.key(1), x)
-    p = nn.unbox(variables)["params"]
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def run(x):
+        variables = layer.init(jax.random.key(1), x)
+        p = nn.unbox(variables)["params"]
+        expected = jnp.einsum("bli,si,im->blsm", x, p["gate"], p["kernel"]).reshape(2, 5, 12) + p["bias"]
+        return p, layer.apply(variables, x), expected
+
+    p, y, expected = run(x)
     assert p["gate"].shape == (3, 7) and p["kernel"].shape == (7, 4) and p["bias"].shape == (12,)
-    expected = jnp.einsum("bli,si,im->blsm", x, p["gate"], p["kernel"]).reshape(2, 5, 12) + p["bias"]
-    np.testing.assert_allclose(layer.apply(variables, x), expected, atol=1e-5, rtol=1e-5)
-    assert abs(float(jnp.std(p["gate"])) - 0.5) < 0.2  # D ~ N(0, 0.5^2) as the reference
+    np.testing.assert_allclose(y, expected, atol=1e-5, rtol=1e-5)
+    assert abs(float(np.std(np.asarray(p["gate"]))) - 0.5) < 0.2  # D ~ N(0, 0.5^2) as the reference
 
 
 @pytest.mark.parametrize("kind", [None, "int8"])
@@ -42,11 +61,17 @@ def test_multiplicative_dense_folds_the_gate_into_the_kernel_for_many_rows(kind)
     float and narrow stored weights."""
     layer = MultiplicativeDense(12, n_modules=3)
     x = jax.random.normal(jax.random.key(2), (2, COMBINED_KERNEL_ROWS, 7))
-    params = nn.unbox(layer.init(jax.random.key(3), x))["params"]
+    params = nn.unbox(jax.jit(layer.init)(init_key(3), x))["params"]
     if kind:
-        params = quantize_params(params, kind)
-    many = layer.apply({"params": params}, x)
-    few = jnp.concatenate([layer.apply({"params": params}, x[:, i : i + 8]) for i in range(0, x.shape[1], 8)], 1)
+        params = quantize_params_for_setup(params, kind)
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def many_and_few(params, x):
+        many = layer.apply({"params": params}, x)
+        few = [layer.apply({"params": params}, x[:, i : i + 8]) for i in range(0, x.shape[1], 8)]
+        return many, jnp.concatenate(few, 1)
+
+    many, few = many_and_few(params, x)
     np.testing.assert_allclose(many, few, atol=1e-5, rtol=1e-5)
 
 
@@ -62,8 +87,13 @@ def test_multiplicative_layer_represents_any_permutation(seed):
         kernel[i, slot % m] = 1.0
     params = {"gate": gate, "kernel": kernel, "bias": np.zeros(d, np.float32)}
     x = jax.random.normal(jax.random.key(seed), (3, d))
-    y = MultiplicativeDense(d, n_modules=s_modules).apply({"params": params}, x)
-    np.testing.assert_allclose(y[:, perm], x, atol=1e-6)
+    y = _permuting_apply(params, x)
+    np.testing.assert_allclose(np.asarray(y)[:, perm], x, atol=1e-6)
+
+
+@jax.jit  # one program for every seed
+def _permuting_apply(params, x):
+    return MultiplicativeDense(x.shape[-1], n_modules=4).apply({"params": params}, x)
 
 
 def test_multiplicative_output_not_divisible_by_s_is_a_config_error():
@@ -74,11 +104,15 @@ def test_multiplicative_output_not_divisible_by_s_is_a_config_error():
 @pytest.mark.parametrize("variant", ["multconv", "mult", "conv"])
 @pytest.mark.slow
 def test_sparse_qkv_token_by_token_decode_matches_the_full_pass(variant):
-    layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
+    layer, variables = _sparse_qkv(variant)
     x = jax.random.normal(jax.random.key(0), (2, 7, D))
-    variables = layer.init(jax.random.key(1), x)
-    full = layer.apply(variables, x)
-    _, cache = layer.apply(variables, x[:, :1], decode=True, max_decode_length=9, mutable=["cache"])
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def set_up(x):
+        _, cache = layer.apply(variables, x[:, :1], decode=True, max_decode_length=9, mutable=["cache"])
+        return layer.apply(variables, x), cache
+
+    full, cache = set_up(x)
     # One compiled step for every position (op by op, each step dispatches its operations alone).
     step = jax.jit(lambda c, x: layer.apply({**variables, **c}, x, decode=True, mutable=["cache"]))
     for t in range(x.shape[1]):
@@ -88,11 +122,14 @@ def test_sparse_qkv_token_by_token_decode_matches_the_full_pass(variant):
 
 @pytest.mark.parametrize("variant", ["multconv", "mult", "conv"])
 def test_sparse_qkv_is_causal(variant):
-    layer = SparseQKVAttention(d_model=D, n_heads=H, variant=variant)
+    layer, variables = _sparse_qkv(variant)
     x = jax.random.normal(jax.random.key(0), (1, 8, D))
-    variables = layer.init(jax.random.key(1), x)
-    changed = x.at[:, 4].add(1.0)
-    a, b = layer.apply(variables, x), layer.apply(variables, changed)
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def outputs(x):
+        return layer.apply(variables, x), layer.apply(variables, x.at[:, 4].add(1.0))
+
+    a, b = outputs(x)
     np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-6)
     assert not np.allclose(a[:, 4:], b[:, 4:], atol=1e-4)
 
@@ -123,30 +160,40 @@ def test_sparse_query_cross_attention_decode_matches_the_full_pass():
     x = jax.random.normal(jax.random.key(0), (2, 6, D))
     encoded = jax.random.normal(jax.random.key(1), (2, 5, D))
     mask = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    variables = layer.init(jax.random.key(2), x, encoded, mask)
-    full = layer.apply(variables, x, encoded, mask)
-    _, cache = layer.apply(variables, x[:, :1], encoded, mask, decode=True, mutable=["cache"])
+    garbage = encoded.at[1, 3:].set(100.0)
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def set_up(x, encoded, mask, garbage):
+        variables = layer.init(init_key(2), x, encoded, mask)
+        _, cache = layer.apply(variables, x[:, :1], encoded, mask, decode=True, mutable=["cache"])
+        return variables, layer.apply(variables, x, encoded, mask), cache, layer.apply(variables, x, garbage, mask)
+
+    variables, full, cache, with_garbage = set_up(x, encoded, mask, garbage)
     step = jax.jit(lambda c, x: layer.apply({**variables, **c}, x, None, None, decode=True, mutable=["cache"]))
     for t in range(x.shape[1]):
         out, cache = step(cache, x[:, t : t + 1])
         np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
     assert "out" not in nn.unbox(variables)["params"]  # no output projection
     # Padded encoder positions are ignored.
-    garbage = encoded.at[1, 3:].set(100.0)
-    np.testing.assert_allclose(layer.apply(variables, x, garbage, mask), full, atol=1e-5)
+    np.testing.assert_allclose(with_garbage, full, atol=1e-5)
 
 
 def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
     layer = SparseLossLogits(vocab_size=40, loss_sparsity=4)
     x = jax.random.normal(jax.random.key(0), (2, 3, D))
-    variables = layer.init(jax.random.key(1), x)
-    p = nn.unbox(variables)["params"]["multiplicative"]
-    assert _size(variables) == 4 * D + D * 40 // 4 + 40  # S*d + d*V/S + V
-    logits = layer.apply(variables, x)
-    assert logits.shape == (2, 3, 40) and logits.dtype == jnp.float32
-    # Vocabulary id s*(V/S) + m is module s, element m.
     s, m = 2, 7
-    expected = jnp.einsum("bli,i,i->bl", x, p["gate"][s], p["kernel"][:, m]) + p["bias"][s * 10 + m]
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def run(x):
+        variables = layer.init(init_key(1), x)
+        p = nn.unbox(variables)["params"]["multiplicative"]
+        # Vocabulary id s*(V/S) + m is module s, element m.
+        expected = jnp.einsum("bli,i,i->bl", x, p["gate"][s], p["kernel"][:, m]) + p["bias"][s * 10 + m]
+        return variables, layer.apply(variables, x), expected
+
+    variables, logits, expected = run(x)
+    assert _size(variables) == 4 * D + D * 40 // 4 + 40  # S*d + d*V/S + V
+    assert logits.shape == (2, 3, 40) and logits.dtype == jnp.float32
     np.testing.assert_allclose(logits[..., s * 10 + m], expected, atol=1e-5)
     with pytest.raises(ConfigError, match="vocab_size=40 is not divisible by loss_sparsity=3"):
         SparseLossLogits(vocab_size=40, loss_sparsity=3).init(jax.random.key(0), x)
@@ -155,6 +202,7 @@ def test_sparse_loss_is_a_multiplicative_layer_over_the_vocabulary():
 native = pytest.mark.skipif(not native_kernels.available(), reason="terra's native kernels are not built")
 
 
+@jax.jit  # one program per signature, where op by op each operation compiles on its own
 def _xla_convolution(u, kernel, bias):
     f, k = kernel.shape[:2]
     padded = jnp.pad(u, ((0, 0), (f - 1, 0), ((k - 1) // 2, (k - 1) // 2), (0, 0)))
@@ -188,8 +236,8 @@ def test_native_module_convolution_equals_the_convolution_op(length, modules, f,
     finally:
         native_kernels.use_isa(native_kernels.ISAS[-1])
     weights = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
-    grads = jax.grad(lambda *a: jnp.sum(convolve_modules(*a) * weights), (0, 1, 2))(u, kernel, bias)
-    want_grads = jax.grad(lambda *a: jnp.sum(_xla_convolution(*a) * weights), (0, 1, 2))(u, kernel, bias)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(convolve_modules(*a) * weights), (0, 1, 2)))(u, kernel, bias)
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(_xla_convolution(*a) * weights), (0, 1, 2)))(u, kernel, bias)
     for got, expected in zip(grads, want_grads):
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 

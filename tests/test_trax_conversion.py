@@ -1,6 +1,7 @@
 """Converting the paper's own (Trax) checkpoints: the fixtures in tests/fixtures/trax were made
 by running Trax (see their README); a converted run must give Trax's logits."""
 
+import functools
 import gzip
 import io
 import json
@@ -406,7 +407,8 @@ def _loop_checkpoint_2020(path, flat):
         "step": 10,
         "flat_weights": weights,
         "flat_state": _jax_state(),
-        "slots_per_task": (tuple((jnp.zeros_like(w), jnp.ones_like(w)) for w in weights),),
+        # jax arrays made from host ones: jnp.zeros_like would compile a program per shape.
+        "slots_per_task": (tuple((jnp.asarray(np.zeros_like(w)), jnp.asarray(np.ones_like(w))) for w in flat),),
         "input_signature": _signature(),
         "version_timestamp": "Aug-21-2020",
     }
@@ -607,12 +609,26 @@ class _TraxHashing:
     for (b, h), and ``bucket = argmax([qR, -qR])`` of the unnormalised shared-QK projection q.
     terra draws its own rotations (per head, from a seed), so the converted model is compared
     with Trax's at Trax's hashing decisions, passed in through ``buckets=``.
+
+    ``buckets`` holds each call's buckets as traced; ``computed()`` their values once the calls
+    have run: a reversible stack traces its layers inside a ``custom_vjp``, whose tracers cannot
+    leave it under ``jit``, so the values come back by a callback.
     """
 
     def __init__(self, keys, n_buckets: int, hash_decoder: bool = True):
         self.keys = {False: keys[:2], True: keys[2:]}  # by causal: encoder layers, decoder layers
         self.n_buckets, self.hash_decoder = n_buckets, hash_decoder
         self.buckets = {False: [], True: []}
+        self._values = {}
+
+    def computed(self):
+        """Every call's buckets (the encoder's layers, then the decoder's), as computed."""
+        jax.effects_barrier()
+        calls = [(causal, i) for causal in (False, True) for i in range(len(self.buckets[causal]))]
+        return [self._values[call] for call in calls]
+
+    def _record(self, call, buckets):
+        self._values[call] = np.asarray(buckets)
 
     def __call__(self, next_fun, args, kwargs, context):
         module = context.module
@@ -627,6 +643,7 @@ class _TraxHashing:
         rotations = jax.vmap(lambda k: jax.random.normal(jax.random.split(k)[1], shape))(jnp.asarray(layer_keys))
         rotated = jnp.einsum("bhld,bhdrk->bhrlk", q, rotations.reshape(batch, heads, *shape))
         buckets = jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1)
+        jax.debug.callback(functools.partial(self._record, (module.causal, len(self.buckets[module.causal]))), buckets)
         self.buckets[module.causal].append(buckets)
         return next_fun(*args, **{**kwargs, "buckets": buckets})
 
@@ -643,10 +660,16 @@ def test_converted_lsh_terraformer_gives_trax_eval_logits_at_traxs_hashing(loade
     encoder_tokens, _, shifted = _inputs(LSH)
 
     hashing = _TraxHashing(_trax_lsh_hash_keys(), _n_buckets())
-    with nn.intercept_methods(hashing):
-        logits = run.model.module.apply({"params": run.params}, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+
+    @jax.jit  # one program, where op by op each operation (and each hash draw) compiles on its own
+    def forward(params, encoder_tokens, shifted):
+        with nn.intercept_methods(hashing):
+            logits = run.model.module.apply({"params": params}, encoder_tokens, shifted)
+        return logits
+
+    logits = forward(run.params, jnp.asarray(encoder_tokens), jnp.asarray(shifted))
+    replayed = hashing.computed()
     recorded = np.load(fixture(LSH, "lsh_buckets.npz"))
-    replayed = hashing.buckets[False] + hashing.buckets[True]
     assert len(replayed) == len(recorded.files) == 6
     real = np.asarray(encoder_tokens != 0)[:, None, None, :]
     for i, buckets in enumerate(replayed):
