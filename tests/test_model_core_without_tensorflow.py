@@ -1,8 +1,9 @@
 """The model core runs where TensorFlow is not installed (an accelerator host with jax, flax,
 optax, orbax, gin and ml-collections only): building a model from its gin config, a train step,
-decoding, ``terra-bench train``/``decode`` and the accelerator check. Each runs in a subprocess
-whose import system refuses TensorFlow, seqio, TensorFlow Datasets and TensorFlow Text, as an
-interpreter without them installed would."""
+decoding, ``terra-bench train``/``decode`` and the accelerator check. They run in subprocesses (the
+model core and terra-bench in one, the accelerator check's script in its own) whose import system
+refuses TensorFlow, seqio, TensorFlow Datasets and TensorFlow Text, as an interpreter without them
+installed would."""
 
 import json
 import os
@@ -78,11 +79,11 @@ def test_the_refusal_makes_tensorflow_unimportable(tmp_path):
     assert out.count("refused") == 4 and out.count("None") == 4 and "loaded: []" in out
 
 
-@pytest.mark.slow
-def test_a_model_builds_trains_a_step_and_decodes_without_tensorflow(tmp_path):
-    out = _python(
-        tmp_path,
-        """
+# The fully sparse model at the accelerator check's smoke size (bfloat16), trained a step as the
+# check trains it (the state donated, a batch of its shapes): the same program, which the check
+# (below) then reads from the session's compilation cache.
+SMOKE = accelerator_check.SMOKE
+BUILD_TRAIN_DECODE = f"""
 import jax, jax.numpy as jnp, numpy as np
 from terra.gin_config import parsing
 from terra.decoding import IncrementalDecoder, generate
@@ -90,42 +91,62 @@ from terra.training import optimizers
 from terra.training.train_state import TrainState
 from terra.training.train_step import train_step
 
-parsing.parse_gin(["models/tiny_fully_sparse.gin"])
+parsing.parse_gin(["models/fully_sparse_800m.gin"], {list(SMOKE.bindings)!r})
 model = parsing.build_model()
 tx = optimizers.adafactor().transform
 params = model.init_params(jax.random.key(0))
 state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-tokens = jnp.asarray(np.random.default_rng(0).integers(2, model.config.vocab_size, (2, 8)), jnp.int32)
-batch = {
-    "encoder_input_tokens": tokens,
-    "decoder_target_tokens": tokens,
-    "decoder_input_tokens": jnp.pad(tokens[:, :-1], ((0, 0), (1, 0))),
-    "decoder_loss_weights": jnp.ones_like(tokens),
-}
-state, metrics = jax.jit(lambda s, b, r: train_step(model, tx, s, b, r))(state, batch, jax.random.key(1))
+rng = np.random.default_rng(0)
+inputs = jnp.asarray(rng.integers(2, model.config.vocab_size, ({SMOKE.batch_size}, {SMOKE.inputs})), jnp.int32)
+targets = jnp.asarray(rng.integers(2, model.config.vocab_size, ({SMOKE.batch_size}, {SMOKE.targets})), jnp.int32)
+batch = {{
+    "encoder_input_tokens": inputs,
+    "decoder_target_tokens": targets,
+    "decoder_input_tokens": jnp.pad(targets[:, :-1], ((0, 0), (1, 0))),
+    "decoder_loss_weights": jnp.ones_like(targets),
+}}
+step = jax.jit(lambda s, b, r: train_step(model, tx, s, b, r), donate_argnums=(0,))
+state, metrics = step(state, batch, jax.random.key(1))
 print("step", int(state.step), "loss", float(metrics["loss"]))
-out = generate(IncrementalDecoder(model.module, 6), state.params, tokens[:1], max_new_tokens=4, eos_id=-1)
+out = generate(IncrementalDecoder(model.module, 6), state.params, inputs[:1], max_new_tokens=4, eos_id=-1)
 print("decoded", np.asarray(out.tokens).shape)
-""",
+"""
+# terra-bench train's dense row at the accelerator check's smoke size, in its bfloat16: the same
+# train step program as the check's dense row, which the check (below) then reads from the
+# session's compilation cache.
+BENCH_TRAIN = ["--small", "--steps", "1", "--rows", "dense", f"--gin.{accelerator_check.BFLOAT16.replace(' = ', '=')}"]
+BENCH_TRAIN += ["--batch_size", str(SMOKE.batch_size), "--inputs", str(SMOKE.inputs), "--targets", str(SMOKE.targets)]
+BENCH_DECODE = ["--preset", "tiny", "--rows", "Sparse FF", "--config.repeats=1", "--config.tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def without_tensorflow(tmp_path_factory):
+    """``(printed output, folder)`` of one process that cannot import TensorFlow (one start-up
+    for both tests below): a model built from gin trains a step and decodes, then ``terra-bench
+    train`` and ``decode`` run."""
+    folder = tmp_path_factory.mktemp("core")
+    bench = (
+        "from terra.cli import bench\n"
+        f"assert bench.main(['train', '--out', {str(folder / 'train')!r}, *{BENCH_TRAIN!r}]) == 0\n"
+        f"assert bench.main(['decode', '--out', {str(folder / 'decode')!r}, *{BENCH_DECODE!r}]) == 0\n"
     )
+    return _python(folder, BUILD_TRAIN_DECODE + bench), folder
+
+
+@pytest.mark.slow
+def test_a_model_builds_trains_a_step_and_decodes_without_tensorflow(without_tensorflow):
+    out, _ = without_tensorflow
     assert "step 1 loss" in out and "nan" not in out.split("loss", 1)[1].split()[0]
     assert "decoded (1, 4)" in out and "loaded: []" in out
 
 
 @pytest.mark.slow
-def test_terra_bench_train_and_decode_run_without_tensorflow(tmp_path):
-    small = ["--small", "--steps", "1", "--batch_size", "2", "--inputs", "16", "--targets", "8", "--rows", "dense"]
-    decode = ["--preset", "tiny", "--rows", "Sparse FF", "--config.repeats=1", "--config.tokens=4"]
-    out = _python(
-        tmp_path,
-        "from terra.cli import bench\n"
-        f"assert bench.main(['train', '--out', {str(tmp_path / 'train')!r}, *{small!r}]) == 0\n"
-        f"assert bench.main(['decode', '--out', {str(tmp_path / 'decode')!r}, *{decode!r}]) == 0\n",
-    )
+def test_terra_bench_train_and_decode_run_without_tensorflow(without_tensorflow):
+    out, folder = without_tensorflow
     assert "loaded: []" in out
-    train = json.loads((tmp_path / "train" / "train_speed.json").read_text())["rows"]
+    train = json.loads((folder / "train" / "train_speed.json").read_text())["rows"]
     assert [r["name"] for r in train] == ["dense"] and train[0]["tokens_per_second"] > 0
-    decoded = json.loads((tmp_path / "decode" / "decode_speed.json").read_text())
+    decoded = json.loads((folder / "decode" / "decode_speed.json").read_text())
     assert {r["name"] for r in decoded} == {"baseline Transf.", "+ Sparse FF"}
     assert all(r["seconds_per_token_median"] > 0 for r in decoded)
 
@@ -133,12 +154,14 @@ def test_terra_bench_train_and_decode_run_without_tensorflow(tmp_path):
 @pytest.mark.slow
 def test_the_accelerator_check_script_runs_its_smoke_size_without_tensorflow(tmp_path):
     script = os.path.join(REPO_ROOT, "scripts", "accelerator_check.sh")
+    # The script keeps the session's compilation cache (JAX_COMPILATION_CACHE_DIR, which it uses
+    # when set): its train steps are the ones compiled above (the fully sparse model's by the
+    # model-core script, the dense one's by terra-bench train).
     out = _run_without_tensorflow(
         tmp_path,
         ["bash", script, str(tmp_path / "check")],
         PYTHON=sys.executable,
         TERRA_ACCELERATOR_CHECK_SMOKE="1",
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "compilation_cache"),
     )
     record = json.loads((tmp_path / "check" / "accelerator_check.json").read_text())
     assert record["size"]["name"] == "smoke" and record["device"]["platform"] == "cpu"

@@ -5,6 +5,8 @@ initialised with ``sin/cos(pos * exp(-ln(10000) * 2i / d))``. In decode mode the
 position is kept in the ``cache`` collection.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,14 +17,19 @@ from terra.backends import DecodePosition, as_float, get_state, has_state, put_s
 from terra.layers import axes
 
 
+@functools.lru_cache(maxsize=4)
 def sinusoid_table(max_len: int, d_model: int) -> np.ndarray:
-    """``[max_len, d_model]`` table; even features are sin, odd features are cos."""
+    """``[max_len, d_model]`` table; even features are sin, odd features are cos. Read-only, and
+    computed once per shape: the encoder's and the decoder's tables are one, and a model built
+    again (each build traces its initializer) reuses it."""
     position = np.arange(max_len, dtype=np.float64)[:, None]
     div = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * -(np.log(10000.0) / d_model))
-    table = np.zeros((max_len, d_model), dtype=np.float64)
-    table[:, 0::2] = np.sin(position * div)
-    table[:, 1::2] = np.cos(position * div)[:, : d_model // 2]
-    return table.astype(np.float32)
+    angle = position * div  # computed in float64 once, each value rounded to float32 when stored
+    table = np.empty((max_len, d_model), dtype=np.float32)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    table.flags.writeable = False
+    return table
 
 
 class TrainablePositionalEmbedding(nn.Module):

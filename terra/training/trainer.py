@@ -361,15 +361,16 @@ class Trainer:
         if restored is not None:
             state, start_step = restored
             return state, start_step, f"resumed from step {start_step}"
-        state = self.init_state()
         if init_params is None:
-            return state, 0, "initialised from seed"
-        opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(init_params)
-        return (
-            TrainState(step=state.step, params=init_params, opt_state=opt_state),
-            0,
-            f"parameters from {self.init_from}",
-        )
+            return self.init_state(), 0, "initialised from seed"
+        # Fine-tuning: every parameter comes from init_from, so no random ones are drawn (the
+        # initializer, compiled and run, would be discarded).
+        with self.placement():
+            opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(
+                init_params
+            )
+            step = jax.device_put(jnp.int32(0), self.state_shardings.step)
+        return TrainState(step=step, params=init_params, opt_state=opt_state), 0, f"parameters from {self.init_from}"
 
     def _from_saved_params(self, step: int):
         kind = checkpointing.stored_weights_dtype(self.model_dir, step)
