@@ -1,14 +1,11 @@
 """Meshes, logical-to-mesh parameter and optimizer-state shardings, global batches.
 
 Written for any even number of forced CPU devices (tests/conftest.py): the mesh is
-``data = devices // 2`` x ``model = 2``.
+``data = devices // 2`` x ``model = 2``. Two processes forming one mesh through gloo are tested by
+the gloo workers of tests/test_parallel_equivalence.py, which then train on it.
 """
 
 import logging
-import os
-import socket
-import subprocess
-import sys
 
 import flax.linen as nn
 import gin
@@ -33,7 +30,7 @@ from terra.parallel.sharding import (
     sharded_init,
 )
 
-from helpers import tiny_config, xla_flags_with_devices
+from helpers import tiny_config
 
 N_DEVICES = len(jax.devices())
 DATA = N_DEVICES // 2
@@ -266,63 +263,3 @@ def test_initialize_distributed_rejects_a_malformed_environment_variable(monkeyp
     with pytest.raises(ConfigError, match="TERRA_NUM_PROCESSES='two' must be an integer"):
         initialize_distributed()
     assert not jax.distributed.is_initialized()
-
-
-_WORKER = """
-import os
-os.environ["JAX_PLATFORMS"] = "cpu"
-import numpy as np
-from terra.parallel.mesh import describe_mesh, initialize_distributed, make_mesh
-initialize_distributed()  # from TERRA_COORDINATOR / TERRA_NUM_PROCESSES / TERRA_PROCESS_ID
-initialize_distributed()  # a second call is a no-op
-import jax
-import jax.numpy as jnp
-from terra.parallel.sharding import global_batch
-mesh = make_mesh(data=-1, model=2)
-rows = {"x": np.full((2, 3), jax.process_index() + 1, np.float32)}
-batch = global_batch(rows, mesh)
-total = jax.jit(lambda b: jnp.sum(b["x"]), out_shardings=jax.sharding.NamedSharding(mesh, jax.P()))(batch)
-# A file, not stdout: gloo's own threads print to stdout mid-line.
-with open(os.environ["TERRA_TEST_RESULT"], "w") as f:
-    f.write(f"{describe_mesh(mesh)} {batch['x'].shape} {float(total)}")
-"""
-
-
-def test_two_cpu_processes_form_one_mesh_through_gloo(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    workers = []
-    for process_id in range(2):
-        env = dict(
-            os.environ,
-            PYTHONPATH=root,
-            # The suite's compile flags (tests/conftest.py), two devices in each process.
-            XLA_FLAGS=xla_flags_with_devices(2),
-            TERRA_COORDINATOR=f"127.0.0.1:{port}",
-            TERRA_NUM_PROCESSES="2",
-            TERRA_PROCESS_ID=str(process_id),
-            TERRA_TEST_RESULT=str(tmp_path / f"result{process_id}.txt"),
-        )
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outputs = []
-    try:
-        for worker in workers:
-            out, err = worker.communicate(timeout=120)
-            outputs.append(out + "\n--- stderr ---\n" + err)
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    for process_id, (worker, output) in enumerate(zip(workers, outputs)):
-        assert worker.returncode == 0, output
-        result = (tmp_path / f"result{process_id}.txt").read_text()
-        # Each process contributes 2 rows of 3: 6 * 1 + 6 * 2 = 18, summed across processes.
-        assert result == "mesh data=2 x model=2 over 4 cpu devices, 2 processes (4, 3) 18.0", output

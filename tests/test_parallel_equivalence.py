@@ -5,7 +5,8 @@ A Scaling Transformer with every random draw of a train step switched on (dropou
 sparse feed-forward controller's Gumbel noise and straight-through coin, random position offsets)
 trains for a few steps with the trainer's step function (terra.training.train_step, Adafactor)
 on one device, on the 8x1, 4x2 and 2x4 ``data x model`` meshes of the eight forced CPU devices
-(tests/conftest.py) and in two processes joined through gloo. The random draws are the same bits
+(tests/conftest.py) and in two processes joined through gloo (which first check that they form one
+mesh, feeding one global batch). The random draws are the same bits
 on every layout (threefry keys are ``fold_in(seed, step)`` then Flax's per-module folds, and the
 bits of a draw depend only on the key and the global shape, not on how the result is sharded);
 the rest differs only by the order of float reductions, a few ulps per step.
@@ -282,12 +283,24 @@ import os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 from terra.parallel.mesh import initialize_distributed
 initialize_distributed()  # from TERRA_COORDINATOR / TERRA_NUM_PROCESSES / TERRA_PROCESS_ID
+initialize_distributed()  # a second call is a no-op
 import jax
+import jax.numpy as jnp
 import numpy as np
 sys.path.insert(0, os.environ["TERRA_TESTS_DIR"])
 import test_parallel_equivalence as case
 from terra.parallel.mesh import describe_mesh, make_mesh
-mesh = make_mesh(data=2, model=2)  # data across the processes, model inside each
+from terra.parallel.sharding import global_batch
+# The processes form one mesh: each feeds two rows of its own, and a jitted sum sees all four.
+inferred = make_mesh(data=-1, model=2)
+rows = {"x": np.full((2, 3), jax.process_index() + 1, np.float32)}
+batch = global_batch(rows, inferred)
+total = jax.jit(lambda b: jnp.sum(b["x"]), out_shardings=jax.sharding.NamedSharding(inferred, jax.P()))(batch)
+# A file, not stdout: gloo's own threads print to stdout mid-line.
+with open(os.environ["TERRA_TEST_RESULT"] + f".mesh{jax.process_index()}.txt", "w") as f:
+    f.write(f"{describe_mesh(inferred)} {batch['x'].shape} {float(total)}")
+# The training: data across the processes, model inside each.
+mesh = make_mesh(data=2, model=2)
 batches = case.host_batches(jax.process_index(), jax.process_count())
 model = case.equivalence_model()
 with np.load(os.environ["TERRA_TEST_INITIAL_STATE"]) as saved:  # the test process's: no init compile
@@ -309,7 +322,7 @@ def _free_port() -> int:
 
 def _run_workers(tmp_path, initial, n: int = 2) -> str:
     """Runs ``_WORKER`` in ``n`` processes joined through gloo, from the host state ``initial``;
-    returns process 0's result file."""
+    returns process 0's result file (process ``i``'s mesh line is beside it, ``.mesh{i}.txt``)."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     initial_path = str(tmp_path / "initial.npz")
@@ -348,8 +361,23 @@ def _run_workers(tmp_path, initial, n: int = 2) -> str:
     return result
 
 
-def test_two_gloo_processes_train_the_same_model_as_one_device(model, one_device, tmp_path):
-    with np.load(_run_workers(tmp_path, initial_state(model))) as result:
+@pytest.fixture(scope="module")
+def two_gloo_processes(model, tmp_path_factory) -> str:
+    """Process 0's result file of one pair of gloo workers, shared by the module's two tests of it
+    (the workers form the mesh, then train on it)."""
+    return _run_workers(tmp_path_factory.mktemp("gloo"), initial_state(model))
+
+
+def test_two_cpu_processes_form_one_mesh_through_gloo(two_gloo_processes):
+    for process_id in range(2):
+        with open(f"{two_gloo_processes}.mesh{process_id}.txt") as f:
+            result = f.read()
+        # Each process contributes 2 rows of 3: 6 * 1 + 6 * 2 = 18, summed across processes.
+        assert result == "mesh data=2 x model=2 over 4 cpu devices, 2 processes (4, 3) 18.0"
+
+
+def test_two_gloo_processes_train_the_same_model_as_one_device(two_gloo_processes, one_device):
+    with np.load(two_gloo_processes) as result:
         assert str(result["mesh"]) == "mesh data=2 x model=2 over 4 cpu devices, 2 processes"
         treedef = jax.tree.structure(one_device[1])
         params = jax.tree.unflatten(treedef, [result[f"param{i}"] for i in range(treedef.num_leaves)])

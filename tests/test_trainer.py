@@ -94,15 +94,19 @@ class Recorder(trainer.StepHook):
 
 
 EVALUATE_EVERY_STEP = ("terra.training.EvaluationSettings.every = 1", "terra.training.EvaluationSettings.steps = 1")
+# The module's 3-step run reads the training stream in order (unshuffled), as two processes that
+# each read their shard in order do: test_two_processes_reach_the_same_loss_as_one compares them.
+IN_ORDER = ("terra.training.Trainer.shuffle = False",)
+THREE_STEPS = (*EVALUATE_EVERY_STEP, *IN_ORDER)
 
 
 @pytest.fixture(scope="module")
 def three_steps(tmp_path_factory, fast_compile):
-    """``(model_dir, TrainResult, the Recorder's calls)`` of one 3-step run evaluated after every
-    step, shared by the module (each test only reads it): the pretrained run of the fine-tuning
-    tests, and the run the step-hook and direct-step tests check against."""
+    """``(model_dir, TrainResult, the Recorder's calls)`` of one unshuffled 3-step run evaluated
+    after every step, shared by the module (each test only reads it): the pretrained run of the
+    fine-tuning tests, and the run the step-hook, direct-step and two-process tests check against."""
     model_dir = tmp_path_factory.mktemp("three") / "run"
-    _parse(model_dir, 3, *EVALUATE_EVERY_STEP)
+    _parse(model_dir, 3, *THREE_STEPS)
     recorder = Recorder()
     result = trainer.Trainer(step_hooks=[recorder]).run()
     return model_dir, result, recorder.calls
@@ -376,15 +380,17 @@ def test_ctrl_c_saves_the_step_and_says_how_to_resume_and_a_second_one_stops_at_
 
 
 @pytest.mark.slow
-def test_two_processes_reach_the_same_loss_as_one(tmp_path):
-    extra = ("terra.training.Trainer.shuffle = False",)
+def test_two_processes_reach_the_same_loss_as_one(three_steps, tmp_path):
+    # The module's one-process run: the same 3 unshuffled steps (its evaluations leave the
+    # training stream and the parameters as they are).
+    single, _, _ = three_steps
     env = _env(XLA_FLAGS=xla_flags_with_devices(2), TERRA_LOG_DIR=str(tmp_path / "logs"))
     result = subprocess.run(
         [
             "bash",
             os.path.join(REPO_ROOT, "scripts", "launch_local_multihost.sh"),
             "2",
-            *_cli(tmp_path / "multi", 5, *extra)[3:],
+            *_cli(tmp_path / "multi", 3, *IN_ORDER)[3:],
         ],
         cwd=REPO_ROOT,
         env=dict(env, PYTHON=sys.executable),
@@ -394,9 +400,8 @@ def test_two_processes_reach_the_same_loss_as_one(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "over 4 cpu devices, 2 processes" in result.stdout
-    _parse(tmp_path / "single", 5, *extra)
-    trainer.Trainer().run()
-    np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"), rtol=1e-4)
+    assert len(_losses(tmp_path / "multi")) == 3
+    np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(single), rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -554,7 +559,7 @@ def test_step_hooks_run_around_every_step_in_order_and_see_its_metrics(three_ste
 
 @pytest.mark.slow
 def test_a_trainer_steps_evaluates_and_saves_without_run_and_writes_only_when_it_saves(three_steps, tmp_path):
-    _parse(tmp_path / "direct", 2, *EVALUATE_EVERY_STEP)
+    _parse(tmp_path / "direct", 2, *THREE_STEPS)
     built = trainer.Trainer()
     state = built.init_state()
     batch = built.global_batch(next(built.batches("train", built.feature_lengths, None, built.shuffle)))
