@@ -31,26 +31,34 @@ def test_temperature_sampling_follows_the_tempered_softmax():
     np.testing.assert_allclose(freq, expected, atol=0.015)
 
 
+# The tests of the tiny model decode [2, 8] inputs with the model's decoder for 10 tokens: one
+# prefill and one generation loop (its scalars are traced) serve them all.
+DECODE_LENGTH = 10
+
+
+def _tiny_inputs(model, seed):
+    return jnp.asarray(np.random.default_rng(seed).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
+
+
 def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(tiny_model):
     model, params = tiny_model
-    inputs = jnp.asarray(np.random.default_rng(0).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
-    out = model.generate(params, inputs, max_decode_length=10)
+    inputs = _tiny_inputs(model, 0)
+    out = model.generate(params, inputs, max_decode_length=DECODE_LENGTH)
     assert out.tokens.shape[0] == 2
-    # Teacher-force the generated tokens: each one must be the argmax at its position.
-    forward = jax.jit(lambda p, i, d: model.module.apply({"params": p}, i, d))
+    # Teacher-force the generated tokens: each one must be the argmax at its position. Both rows in
+    # one pass: the decoder is causal, so the pad tokens after a row's EOS change none of its logits.
+    logits = jax.jit(lambda p, i, d: model.module.apply({"params": p}, i, d))(params, inputs, shift_right(out.tokens))
     for row in range(2):
         n = int(out.lengths[row])
-        tokens = jnp.asarray(out.tokens[row : row + 1, :n])
-        logits = forward(params, inputs[row : row + 1], shift_right(tokens))
-        np.testing.assert_array_equal(jnp.argmax(logits, -1), tokens)
+        np.testing.assert_array_equal(jnp.argmax(logits[row, :n], -1), out.tokens[row, :n])
 
 
 def test_sampling_is_reproducible_from_its_seed(tiny_model):
     model, params = tiny_model
-    inputs = jnp.asarray(np.random.default_rng(1).integers(2, model.config.vocab_size, size=(1, 8)), jnp.int32)
-    a = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
-    b = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=7)
-    c = model.generate(params, inputs, max_decode_length=12, temperature=5.0, seed=8)
+    inputs = _tiny_inputs(model, 1)
+    a = model.generate(params, inputs, max_decode_length=DECODE_LENGTH, temperature=5.0, seed=7)
+    b = model.generate(params, inputs, max_decode_length=DECODE_LENGTH, temperature=5.0, seed=7)
+    c = model.generate(params, inputs, max_decode_length=DECODE_LENGTH, temperature=5.0, seed=8)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
 
@@ -133,8 +141,8 @@ def test_generation_samples_only_from_the_top_k_or_the_nucleus():
 @pytest.mark.slow
 def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
     model, params = tiny_model
-    decoder = model.decoder(7)
-    inputs = jnp.asarray(np.random.default_rng(2).integers(2, model.config.vocab_size, size=(2, 8)), jnp.int32)
+    decoder = model.decoder(DECODE_LENGTH)  # 7 of its 10 slots used
+    inputs = _tiny_inputs(model, 2)
     for temperature in (0.0, 3.0):
         rng = jax.random.key(11)
         cache = decoder.prefill(params, inputs)
@@ -156,7 +164,8 @@ def test_generation_loop_matches_a_python_loop_over_step(tiny_model):
             0,
         )
         assert int(steps) == 7
-        np.testing.assert_array_equal(tokens, jnp.stack(expected, axis=1))
+        np.testing.assert_array_equal(tokens[:, :7], jnp.stack(expected, axis=1))
+        assert not np.any(tokens[:, 7:])  # the slots beyond the 7 steps hold the pad id
 
 
 def test_generation_compiles_once_whatever_types_its_scalars_come_in():

@@ -36,7 +36,7 @@ def _build(variant):
     files, bindings = [variant.split("+")[0]], list(SMALL)
     if variant.endswith("+loss"):
         bindings += ["EncoderDecoderTransformer.logits_layer = @SparseLossLogits", "SparseLossLogits.loss_sparsity = 4"]
-    parsing.parse_gin(files, bindings)
+    parsing.parse_gin(files, bindings, finalize=False)  # a model alone: no data layer (TensorFlow)
     return parsing.build_model()
 
 
@@ -105,7 +105,7 @@ def test_tiny_sparse_model_trains(built, variant):
 def test_incompatible_sparsity_fails_when_the_model_is_configured(binding, message):
     # fully_sparse_800m.gin at tiny sizes (d_ff 256, d_model 64, vocabulary 512: none divisible by
     # the bound sparsity either): the failing check is the same, reached before tracing 2 x 24 layers.
-    parsing.parse_gin(["models/tiny_fully_sparse.gin"], [binding])
+    parsing.parse_gin(["models/tiny_fully_sparse.gin"], [binding], finalize=False)
     with pytest.raises(parsing.GinConfigError, match=message):
         parsing.build_model()
 
@@ -119,7 +119,7 @@ def reads():
 
     def read(gin_file):
         if gin_file not in built:
-            parsing.parse_gin([gin_file], ["TransformerConfig.n_encoder_layers = 1"])
+            parsing.parse_gin([gin_file], ["TransformerConfig.n_encoder_layers = 1"], finalize=False)
             built[gin_file] = parsing.build_model().params_read_per_token()
         return built[gin_file]
 

@@ -59,7 +59,7 @@ import math
 import os
 import time
 import types
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +261,12 @@ def lsh_layers(decoder: IncrementalDecoder, params, cache, batch: int = 1) -> Di
     settings that fix how many past rows each keeps: ``n_hashes``, ``chunk_len``,
     ``n_chunks_before``, ``std_length`` (read from the modules while the step is traced
     abstractly for ``batch`` rows, the cache's; nothing is compiled)."""
+    return _traced_step(decoder, params, cache, batch)[0]
+
+
+def _traced_step(decoder: IncrementalDecoder, params, cache, batch: int) -> Tuple[Dict[Tuple[str, ...], dict], Any]:
+    """``(lsh_layers, the step's trace)``: one trace of ``step_fn`` for ``batch`` rows serves both
+    the LSH layers it runs and XLA's cost analysis of the lowered step (``decode_cost_per_token``)."""
     from flax import linen as nn
 
     from terra.layers.lsh_attention import LSHSelfAttention
@@ -281,8 +287,8 @@ def lsh_layers(decoder: IncrementalDecoder, params, cache, batch: int = 1) -> Di
     token = jax.ShapeDtypeStruct((batch,), jnp.int32)
     with nn.intercept_methods(record):
         # A new function each time: a traced step from the jit cache would not run the modules.
-        jax.eval_shape(lambda p, c, t: decoder.step_fn(p, c, t), params, cache, token)
-    return found
+        traced = jax.jit(lambda p, c, t: decoder.step_fn(p, c, t)).trace(params, cache, token)
+    return found, traced
 
 
 def lsh_kept_rows(settings: dict, max_len: int) -> int:
@@ -372,9 +378,10 @@ def decode_cost_per_token(
     unboxed = model.abstract_params()
     cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((batch, input_length), jnp.int32))
     weights = int(model.params_read_per_token(batch)["total"] * weights_itemsize)
-    reads = cache_reads_per_token(cache, lsh_layers(decoder, unboxed, cache, batch))
+    lsh, step = _traced_step(decoder, unboxed, cache, batch)
+    reads = cache_reads_per_token(cache, lsh)
     caches = reads["total"]
-    analysis = decoder.step.lower(unboxed, cache, jax.ShapeDtypeStruct((batch,), jnp.int32)).cost_analysis()
+    analysis = step.lower().cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     return {
         "weights": weights,

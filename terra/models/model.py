@@ -126,10 +126,16 @@ class Seq2SeqModel(abc.ABC):
         return self._abstract
 
     def init_params(self, rng: jax.Array) -> Params:
-        """Random parameters as a plain (unboxed) pytree."""
+        """Random parameters as a plain (unboxed) pytree. A raw ``uint32`` key
+        (``jax.random.PRNGKey(n)``) draws what its typed key (``jax.random.key(n)``) draws, from
+        the same compiled initializer."""
         if isinstance(rng, jax.core.Tracer):  # inside the caller's trace: part of its program
             return nn.unbox(self.init_variables(rng))["params"]
-        if jax.typeof(rng) != self._initializer_key_type:  # a raw uint32 key, another PRNG
+        if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            # JAX reads a raw key as the default PRNG's key data: wrapped, it is that typed key
+            # (the same bits), so it needs no second compile of the initializer.
+            rng = jax.random.wrap_key_data(rng)
+        if jax.typeof(rng) != self._initializer_key_type:  # another PRNG
             return nn.unbox(compile_initializer(jax.jit(self.init_variables).trace(rng))(rng))["params"]
         return nn.unbox(self._compiled_initializer(rng))["params"]
 
