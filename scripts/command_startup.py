@@ -92,6 +92,11 @@ def commands(paths: Dict[str, str]) -> List[Dict]:
         },
         {"label": "terra-params, 800M dense", "module": "params", "args": ["--gin_file=models/dense_800m.gin"]},
         {
+            "label": "terra-params, the quick-start experiment",
+            "module": "params",
+            "args": ["--gin_file=experiments/quickstart.gin"],
+        },
+        {
             "label": "terra-convert trax, the dense fixture",
             "module": "convert",
             "args": [
