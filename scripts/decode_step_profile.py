@@ -112,9 +112,10 @@ def main(argv=None) -> int:
     from terra.benchmarks import decode_speed, presets
     from terra.benchmarks.bandwidth import describe_machine
     from terra.decoding.decode_step import IncrementalDecoder
+    from terra.gin_config import parsing
 
     bindings = list(presets.TIMING_SHAPE_800M) if args.bindings is None else args.bindings
-    model = decode_speed._build([args.gin_file], bindings)
+    model = parsing.parse_model([args.gin_file], bindings)
     decoder = IncrementalDecoder(model.module, 32)
     params = decode_speed.random_params(model, 0, args.weights)
     machine = describe_machine()

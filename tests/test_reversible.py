@@ -164,14 +164,14 @@ class ParityGate(nn.Module):
         return y, choice
 
 
-def parity(x):
-    return (jnp.floor(x[..., 0] * 1e6) % 2).astype(jnp.int32)
+def parity(x, xp=jnp):
+    """The decision: traced in the model (``jnp``), or on the host for a check (``np``, float32 as
+    traced: no eager program to compile)."""
+    return (xp.floor(x[..., 0] * 1e6) % 2).astype(xp.int32)
 
 
 def host_parity(x):
-    """``parity`` on the host, in float32 as the traced one (no eager program to compile)."""
-    x = np.asarray(x, np.float32)
-    return (np.floor(x[..., 0] * np.float32(1e6)) % 2).astype(np.int32)
+    return parity(np.asarray(x, np.float32), np)
 
 
 class LargeShift(nn.Module):

@@ -119,17 +119,10 @@ def describe_device() -> Dict[str, object]:
     }
 
 
-def build_model(gin_file: str, size: CheckSize):
-    """The row's model at the check's size (built abstractly: nothing is allocated)."""
-    parsing.parse_gin([gin_file], list(size.bindings), finalize=False)  # a model alone
-    return parsing.build_model()
-
-
-def train_row(name: str, gin_file: str, size: CheckSize, peak: Optional[float], model=None) -> dict:
-    """One row's train step: tokens/s and MFU (None without a known peak or a FLOP count).
-    ``model``: the row's model already built (:func:`build_model`)."""
+def train_row(name: str, gin_file: str, model, size: CheckSize, peak: Optional[float]) -> dict:
+    """One row's train step: tokens/s and MFU (None without a known peak or a FLOP count)."""
     measured = train_speed.measure_model(
-        build_model(gin_file, size) if model is None else model,
+        model,
         batch_size=size.batch_size,
         inputs=size.inputs,
         targets=size.targets,
@@ -139,10 +132,8 @@ def train_row(name: str, gin_file: str, size: CheckSize, peak: Optional[float], 
     return {"name": name, "gin_file": gin_file, "measure": "train", **measured, "mfu": mfu}
 
 
-def decode_row(name: str, gin_file: str, size: CheckSize, model=None) -> dict:
-    """One row's batch-1 greedy decode on random weights held in bfloat16. ``model``: the row's
-    model already built (:func:`build_model`)."""
-    model = build_model(gin_file, size) if model is None else model
+def decode_row(name: str, gin_file: str, model, size: CheckSize) -> dict:
+    """One row's batch-1 greedy decode on random weights held in bfloat16."""
     # Plain bfloat16 arrays: what an accelerator reads (terra.quantization's narrow storage
     # serves the CPU kernels).
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), decode_speed.random_params(model, 0))
@@ -204,16 +195,12 @@ def run(out_dir: str, *, size: CheckSize = FULL, log: Callable[[str], None] = pr
     start = time.perf_counter()
     log(f"accelerator check ({size.name}) on {device['device_count']} x {device['device_kind']}")
     rows: List[dict] = []
-    steps = [(train_row, (name, gin_file, size, device["peak_bf16_flops"])) for name, gin_file in ROWS]
-    steps += [(decode_row, (name, gin_file, size)) for name, gin_file in ROWS]
-    # Each model is built (its initializer traced: seconds at 800M) once, for both its rows, when
-    # its first row runs.
-    models: Dict[str, object] = {}
+    # Each model is built once (its initializer traced: seconds at 800M), for both its rows.
+    models = {gin_file: parsing.parse_model([gin_file], size.bindings) for _, gin_file in ROWS}
+    steps = [(train_row, (n, f, models[f], size, device["peak_bf16_flops"])) for n, f in ROWS]
+    steps += [(decode_row, (n, f, models[f], size)) for n, f in ROWS]
     for measure, args in steps:
-        gin_file = args[1]
-        if gin_file not in models:
-            models[gin_file] = build_model(gin_file, size)
-        rows.append(measure(*args, model=models[gin_file]))
+        rows.append(measure(*args))
         elapsed = time.perf_counter() - start
         log(f"  {rows[-1]['name']} {rows[-1]['measure']}: done after {elapsed:,.0f} s")
         record = {

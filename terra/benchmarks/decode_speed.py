@@ -59,7 +59,7 @@ import math
 import os
 import time
 import types
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -264,7 +264,9 @@ def lsh_layers(decoder: IncrementalDecoder, params, cache, batch: int = 1) -> Di
     return _traced_step(decoder, params, cache, batch)[0]
 
 
-def _traced_step(decoder: IncrementalDecoder, params, cache, batch: int) -> Tuple[Dict[Tuple[str, ...], dict], Any]:
+def _traced_step(
+    decoder: IncrementalDecoder, params, cache, batch: int
+) -> Tuple[Dict[Tuple[str, ...], dict], jax.stages.Traced]:
     """``(lsh_layers, the step's trace)``: one trace of ``step_fn`` for ``batch`` rows serves both
     the LSH layers it runs and XLA's cost analysis of the lowered step (``decode_cost_per_token``)."""
     from flax import linen as nn
@@ -479,11 +481,6 @@ def random_params(model, seed: int, weights_dtype: str = "float32"):
     return jax.tree_util.tree_map_with_path(leaf, model.abstract_params())
 
 
-def _build(gin_files, bindings):
-    parsing.parse_gin(gin_files, bindings, finalize=False)  # a model alone: no data layer
-    return parsing.build_model()
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -510,7 +507,7 @@ def _time_model(
     ``(bytes, what they are)``: first estimate the row's memory (``estimate_memory``) and raise
     ``RowSkipped`` where it exceeds them, before any weight is drawn."""
     input_length = int(config.input_length if input_length is None else input_length)
-    model = _build(gin_files, bindings)
+    model = parsing.parse_model(gin_files, bindings)
     cfg = model.config
     decode_length = decoder_cache_length(config)
     check_fits(cfg, input_length, decode_length, where)

@@ -15,10 +15,7 @@ from terra.models.param_count import closed_form_param_count
 def model_counts(gin_files: Sequence[str], bindings: Sequence[str] = (), search_paths: Sequence[str] = ()) -> Dict:
     """``{"params": {group: count, "total"}, "read_per_token": {part: count, "total"},
     "closed_form": the dense closed form of the same sizes}`` of the model the files build."""
-    # Only the model is built: an experiment's task and run bindings are read past, and its task
-    # config's imports of the data layer (TensorFlow) are not run.
-    parsing.parse_gin(list(gin_files), list(bindings), finalize=False, search_paths=search_paths, data_layer=False)
-    model = parsing.build_model()
+    model = parsing.parse_model(gin_files, bindings, search_paths=search_paths)
     return {
         "params": model.param_count(),
         "read_per_token": model.params_read_per_token(),

@@ -40,8 +40,8 @@ def measure(
     targets: int,
     steps: int,
 ) -> dict:
-    parsing.parse_gin(list(gin_files), list(size) + list(bindings), finalize=False)  # a model alone
-    return measure_model(parsing.build_model(), batch_size=batch_size, inputs=inputs, targets=targets, steps=steps)
+    model = parsing.parse_model(gin_files, [*size, *bindings])
+    return measure_model(model, batch_size=batch_size, inputs=inputs, targets=targets, steps=steps)
 
 
 def measure_model(model, *, batch_size: int, inputs: int, targets: int, steps: int) -> dict:

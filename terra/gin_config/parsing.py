@@ -18,7 +18,6 @@ What :func:`build_macro` builds is frozen to the config it was built under
 """
 
 import contextlib
-import dataclasses
 import importlib.abc
 import importlib.util
 import inspect
@@ -263,15 +262,6 @@ def _data_layer_names(texts: Sequence[str]) -> List[str]:
     return sorted(names)
 
 
-def _without_data_layer_imports(config: GinText) -> GinText:
-    """``config`` with its imports of the data layer's modules blanked (line numbers kept)."""
-    lines = config.text.split("\n")
-    for statement in _statements_or_none(config.text):
-        if isinstance(statement, config_parser.ImportStatement) and statement.module.startswith(_DATA_LAYER_PACKAGES):
-            lines[statement.location.line_num - 1] = ""
-    return dataclasses.replace(config, text="\n".join(lines))
-
-
 def _statements_or_none(text: str) -> List[Any]:
     """The statements of ``text``, or ``[None]`` where gin's reader cannot read it."""
     try:
@@ -476,13 +466,12 @@ def parse_gin(
     files = [f if isinstance(f, GinText) else resolve_gin_file(f, search_paths) for f in gin_files]
     skipped, refused = (), contextlib.nullcontext()
     if not data_layer:
-        files = [_without_data_layer_imports(f) if isinstance(f, GinText) else f for f in files]
         texts = _config_texts(files) or [f.text for f in files if isinstance(f, GinText)]
-        skipped = _data_layer_names(texts + list(gin_bindings))
-        if not all(isinstance(f, GinText) for f in files):
-            # A file's (or an include's) imports of the data layer run when gin reads it: refused,
-            # and skipped (a non-empty skip list lets gin pass over a failed import).
-            skipped, refused = [*skipped, *_DATA_LAYER_PACKAGES], _data_layer_imports_refused()
+        # The data layer's bindings and references are skipped; its imports (in a text, a file or
+        # an included task config) are refused and skipped too: a non-empty skip list lets gin
+        # pass over an import that fails.
+        skipped = [*_data_layer_names(texts + list(gin_bindings)), *_DATA_LAYER_PACKAGES]
+        refused = _data_layer_imports_refused()
     with _quiet_gin_path_probes(), refused:
         _parse_files_and_bindings(files, gin_bindings, skipped)
     check_binding_types(gin_bindings)
@@ -629,6 +618,14 @@ def build_macro(name: str, where: str):
     with gin.config_scope(name):
         built = build(getattr(reference, "scoped_configurable_fn", lambda: reference), where)
         return frozen.freeze_configurables(built, reference=reference)
+
+
+def parse_model(gin_files: Sequence[Any], gin_bindings: Sequence[str] = (), *, search_paths: Sequence[str] = ()):
+    """The model of ``gin_files`` and ``gin_bindings``, parsed unlocked and without the data layer
+    (an experiment's task and run bindings are read past; TensorFlow is not imported), for a
+    caller that needs only the model: parameter counts, benchmarks."""
+    parse_gin(list(gin_files), list(gin_bindings), finalize=False, search_paths=search_paths, data_layer=False)
+    return build_model()
 
 
 def build_model(where: str = "building the model"):

@@ -365,12 +365,14 @@ class Trainer:
             return self.init_state(), 0, "initialised from seed"
         # Fine-tuning: every parameter comes from init_from, so no random ones are drawn (the
         # initializer, compiled and run, would be discarded).
+        return self._state_from_params(init_params, 0), 0, f"parameters from {self.init_from}"
+
+    def _state_from_params(self, params, step: int) -> TrainState:
+        """A state at ``step`` holding ``params`` (already placed) and a fresh optimizer."""
         with self.placement():
-            opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(
-                init_params
-            )
-            step = jax.device_put(jnp.int32(0), self.state_shardings.step)
-        return TrainState(step=step, params=init_params, opt_state=opt_state), 0, f"parameters from {self.init_from}"
+            opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(params)
+            step_array = jax.device_put(jnp.int32(step), self.state_shardings.step)
+        return TrainState(step=step_array, params=params, opt_state=opt_state)
 
     def _from_saved_params(self, step: int):
         kind = checkpointing.stored_weights_dtype(self.model_dir, step)
@@ -381,11 +383,8 @@ class Trainer:
             )
         abstract = self.abstract_state()
         params = checkpointing.restore_params(self.model_dir, abstract.params, step=step)
-        with self.placement():
-            opt_state = jax.jit(self.optimizer.transform.init, out_shardings=self.state_shardings.opt_state)(params)
-            step_array = jax.device_put(jnp.int32(step), self.state_shardings.step)
         origin = f"parameters saved from Python at step {step} (a fresh optimizer; the data from its start)"
-        return TrainState(step=step_array, params=params, opt_state=opt_state), step, origin
+        return self._state_from_params(params, step), step, origin
 
     # ----- the pieces of one iteration -----------------------------------------------------
     def compile_step(self, state: TrainState, batch):
