@@ -15,6 +15,7 @@ import pytest
 from terra.gin_config import parsing
 from terra.models import ConfigError, TransformerConfig
 
+from cheap_init_prng import init_key
 from helpers import REPO_ROOT
 
 # Instantiating every config compiles each model's loss: XLA's optimisations only cost time here.
@@ -64,6 +65,10 @@ def test_a_shipped_configs_package_path_resolves_in_a_checkout_on_sys_path_witho
         "import importlib.util, gin\n"
         "from terra.gin_config import parsing\n"
         "assert importlib.util.find_spec('terra.configs') is None\n"
+        # Under test is where the includes resolve, not what they import: their imports
+        # (terra.data.tasks, terra.training) are refused, skip_unknown passes over an import that
+        # fails, and the process costs no TensorFlow or JAX (8 of its 9 CPU-s).
+        "sys.modules.update(tensorflow=None, jax=None)\n"
         "gin.parse_config_file('terra/configs/experiments/quickstart.gin', skip_unknown=True)\n"
         "print(parsing.CONFIGS_DIR, gin.query_parameter('%TASK'))\n"
     )
@@ -102,43 +107,55 @@ def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
     }
     if _is_size_overlay(gin_file):
         # Its 800M file runs below with the same layers; tracing checks this file's knobs fit
-        # together (every shape and divisibility check) without compiling the model again.
-        params = jax.eval_shape(model.init_params, jax.random.key(0))
-        loss, _ = jax.eval_shape(model.loss_fn, params, batch)
+        # together (every shape and divisibility check) without compiling the model again. The
+        # build traced the initializer init_params runs: its shapes are abstract_params.
+        loss, _ = jax.eval_shape(model.loss_fn, model.abstract_params(), batch)
         assert loss.shape == () and loss.dtype == jnp.float32
         return
     # The initialiser runs op by op: its operations (random draws of these few shapes) compile
     # once for all the model files, where jitted each file's initialiser compiles as a program of
     # its own (2-5 CPU-s each at this size, the loss's a fraction of that). The same function
-    # init_params jits, so every layer's initialiser still runs and feeds the loss.
-    params = nn.unbox(model.init_variables(jax.random.key(0)))["params"]
+    # init_params jits, so every layer's initialiser still runs and feeds the loss. A finite
+    # loss holds for any draws of those initialisers: init_key's draws compile in less time.
+    params = nn.unbox(model.init_variables(init_key(0)))["params"]
     assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, model.abstract_params())
     loss, _ = jax.jit(model.loss_fn)(params, batch)
     assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("size_file", [f for f in GIN_FILES if f.startswith("sizes/")])
-@pytest.mark.slow
-def test_size_overlays_apply_to_every_model_config(size_file):
-    # models/tiny_X.gin is models/X_800m.gin plus sizes/tiny.gin: with the overlay on top, the two
-    # parse to the same config (gin's config_str, every binding), which is built once.
+@pytest.fixture(scope="module")
+def built_models():
+    """``build()``: the model of the parsed config, built once per config (gin's config_str,
+    every binding) for the module's tests that parse the same one."""
     built = {}
-    for model_file in MODEL_FILES:
-        parsing.parse_gin([model_file, size_file])
+
+    def build():
         config = gin.config_str()
         if config not in built:
             built[config] = parsing.build_model()  # validates every layer abstractly
-        assert built[config].config.d_model < 1024, model_file
+        return built[config]
+
+    return build
 
 
-def test_a_tiny_terraformer_initialises_the_tiny_lsh_terraformer_as_journey_2_does():
+@pytest.mark.parametrize("size_file", [f for f in GIN_FILES if f.startswith("sizes/")])
+@pytest.mark.slow
+def test_size_overlays_apply_to_every_model_config(size_file, built_models):
+    # models/tiny_X.gin is models/X_800m.gin plus sizes/tiny.gin: with the overlay on top, the two
+    # parse to the same config, which is built once.
+    for model_file in MODEL_FILES:
+        parsing.parse_gin([model_file, size_file])
+        assert built_models().config.d_model < 1024, model_file
+
+
+def test_a_tiny_terraformer_initialises_the_tiny_lsh_terraformer_as_journey_2_does(built_models):
     """The README's fine-tuning journey shrunk with sizes/tiny.gin: the LSH model's parameters
     (after the fine-tuning experiment's param_map) have the shapes of the pretrained model's."""
     from terra.models import shared_qk_from_dense_attention
 
     def shapes(files):
         parsing.parse_gin([*files, "sizes/tiny.gin"], finalize=False)
-        return parsing.build_model().abstract_params()
+        return built_models().abstract_params()
 
     pretrained = shapes(["models/terraformer_800m.gin"])
     lsh = shapes(["models/terraformer_lsh_800m.gin"])
