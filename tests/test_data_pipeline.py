@@ -359,7 +359,11 @@ def test_input_pipeline_benchmark_prints_tokens_per_second(tmp_path, capsys):
     from terra.cli import bench
 
     out = tmp_path / "bench"
-    assert bench.call(["input", "--out", str(out), "--seconds", "0.001", "--copies", "1", "--batch_size", "1"]) == 0
+    # Unshuffled rows: a rate needs batches, not their order, and each shuffled row would first
+    # fill a 1,000-example buffer.
+    unshuffled = "--gin_bindings=terra.data.get_dataset.shuffle = False"
+    argv = ["input", "--out", str(out), "--seconds", "0.001", "--copies", "1", "--batch_size", "1", unshuffled]
+    assert bench.call(argv) == 0
     import json
 
     rows = json.loads((out / "input_pipeline.json").read_text())["rows"]
