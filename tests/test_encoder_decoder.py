@@ -17,13 +17,26 @@ from helpers import dropout_calls, tiny_config
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
+# (batch, input length, target length) of the bfloat16 test and the causality checks: one compiled
+# float32 forward serves them all.
+SHARED_SHAPE = (2, 7, 5)
+
+
 def _padded_batch(batch: int, input_length: int, target_length: int, vocab: int, seed: int = 0):
+    """Host arrays, changed on the host: each jnp op on them would compile a program of its own."""
     rng = np.random.default_rng(seed)
     inputs = rng.integers(2, vocab, size=(batch, input_length)).astype(np.int32)
     for row in range(1, batch):  # rows 1.. end in 2, 4, ... pad tokens
         inputs[row, input_length - 2 * row :] = 0
     targets = rng.integers(2, vocab, size=(batch, target_length)).astype(np.int32)
-    return jnp.asarray(inputs), jnp.asarray(targets)
+    return inputs, targets
+
+
+_shift_right = jax.jit(shift_right)  # one program per shape, not one per operation
+
+
+def _decoder_inputs(targets):
+    return np.asarray(_shift_right(targets))
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,7 +47,7 @@ def _jitted_forward(module):
 
 
 def _full_logits(model, params, inputs, decoder_inputs, encoder_mask=None):
-    return _jitted_forward(model.module)(params, inputs, decoder_inputs, encoder_mask)
+    return np.asarray(_jitted_forward(model.module)(params, inputs, decoder_inputs, encoder_mask))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -42,34 +55,43 @@ def _full_logits(model, params, inputs, decoder_inputs, encoder_mask=None):
 def test_incremental_decode_matches_full_forward(tiny_model, batch):
     model, params = tiny_model
     inputs, targets = _padded_batch(batch, 9, 7, model.config.vocab_size)
-    decoder_inputs = shift_right(targets)
-    full = _full_logits(model, params, inputs, decoder_inputs)
-
     decoder = model.decoder(12)  # cache longer than the sequence: unused slots are masked
-    cache = decoder.prefill(params, inputs)
-    for t in range(decoder_inputs.shape[1]):
-        logits, cache = decoder.step(params, cache, decoder_inputs[:, t])
-        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
+
+    @jax.jit  # one program: the full pass, the prefill and the step scanned over the targets
+    def full_and_stepped_logits(params, inputs, targets):
+        decoder_inputs = shift_right(targets)
+        full = model.module.apply({"params": params}, inputs, decoder_inputs)
+
+        def step(cache, token):
+            logits, cache = decoder.step(params, cache, token)
+            return cache, logits
+
+        _, stepped = jax.lax.scan(step, decoder.prefill(params, inputs), decoder_inputs.T)
+        return full, jnp.swapaxes(stepped, 0, 1)
+
+    full, stepped = full_and_stepped_logits(params, inputs, targets)
+    np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
 
 
 def test_changing_a_later_decoder_token_keeps_earlier_logits(tiny_model):
     model, params = tiny_model
-    inputs, targets = _padded_batch(2, 8, 8, model.config.vocab_size)
-    decoder_inputs = shift_right(targets)
-    changed = decoder_inputs.at[:, 5].set((decoder_inputs[:, 5] + 7) % model.config.vocab_size)
+    inputs, targets = _padded_batch(*SHARED_SHAPE, model.config.vocab_size)
+    decoder_inputs = _decoder_inputs(targets)
+    changed = decoder_inputs.copy()
+    changed[:, 3] = (changed[:, 3] + 7) % model.config.vocab_size
     a = _full_logits(model, params, inputs, decoder_inputs)
     b = _full_logits(model, params, inputs, changed)
-    np.testing.assert_allclose(a[:, :5], b[:, :5], atol=1e-6)
-    assert not np.allclose(a[:, 5:], b[:, 5:], atol=1e-4)
+    np.testing.assert_allclose(a[:, :3], b[:, :3], atol=1e-6)
+    assert not np.allclose(a[:, 3:], b[:, 3:], atol=1e-4)
 
 
 def test_changing_encoder_pad_tokens_changes_nothing(tiny_model):
     model, params = tiny_model
     inputs, targets = _padded_batch(3, 10, 6, model.config.vocab_size)
     mask = inputs != 0
-    noise = jnp.asarray(np.random.default_rng(5).integers(2, model.config.vocab_size, size=inputs.shape))
-    garbage = jnp.where(mask, inputs, noise)  # different tokens under the padding mask
-    decoder_inputs = shift_right(targets)
+    noise = np.random.default_rng(5).integers(2, model.config.vocab_size, size=inputs.shape, dtype=np.int32)
+    garbage = np.where(mask, inputs, noise)  # different tokens under the padding mask
+    decoder_inputs = _decoder_inputs(targets)
     a = _full_logits(model, params, inputs, decoder_inputs, mask)
     b = _full_logits(model, params, garbage, decoder_inputs, mask)
     np.testing.assert_allclose(a, b, atol=1e-6)
@@ -82,10 +104,12 @@ def test_changing_encoder_pad_tokens_changes_nothing(tiny_model):
 
 def test_changing_a_real_encoder_token_changes_the_logits(tiny_model):
     model, params = tiny_model
-    inputs, targets = _padded_batch(1, 8, 4, model.config.vocab_size)
-    changed = inputs.at[0, 2].set((inputs[0, 2] + 3) % model.config.vocab_size)
-    a = _full_logits(model, params, inputs, shift_right(targets))
-    b = _full_logits(model, params, changed, shift_right(targets))
+    inputs, targets = _padded_batch(*SHARED_SHAPE, model.config.vocab_size)
+    changed = inputs.copy()
+    changed[0, 2] = (changed[0, 2] + 3) % model.config.vocab_size
+    decoder_inputs = _decoder_inputs(targets)
+    a = _full_logits(model, params, inputs, decoder_inputs)
+    b = _full_logits(model, params, changed, decoder_inputs)
     assert not np.allclose(a, b, atol=1e-4)
 
 
@@ -180,8 +204,8 @@ def test_bfloat16_compute_tracks_float32_and_decodes_consistently(tiny_model):
 
     model32, params = tiny_model
     model16 = EncoderDecoderModel(EncoderDecoderTransformer(tiny_config(dtype="bfloat16")))
-    inputs, targets = _padded_batch(2, 7, 5, model32.config.vocab_size)
-    decoder_inputs = shift_right(targets)
+    inputs, targets = _padded_batch(*SHARED_SHAPE, model32.config.vocab_size)
+    decoder_inputs = _decoder_inputs(targets)
     full32 = _full_logits(model32, params, inputs, decoder_inputs)
     full16 = _full_logits(model16, params, inputs, decoder_inputs)  # same float32 parameters
     assert full16.dtype == jnp.float32

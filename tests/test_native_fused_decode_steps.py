@@ -74,6 +74,12 @@ def _feed_forward_step(layer, narrow, x):
     return y, state["intermediates"]["indices"][0]
 
 
+def _traced_feed_forward_step(layer, narrow, x) -> jax.stages.Traced:
+    """The decode step traced anew: jit's trace cache is keyed by the function (a new partial
+    each time), and the fused or unfused path is chosen when tracing."""
+    return jax.jit(functools.partial(_feed_forward_step, layer)).trace(narrow, x)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", FEED_FORWARD_SHAPES)
 @pytest.mark.parametrize("rows", [1, 4, 16])
@@ -81,15 +87,15 @@ def _feed_forward_step(layer, narrow, x):
 def test_fused_sparse_feed_forward_equals_the_layer_product_by_product(kind, shape, rows):
     layer, narrow = _feed_forward(*shape, kind)
     x = jax.random.normal(jax.random.key(rows), (rows, 1, shape[0]))
-    # A new function each time: jit's trace cache is keyed by the function, and the path is chosen
-    # when tracing.
-    step = functools.partial(_feed_forward_step, layer)
-    assert native_kernels.TARGETS["sparse_feed_forward", kind] in _targets(step, narrow, x)
+    # Each path traced once (the path is chosen when tracing): its jaxpr is read and its program
+    # compiled from the same trace.
     with native_kernels.unfused():
-        step = functools.partial(_feed_forward_step, layer)
-        assert "terra_sparse_feed_forward" not in _targets(step, narrow, x)
-        want_y, want_indices = jax.jit(step)(narrow, x)
-    step = jax.jit(functools.partial(_feed_forward_step, layer))
+        unfused = _traced_feed_forward_step(layer, narrow, x)
+        assert "terra_sparse_feed_forward" not in str(unfused.jaxpr)
+        want_y, want_indices = unfused.lower().compile()(narrow, x)
+    fused = _traced_feed_forward_step(layer, narrow, x)
+    assert native_kernels.TARGETS["sparse_feed_forward", kind] in str(fused.jaxpr)
+    step = fused.lower().compile()
     for isa in native_kernels.ISAS:
         _use_isa(isa)
         y, indices = step(narrow, x)  # the instruction set is read at run time
@@ -201,15 +207,15 @@ def _decoding(layer, args):
 
 
 def _decode_outputs(decoding, narrow, xs):
-    """The layer's decode outputs for each position of ``xs`` after a cache-creating first call,
-    and the step's program."""
+    """The layer's decode outputs for each position of ``xs`` (host arrays: slicing them compiles
+    nothing) after a cache-creating first call, and the step's program."""
     create, step = decoding
     cache = create(narrow, xs[:, :1])
     outs = []
     for t in range(xs.shape[1]):
         out, cache = step(narrow, cache, xs[:, t : t + 1])
-        outs.append(out)
-    return jnp.concatenate(outs, axis=1), str(jax.make_jaxpr(step)(narrow, cache, xs[:, :1]))
+        outs.append(np.asarray(out))
+    return np.concatenate(outs, axis=1), str(jax.make_jaxpr(step)(narrow, cache, xs[:, :1]))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,7 +224,7 @@ def _decode_outputs(decoding, narrow, xs):
 @pytest.mark.slow
 def test_fused_sparse_attention_equals_the_layer_product_by_product(kind, shape, layer_class):
     layer, narrow, args = _attention(layer_class, *shape, kind)
-    xs = jax.random.normal(jax.random.key(3), (2, 5, shape[0]))  # 5 steps: the window fills and slides
+    xs = np.asarray(jax.random.normal(jax.random.key(3), (2, 5, shape[0])))  # 5 steps: the window fills and slides
     with native_kernels.unfused():
         want, jaxpr = _decode_outputs(_decoding(layer, args), narrow, xs)
     assert "terra_sparse_attention" not in jaxpr
