@@ -86,13 +86,19 @@ def _batch(batch=2, inputs=7, targets=6, seed=0):
 
 
 def test_length_concat_puts_real_encoder_tokens_then_decoder_then_zeros():
-    enc = jnp.arange(1, 6, dtype=jnp.float32).reshape(1, 5, 1) * jnp.ones((2, 5, 1))
-    mask = jnp.array([[1, 1, 1, 0, 0], [1, 0, 1, 0, 1]], bool)  # the second row has holes
-    dec = -jnp.arange(1, 4, dtype=jnp.float32).reshape(1, 3, 1) * jnp.ones((2, 3, 1))
-    out = concat_with_padding(enc, mask, dec)[..., 0]
+    enc = np.arange(1, 6, dtype=np.float32).reshape(1, 5, 1) * np.ones((2, 5, 1), np.float32)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 0, 1, 0, 1]], bool)  # the second row has holes
+    dec = -np.arange(1, 4, dtype=np.float32).reshape(1, 3, 1) * np.ones((2, 3, 1), np.float32)
+
+    @jax.jit  # one program, where op by op each of their operations compiles on its own
+    def concat_then_strip(enc, mask, dec):
+        out = concat_with_padding(enc, mask, dec)
+        return out[..., 0], strip_to_decoder(out, mask, 3)[..., 0]
+
+    out, stripped = concat_then_strip(enc, mask, dec)
     np.testing.assert_array_equal(out[0], [1, 2, 3, -1, -2, -3, 0, 0])
     np.testing.assert_array_equal(out[1], [1, 3, 5, -1, -2, -3, 0, 0])
-    np.testing.assert_array_equal(strip_to_decoder(out[..., None], mask, 3)[..., 0], [[-1, -2, -3]] * 2)
+    np.testing.assert_array_equal(stripped, [[-1, -2, -3]] * 2)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -181,28 +187,32 @@ def test_terraformer_has_no_attention_output_dropout_by_default(built):
     # Residual dropout 0.5, attention-probability dropout 0: an attention half-residual is
     # random in training only through an output dropout.
     config = tiny_config(dropout=0.5, **ONE_BLOCK)
-    x = jax.random.normal(jax.random.key(0), (2, 5, config.d_model))
-    mask = jnp.ones((2, 5), bool)
     _, params = built("fully_sparse")  # dropout adds no parameters: the same tree
 
-    def attention_halves(**kwargs):
-        module = Terraformer(config, **SPARSE, **kwargs)
+    @functools.partial(jax.jit, static_argnums=0)  # one program per option, not one per operation
+    def train_and_eval_outputs(attention_output_dropout, params):
+        """``[(training output, eval output)]`` of the encoder's and the decoder's attention halves."""
+        x = jax.random.normal(jax.random.key(0), (2, 5, config.d_model))
+        mask = jnp.ones((2, 5), bool)
+        module = Terraformer(config, **SPARSE, attention_output_dropout=attention_output_dropout)
         bound = module.bind({"params": params}, rngs={"dropout": jax.random.key(2)})
-        return [(bound.encoder_stack.layers[0], (x, mask)), (bound.decoder_stack.layers[0], (x,))]
+        halves = [(bound.encoder_stack.layers[0], (x, mask)), (bound.decoder_stack.layers[0], (x,))]
+        return [(half(*args, deterministic=False)[0], half(*args, deterministic=True)[0]) for half, args in halves]
 
-    for half, args in attention_halves():  # the reference: no output dropout after attention
-        np.testing.assert_array_equal(half(*args, deterministic=False)[0], half(*args, deterministic=True)[0])
-    for half, args in attention_halves(attention_output_dropout=True):  # the option: dropout 0.5
-        train, eval_out = half(*args, deterministic=False)[0], half(*args, deterministic=True)[0]
-        assert 0.3 < float(jnp.mean(train == 0)) < 0.7
-        np.testing.assert_allclose(jnp.where(train == 0, 0.0, eval_out * 2), train, rtol=1e-5, atol=1e-6)
+    # NumPy from here: no program per check.
+    for train, eval_out in jax.device_get(train_and_eval_outputs(False, params)):  # the reference: no output dropout
+        np.testing.assert_array_equal(train, eval_out)
+    for train, eval_out in jax.device_get(train_and_eval_outputs(True, params)):  # the option: dropout 0.5
+        assert 0.3 < float(np.mean(train == 0)) < 0.7
+        np.testing.assert_allclose(np.where(train == 0, 0.0, eval_out * 2), train, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("share", [None, True, False])
 @pytest.mark.parametrize("attention_output_dropout", [False, True])
 @pytest.mark.slow
 def test_terraformer_dropouts_follow_the_reference_configurable_terraformer(share, attention_output_dropout):
-    config = tiny_config(vocab_size=VOCAB, dropout=0.1, attention_dropout=0.3, share_dropout_over_length=share)
+    # One block each side (ONE_BLOCK): a second one repeats the same dropouts, at the cost of tracing them again.
+    config = tiny_config(dropout=0.1, attention_dropout=0.3, share_dropout_over_length=share, **ONE_BLOCK)
     model = TerraformerModel(Terraformer(config, attention_output_dropout=attention_output_dropout, **SPARSE))
     batch = _batch()
     calls = dropout_calls(lambda p: model.logits(p, batch, dropout_rng=jax.random.key(1)), model.abstract_params())
@@ -217,8 +227,8 @@ def test_terraformer_dropouts_follow_the_reference_configurable_terraformer(shar
 @pytest.mark.parametrize("gin_file", ["models/terraformer_800m.gin", "models/terraformer_lsh_800m.gin"])
 def test_terraformer_configs_chunk_the_feed_forward_and_share_dropout_as_the_reference(gin_file):
     # terraformer_c4_medium.gin: ff_chunk_size=512; ConfigurableTerraformer: dropout_shared_axes=[-2].
-    parsing.parse_gin([gin_file, "sizes/tiny.gin"])
-    model = parsing.build_model()
+    # The model alone: the data layer (TensorFlow's import, most of this test's time) binds none of it.
+    model = parsing.parse_model([gin_file, "sizes/tiny.gin"])
     assert gin.query_parameter("SparseFeedForward.ff_chunk_size") == 512
     assert model.config.share_dropout_over_length is True
     assert model.module.attention_output_dropout is False
