@@ -30,9 +30,11 @@ def tiny(request):
         vocab_size=VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_len=16
     )
     module = FAMILIES[request.param](cfg)
-    # Jitted: run op by op, init compiles each of its operations as its own program; from a key
-    # whose initializer compiles cheaply (cheap_init_prng).
-    params = jax.jit(module.init)(init_key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32))["params"]
+    # Jitted, the key made inside too: run op by op, init and the key's seeding compile each of
+    # their operations as its own program; from a key whose initializer compiles cheaply
+    # (cheap_init_prng).
+    encoder, decoder = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 3), jnp.int32)
+    params = jax.jit(lambda: module.init(init_key(0), encoder, decoder))()["params"]
     return module, params, IncrementalDecoder(module, 6)
 
 

@@ -5,6 +5,7 @@ caches stay close to float32."""
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ from terra.layers.lsh_bucket_lists import (
     select_from_bucket_lists,
     select_from_whole_cache,
 )
-from terra.models import Terraformer, TerraformerModel
+from terra.models import Terraformer
 
 from cheap_init_prng import init_key
 from helpers import tiny_config
@@ -38,7 +39,8 @@ def _layer(**kw):
 
 @functools.lru_cache(maxsize=None)
 def _params():
-    return jax.jit(_layer().init)(init_key(0), jnp.zeros((1, 4, D)))["params"]  # cheap_init_prng
+    # The key made inside the program too: op by op its seeding compiles each operation apart.
+    return jax.jit(lambda: _layer().init(init_key(0), jnp.zeros((1, 4, D))))()["params"]  # cheap_init_prng
 
 
 def _decode(layer, x, prefix_mask, step_mask):
@@ -96,24 +98,34 @@ def test_bucket_lists_choose_the_whole_cache_choice():
     buckets[0, :, :, 10:16] = -1  # padding
     buckets[..., written:] = -1  # not written yet
     cached = jnp.asarray(buckets)
-    latest = jax.jit(latest_positions, static_argnums=(1, 2))
-    append = jax.jit(append_position)
-    fast_select = jax.jit(select_from_bucket_lists, static_argnums=4)
-    slow_select = jax.jit(select_from_whole_cache, static_argnums=2)
-    lists, counts = latest(cached[..., :18], n_real, n_keep)
-    recent, recent_counts = latest(jnp.where(cached[:, 0, 0, :18] >= 0, 0, -1), 1, n_keep)
-    for position in range(18, written):
-        lists, counts = append(lists, counts, cached[..., position], jnp.asarray(position))
-        real = jnp.where(cached[:, 0, :1, position] >= 0, 0, -1)
-        recent, recent_counts = append(recent, recent_counts, real, jnp.asarray(position))
-    once, once_counts = latest(cached, n_real, n_keep)
+
+    @jax.jit  # one program, where op by op each operation compiles on its own
+    def fill(cached):
+        lists, counts = latest_positions(cached[..., :18], n_real, n_keep)
+        recent, recent_counts = latest_positions(jnp.where(cached[:, 0, 0, :18] >= 0, 0, -1), 1, n_keep)
+
+        def append(position, carry):  # one position at a time, as a decode step appends it
+            lists, counts, recent, recent_counts = carry
+            column = jax.lax.dynamic_index_in_dim(cached, position, axis=-1, keepdims=False)
+            lists, counts = append_position(lists, counts, column, position)
+            real = jnp.where(column[:, 0, :1] >= 0, 0, -1)
+            return (lists, counts, *append_position(recent, recent_counts, real, position))
+
+        lists, counts, recent, _ = jax.lax.fori_loop(18, written, append, (lists, counts, recent, recent_counts))
+        return (lists, counts), recent[:, 0], latest_positions(cached, n_real, n_keep)
+
+    @jax.jit  # one program for every query bucket (traced)
+    def select(lists, recent, cached, q):
+        q_buckets = jnp.broadcast_to(q, (batch, heads, rounds))
+        own = jnp.take_along_axis(lists, q_buckets[..., None, None], axis=3)[..., 0, :]
+        fast = select_from_bucket_lists(own, recent, cached, q_buckets, n_keep)
+        return fast, select_from_whole_cache(cached, q_buckets, n_keep)
+
+    (lists, counts), recent, (once, once_counts) = fill(cached)
     np.testing.assert_array_equal(lists, once)  # appending equals the prefill's all-at-once fill
     np.testing.assert_array_equal(counts, once_counts)
     for q in np.ndindex(*(n_real,) * rounds):
-        q_buckets = jnp.broadcast_to(jnp.asarray(q, jnp.int32), (batch, heads, rounds))
-        own = jnp.take_along_axis(lists, q_buckets[..., None, None], axis=3)[..., 0, :]
-        fast = fast_select(own, recent[:, 0], cached, q_buckets, n_keep)
-        slow = slow_select(cached, q_buckets, n_keep)
+        fast, slow = select(lists, recent, cached, np.asarray(q, np.int32))
         np.testing.assert_array_equal(np.sort(fast, -1), np.sort(slow, -1))
 
 
@@ -215,21 +227,24 @@ def test_terraformer_decode_with_bucket_lists_equals_whole_cache_selection():
     """Through a Terraformer's decoder, whose LSH cache is prefilled with ``[encoder, padding,
     decoder]`` (padding inside the prefix): chunk_len 2 keeps 7 of up to 17 past keys."""
 
-    def model(candidates):
+    def network(candidates):
         attention = functools.partial(
             LSHSelfAttention, chunk_len=2, n_buckets=4, n_hashes=2, decode_candidates=candidates
         )
-        return TerraformerModel(
-            Terraformer(tiny_config(vocab_size=32, n_encoder_layers=1, n_decoder_layers=1), decoder_attention=attention)
+        return Terraformer(
+            tiny_config(vocab_size=32, n_encoder_layers=1, n_decoder_layers=1), decoder_attention=attention
         )
 
-    models = {candidates: model(candidates) for candidates in ("buckets", "all")}
+    networks = {candidates: network(candidates) for candidates in ("buckets", "all")}
     # decode_candidates only changes how a step chooses its keys: one parameter tree for both.
-    params = models["buckets"].init_params(init_key(1))
+    # The network's own init, jitted with the key made inside (cheap_init_prng): a TerraformerModel
+    # would trace the initializer twice more (its abstract tree, then for this key's PRNG).
+    ones = jnp.ones((1, 8), jnp.int32)
+    params = nn.unbox(jax.jit(lambda: networks["buckets"].init(init_key(1), ones, ones))()["params"])
 
     def decode(candidates):
         encoder = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
-        decoder = IncrementalDecoder(models[candidates].module, 8)
+        decoder = IncrementalDecoder(networks[candidates], 8)
         cache = decoder.prefill(params, encoder)
         steps = []
         for token in [1, 7, 9, 11, 2, 4, 6, 8]:
