@@ -32,29 +32,41 @@ TOLERANCE = {"int8": 1.5e-2, "bfloat16": 5e-3}
 
 
 def test_int8_round_trip_is_within_half_a_step_of_each_row_and_zero_rows_are_exact():
-    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 16)) * jnp.arange(1, 6)[:, None]
-    x = x.at[0, 1, 2].set(0.0)
-    values, scales = decode_state.narrow_rows(x, "int8")
+    @jax.jit  # one program: op by op, every operation compiles as a program of its own
+    def round_trip(key):
+        x = jax.random.normal(key, (2, 3, 5, 16)) * jnp.arange(1, 6)[:, None]
+        x = x.at[0, 1, 2].set(0.0)
+        values, scales = decode_state.narrow_rows(x, "int8")
+        error = jnp.abs(decode_state.widen_rows(values, scales, jnp.float32) - x)
+        bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 254  # scale / 2, scale = max|row| / 127
+        return values, scales, error, bound, decode_state.widen_rows(values, scales)
+
+    values, scales, error, bound, widened = jax.device_get(round_trip(jax.random.key(0)))
     assert values.dtype == jnp.int8 and scales.dtype == jnp.float32 and scales.shape == (2, 3, 5)
-    error = jnp.abs(decode_state.widen_rows(values, scales, jnp.float32) - x)
-    bound = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 254  # scale / 2, scale = max|row| / 127
-    assert bool(jnp.all(error <= bound * (1 + 1e-6)))
-    assert float(scales[0, 1, 2]) == 1.0 and not np.any(np.asarray(values[0, 1, 2]))
-    assert not np.any(np.asarray(decode_state.widen_rows(values, scales)[0, 1, 2]))
+    assert np.all(error <= bound * (1 + 1e-6))
+    assert float(scales[0, 1, 2]) == 1.0 and not np.any(values[0, 1, 2])
+    assert not np.any(widened[0, 1, 2])
 
 
 def test_bfloat16_round_trip_and_float32_unchanged():
-    x = jax.random.normal(jax.random.key(1), (2, 4, 8))
-    values, scales = decode_state.narrow_rows(x, "bfloat16")
+    @jax.jit  # one program: op by op, every operation compiles as a program of its own
+    def round_trip(key):
+        x = jax.random.normal(key, (2, 4, 8))
+        values, scales = decode_state.narrow_rows(x, "bfloat16")
+        as_bfloat16 = jax.lax.bitcast_convert_type(values, jnp.bfloat16)
+        return x, values, scales, as_bfloat16, x.astype(jnp.bfloat16), decode_state.widen_rows(values, None)
+
+    x, values, scales, as_bfloat16, rounded, widened = round_trip(jax.random.key(1))
     # Kept as the bfloat16's bits (XLA:CPU reads a bfloat16 array through a float32 copy).
     assert values.dtype == jnp.uint16 and scales is None
-    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(values, jnp.bfloat16), x.astype(jnp.bfloat16))
-    assert bool(jnp.all(jnp.abs(decode_state.widen_rows(values, None) - x) <= jnp.abs(x) * 2.0**-8))
+    np.testing.assert_array_equal(as_bfloat16, rounded)
+    assert np.all(np.abs(np.asarray(widened) - np.asarray(x)) <= np.abs(np.asarray(x)) * 2.0**-8)
     same, none = decode_state.narrow_rows(x, "float32")
     assert same is x and none is None
-    zeros, ones = decode_state.empty_rows((2, 4, 8), "int8")
+    zeros, ones = jax.jit(decode_state.empty_rows, static_argnums=(0, 1))((2, 4, 8), "int8")
     assert zeros.dtype == jnp.int8 and ones.shape == (2, 4) and float(ones.min()) == 1.0
-    assert decode_state.empty_rows((2, 4, 8), "float32", jnp.bfloat16)[0].dtype == jnp.bfloat16
+    empty = jax.eval_shape(lambda: decode_state.empty_rows((2, 4, 8), "float32", jnp.bfloat16))
+    assert empty[0].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8", "bfloat16"])
@@ -62,25 +74,42 @@ def test_products_over_a_narrow_cache_equal_the_widened_cache(cache_dtype, monke
     """The scale folded into the logits and probabilities, in blocks of positions with a shorter
     last block, gives the float32 products of the widened cache."""
     monkeypatch.setattr(xla, "CACHE_BLOCK_ELEMENTS", 2 * 4 * 8 * 3)  # blocks of 3 positions, 11 = 3 * 3 + 2
-    shapes = [(2, 4, 11, 8), (2, 4, 11, 8), (2, 4, 1, 8)]
-    keys_f, values_f, q = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(shapes))
-    (keys, key_scale), (values, value_scale) = (decode_state.narrow_rows(t, cache_dtype) for t in (keys_f, values_f))
-    wide_k, wide_v = decode_state.widen_rows(keys, key_scale), decode_state.widen_rows(values, value_scale)
-    logits = cache_logits(q, keys, key_scale)
-    np.testing.assert_allclose(logits, jnp.einsum("bhqd,bhkd->bhqk", q, wide_k), atol=1e-5, rtol=1e-5)
-    probs = jax.nn.softmax(logits, axis=-1)
-    y = cache_weighted_values(probs, values, value_scale)
-    np.testing.assert_allclose(y, jnp.einsum("bhqk,bhkd->bhqd", probs, wide_v), atol=1e-5, rtol=1e-5)
 
-    k, v = (jax.random.normal(jax.random.key(5 + i), (2, 4, 1, 8)) for i in range(2))
-    index = jnp.asarray(7)
-    y, written = cached_attention(q, k, v, KVCache(keys, key_scale, values, value_scale, index=index))
-    want, _ = cached_attention(q, k, v, KVCache(wide_k, None, wide_v, None, index=index))
-    np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
-    assert written.key.dtype == keys.dtype and (written.key_scale is not None) == (cache_dtype == "int8")
+    # One program, traced here (the block size is read at tracing): op by op, every operation
+    # compiles as a program of its own.
+    @jax.jit
+    def products(seeds):
+        shapes = [(2, 4, 11, 8), (2, 4, 11, 8), (2, 4, 1, 8)]
+        keys_f, values_f, q = (jax.random.normal(jax.random.key(seeds[i]), shape) for i, shape in enumerate(shapes))
+        (keys, key_scale), (values, value_scale) = (
+            decode_state.narrow_rows(t, cache_dtype) for t in (keys_f, values_f)
+        )
+        wide_k, wide_v = decode_state.widen_rows(keys, key_scale), decode_state.widen_rows(values, value_scale)
+        logits = cache_logits(q, keys, key_scale)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weighted = cache_weighted_values(probs, values, value_scale)
+
+        k, v = (jax.random.normal(jax.random.key(seeds[5 + i]), (2, 4, 1, 8)) for i in range(2))
+        index = jnp.asarray(7)
+        y, written = cached_attention(q, k, v, KVCache(keys, key_scale, values, value_scale, index=index))
+        want, _ = cached_attention(q, k, v, KVCache(wide_k, None, wide_v, None, index=index))
+        written_k = decode_state.widen_rows(written.key, written.key_scale)[:, :, 7:8]
+        return {
+            "logits": (logits, jnp.einsum("bhqd,bhkd->bhqk", q, wide_k)),
+            "weighted values": (weighted, jnp.einsum("bhqk,bhkd->bhqd", probs, wide_v)),
+            "attention": (y, want),
+            "written key": (written_k, decode_state.widen_rows(*decode_state.narrow_rows(k, cache_dtype))),
+            "stored key": keys,
+            "written": written,
+        }
+
+    got = products(jnp.arange(7))
+    for name in ("logits", "weighted values", "attention"):
+        np.testing.assert_allclose(*got[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    written = got["written"]
+    assert written.key.dtype == got["stored key"].dtype and (written.key_scale is not None) == (cache_dtype == "int8")
     assert int(written.index) == 8
-    written_k = decode_state.widen_rows(written.key, written.key_scale)[:, :, 7:8]
-    np.testing.assert_allclose(written_k, decode_state.widen_rows(*decode_state.narrow_rows(k, cache_dtype)), atol=1e-6)
+    np.testing.assert_allclose(*got["written key"], atol=1e-6)
 
 
 def _encoder_decoder(cache_dtype=None):
@@ -109,9 +138,10 @@ MODELS = {"encoder_decoder": _encoder_decoder, "terraformer": _terraformer}
 
 
 def _decode(model, params, steps: int = 6):
-    rng = np.random.default_rng(0)
-    inputs = jnp.asarray(rng.integers(2, 61, (2, 9)), jnp.int32).at[1, 6:].set(0)
-    tokens = jnp.asarray(rng.integers(2, 61, (2, steps)), jnp.int32)
+    rng = np.random.default_rng(0)  # numpy: eager jnp operations would each compile a program
+    inputs = rng.integers(2, 61, (2, 9)).astype(np.int32)
+    inputs[1, 6:] = 0
+    tokens = rng.integers(2, 61, (2, steps)).astype(np.int32)
     decoder = model.decoder(8)
     cache = decoder.prefill(params, inputs)
     logits = []
@@ -171,7 +201,9 @@ def test_a_bad_cache_dtype_is_one_config_error_naming_the_allowed_values():
         TransformerConfig(cache_dtype="fp8")
     layer = CausalSelfAttention(d_model=8, n_heads=2, cache_dtype="int4")
     with pytest.raises(ConfigError, match="'int4' is not one of float32, bfloat16, int8"):
-        layer.init(jax.random.key(0), jnp.zeros((1, 1, 8)), decode=True, max_decode_length=4)
+        # Traced only: the layer refuses while it builds its cache (run, each operation of its
+        # initializer would compile first).
+        jax.eval_shape(lambda: layer.init(jax.random.key(0), jnp.zeros((1, 1, 8)), decode=True, max_decode_length=4))
 
 
 def test_the_setting_is_a_gin_binding():

@@ -32,8 +32,11 @@ from helpers import quantize_params_for_setup
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-# Compiled whole: run op by op, a model compiles each of its hundreds of operations alone.
+# Compiled whole: run op by op, a model compiles each of its hundreds of operations alone (and a
+# store and its widening some ten programs each).
 _dequantize_params = jax.jit(dequantize_params)
+_quantize = jax.jit(quantize, static_argnames=("kind", "transposed"))
+_dequantize = jax.jit(dequantize)
 
 
 def _weights(shape, seed=0):
@@ -44,37 +47,39 @@ def _weights(shape, seed=0):
 
 def test_int8_dequantization_error_is_at_most_half_a_step_per_row():
     w = _weights((5, 7, 33))
-    q = quantize(w, "int8")
+    q = _quantize(w, "int8")
     assert q.values.dtype == jnp.int8 and q.scale.shape == (5, 7)
     step = np.asarray(q.scale)[..., None]
-    error = np.abs(np.asarray(dequantize(q)) - np.asarray(w))
+    error = np.abs(np.asarray(_dequantize(q)) - np.asarray(w))
     assert np.all(error <= step / 2 * (1 + 1e-6))
     np.testing.assert_allclose(np.asarray(q.scale), np.max(np.abs(np.asarray(w)), axis=-1) / 127, rtol=1e-6)
 
 
 def test_bfloat16_store_is_bfloat16_rounding_kept_as_its_bits():
     w = _weights((9, 17))
-    q = quantize(w, "bfloat16")
+    q = _quantize(w, "bfloat16")
     assert q.values.dtype == jnp.uint16
-    expected = np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32))
-    np.testing.assert_array_equal(np.asarray(dequantize(q)), expected)
+    expected = np.asarray(jax.jit(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32))(w))
+    np.testing.assert_array_equal(np.asarray(_dequantize(q)), expected)
     assert np.all(np.abs(expected - np.asarray(w)) <= np.abs(np.asarray(w)) * 2.0**-8)
 
 
 def test_an_all_zero_row_quantizes_to_zero():
-    q = quantize(jnp.zeros((2, 8)), "int8")
-    np.testing.assert_array_equal(np.asarray(dequantize(q)), 0.0)
+    q = _quantize(np.zeros((2, 8), np.float32), "int8")
+    np.testing.assert_array_equal(np.asarray(_dequantize(q)), 0.0)
 
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 @pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a tail
 def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(kind, block_elements, monkeypatch):
     monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
-    q = quantize(_weights((37, 24)), kind)
+    q = _quantize(_weights((37, 24)), kind)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 24)).astype(np.float32))
     with native_kernels.disabled():  # the XLA path (the native kernel has its own tests)
-        got = jax.jit(backends.output_major_product)(x, q)
-    want = x @ dequantize(q).T
+        # Its own trace: the block size is read at tracing (jax.jit of the function itself would
+        # reuse another case's trace).
+        got = jax.jit(functools.partial(backends.output_major_product))(x, q)
+    want = jax.jit(lambda x, q: x @ dequantize(q).T)(x, q)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
 
 
@@ -82,21 +87,25 @@ def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(k
 @pytest.mark.parametrize("block_elements", [1 << 20, 4 * 19])  # one block; 4-row blocks and a tail
 def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, monkeypatch):
     monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
-    q = quantize(_weights((30, 19)), kind)  # [in, out]: one scale per input row
+    q = _quantize(_weights((30, 19)), kind)  # [in, out]: one scale per input row
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 30)).astype(np.float32))
-    got = jax.jit(backends.input_major_product)(x, q)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(q)), rtol=1e-6, atol=1e-5)
+    # Its own trace: the block size is read at tracing (jax.jit of the function itself would reuse
+    # another case's trace).
+    got = jax.jit(functools.partial(backends.input_major_product))(x, q)
+    want = jax.jit(lambda x, q: x @ dequantize(q))(x, q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
 
 
 def test_a_transposed_weight_has_one_scale_per_output_and_dequantizes_to_its_own_layout():
-    w = _weights((7, 5, 33)).transpose(2, 0, 1)  # input-major [in=33, 7, 5]; an outlier per output
-    q = quantize(w, "int8", transposed=True)
+    w = np.asarray(_weights((7, 5, 33))).transpose(2, 0, 1)  # input-major [in=33, 7, 5]; an outlier per output
+    q = _quantize(w, "int8", transposed=True)
     assert q.shape == (33, 7, 5) and q.scale.shape == (7, 5)  # Flax checks the parameter's shape
     np.testing.assert_array_equal(
-        np.asarray(q.output_major().values), np.asarray(quantize(w.transpose(1, 2, 0), "int8").values)
+        np.asarray(jax.jit(QuantizedTensor.output_major)(q).values),
+        np.asarray(_quantize(w.transpose(1, 2, 0), "int8").values),
     )
     step = np.asarray(q.scale)[None]
-    assert np.all(np.abs(np.asarray(dequantize(q)) - np.asarray(w)) <= step / 2 * (1 + 1e-6))
+    assert np.all(np.abs(np.asarray(_dequantize(q)) - w) <= step / 2 * (1 + 1e-6))
     with pytest.raises(ValueError, match="transposed"):
         q.reshape(33, 35)
 
@@ -107,7 +116,7 @@ def test_a_transposed_weight_has_one_scale_per_output_and_dequantizes_to_its_own
 def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(kind, native, batch):
     """The decode tree's controller: ``[in, blocks, N]`` stored ``[blocks, N, in]``, read by the
     output-major kernel or XLA's blocked product, equal to the dequantized product."""
-    q = quantize(_weights((11, 6, 4)), kind, transposed=True)
+    q = _quantize(_weights((11, 6, 4)), kind, transposed=True)
     x = jnp.asarray(np.random.default_rng(1).normal(size=batch + (11,)).astype(np.float32))
     with contextlib.nullcontext() if native else native_kernels.disabled():
         product = functools.partial(backends.input_major_product)  # its own trace: the path is chosen at tracing
@@ -115,7 +124,7 @@ def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(
         got = jax.jit(product)(x, q)
     assert ("terra_output_major" in jaxpr) == (native and native_kernels.available())
     assert "terra_input_major" not in jaxpr
-    want = x @ dequantize(q).reshape(11, 24)
+    want = jax.jit(lambda x, q: x @ dequantize(q).reshape(11, 24))(x, q)
     # float32 rounding of sums taken in another order (the kernel scales each row's sum, XLA
     # multiplies by the dequantized weights): up to 3e-5 at outputs of about 6 under AVX2.
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -149,10 +158,10 @@ def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 def test_gathered_rows_are_widened_with_their_own_scales(kind):
-    q = quantize(_weights((12, 4, 10)), kind)
-    rows = jnp.array([0, 11, 5, 5])
+    q = _quantize(_weights((12, 4, 10)), kind)
+    rows = np.array([0, 11, 5, 5])
     np.testing.assert_allclose(
-        np.asarray(jax.jit(backends.take_rows)(q, rows)), np.asarray(dequantize(q))[np.asarray(rows)], rtol=1e-6
+        np.asarray(jax.jit(backends.take_rows)(q, rows)), np.asarray(_dequantize(q))[rows], rtol=1e-6
     )
 
 
@@ -175,10 +184,10 @@ def test_the_controller_and_the_sparse_loss_kernel_are_stored_output_major():
         "logits": {"multiplicative": {"kernel": _weights((6, 5))}},
         "attention": {"multiplicative": {"kernel": _weights((6, 5))}},  # a sparse QKV kernel: 16+ rows
     }
-    narrow = quantize_params(params, "int8")
+    narrow = jax.jit(quantize_params, static_argnums=1)(params, "int8")
     assert narrow["ff"]["controller_up"].transposed and narrow["logits"]["multiplicative"]["kernel"].transposed
     assert not narrow["attention"]["multiplicative"]["kernel"].transposed
-    for got, want in zip(jax.tree.leaves(dequantize_params(narrow)), jax.tree.leaves(params)):
+    for got, want in zip(jax.tree.leaves(_dequantize_params(narrow)), jax.tree.leaves(params)):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=float(np.max(np.abs(want))) / 127)
 
@@ -187,15 +196,16 @@ def test_the_controller_and_the_sparse_loss_kernel_are_stored_output_major():
 def test_token_embedding_reading_a_quantized_table_equals_the_dequantized_table(kind):
     layer = TokenEmbedding(vocab_size=13, d_model=10)
     tokens = jnp.array([[0, 12, 3], [3, 3, 7]])
-    params = jax.tree.map(
+    params = jax.tree.map(  # jitted: op by op, every operation compiles alone
         lambda p: p.value if hasattr(p, "value") else p,
-        layer.init(jax.random.key(0), tokens)["params"],
+        jax.jit(layer.init)(jax.random.key(0), tokens)["params"],
         is_leaf=lambda p: hasattr(p, "value"),
     )
-    narrow = quantize_params(params, kind)
+    narrow = quantize_params_for_setup(params, kind)
     assert isinstance(narrow["embedding"], QuantizedTensor)
-    got = jax.jit(layer.apply)({"params": narrow}, tokens)
-    want = layer.apply({"params": dequantize_params(narrow)}, tokens)
+    apply = jax.jit(layer.apply)  # one program per parameter tree
+    got = apply({"params": narrow}, tokens)
+    want = apply({"params": _dequantize_params(narrow)}, tokens)
     assert got.shape == (2, 3, 10)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
@@ -264,7 +274,7 @@ def _decode_logits(model, params, batch):
     for token in np.asarray(model.decoder_input_tokens(batch)).T:
         logits, cache = decoder.step(params, cache, jnp.asarray(token))
         steps.append(logits)
-    return jnp.stack(steps, axis=1)
+    return np.stack(steps, axis=1)  # numpy: jnp.stack would compile a program per batch shape
 
 
 @pytest.fixture(scope="module")
@@ -317,4 +327,4 @@ def test_batched_decode_equals_each_row_decoded_alone(gin_file, kind, families):
     for row in range(BATCH_ROWS):
         alone = _decode_logits(model, params, {name: np.asarray(rows)[row : row + 1] for name, rows in batch.items()})
         np.testing.assert_allclose(together[row], alone[0], atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(jnp.argmax(together[row], -1), jnp.argmax(alone[0], -1))
+        np.testing.assert_array_equal(np.argmax(together[row], -1), np.argmax(alone[0], -1))
