@@ -117,3 +117,27 @@ def quantize_params_for_setup(params, kind: str):
     leaf it compiles one program per weight shape), without XLA's optimizations."""
     with xla_optimizations(False):
         return _quantize_params_compiled()(params, kind)
+
+
+def full_and_stepped_logits(model, decoder, params, inputs, targets):
+    """``(full, stepped)`` logits ``[batch, target_length, vocab]`` of ``model`` on ``targets``
+    shifted right: the whole teacher-forced pass, and ``decoder``'s prefill then its step over the
+    same tokens one at a time, as one jitted program (the step scanned, not a call per token)."""
+    import jax
+    import jax.numpy as jnp
+
+    from terra.models import shift_right
+
+    @jax.jit
+    def run(params, inputs, targets):
+        decoder_inputs = shift_right(targets)
+        full = model.module.apply({"params": params}, inputs, decoder_inputs)
+
+        def step(cache, token):
+            logits, cache = decoder.step(params, cache, token)
+            return cache, logits
+
+        _, stepped = jax.lax.scan(step, decoder.prefill(params, inputs), decoder_inputs.T)
+        return full, jnp.swapaxes(stepped, 0, 1)
+
+    return run(params, inputs, targets)

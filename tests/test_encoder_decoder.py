@@ -11,7 +11,7 @@ import pytest
 
 from terra.models import shift_right
 
-from helpers import dropout_calls, tiny_config
+from helpers import dropout_calls, full_and_stepped_logits, tiny_config
 
 # XLA's optimizations only cost compile time at these sizes (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -57,19 +57,7 @@ def test_incremental_decode_matches_full_forward(tiny_model, batch):
     inputs, targets = _padded_batch(batch, 9, 7, model.config.vocab_size)
     decoder = model.decoder(12)  # cache longer than the sequence: unused slots are masked
 
-    @jax.jit  # one program: the full pass, the prefill and the step scanned over the targets
-    def full_and_stepped_logits(params, inputs, targets):
-        decoder_inputs = shift_right(targets)
-        full = model.module.apply({"params": params}, inputs, decoder_inputs)
-
-        def step(cache, token):
-            logits, cache = decoder.step(params, cache, token)
-            return cache, logits
-
-        _, stepped = jax.lax.scan(step, decoder.prefill(params, inputs), decoder_inputs.T)
-        return full, jnp.swapaxes(stepped, 0, 1)
-
-    full, stepped = full_and_stepped_logits(params, inputs, targets)
+    full, stepped = full_and_stepped_logits(model, decoder, params, inputs, targets)
     np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
 
 

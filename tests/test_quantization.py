@@ -20,7 +20,7 @@ from terra.quantization import (
     QuantizedTensor,
     dequantize,
     dequantize_params,
-    quantize,
+    quantize_compiled,
     quantize_params,
 )
 
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 # Compiled whole: run op by op, a model compiles each of its hundreds of operations alone (and a
 # store and its widening some ten programs each).
 _dequantize_params = jax.jit(dequantize_params)
-_quantize = jax.jit(quantize, static_argnames=("kind", "transposed"))
 _dequantize = jax.jit(dequantize)
 
 
@@ -47,7 +46,7 @@ def _weights(shape, seed=0):
 
 def test_int8_dequantization_error_is_at_most_half_a_step_per_row():
     w = _weights((5, 7, 33))
-    q = _quantize(w, "int8")
+    q = quantize_compiled(w, "int8")
     assert q.values.dtype == jnp.int8 and q.scale.shape == (5, 7)
     step = np.asarray(q.scale)[..., None]
     error = np.abs(np.asarray(_dequantize(q)) - np.asarray(w))
@@ -57,7 +56,7 @@ def test_int8_dequantization_error_is_at_most_half_a_step_per_row():
 
 def test_bfloat16_store_is_bfloat16_rounding_kept_as_its_bits():
     w = _weights((9, 17))
-    q = _quantize(w, "bfloat16")
+    q = quantize_compiled(w, "bfloat16")
     assert q.values.dtype == jnp.uint16
     expected = np.asarray(jax.jit(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32))(w))
     np.testing.assert_array_equal(np.asarray(_dequantize(q)), expected)
@@ -65,7 +64,7 @@ def test_bfloat16_store_is_bfloat16_rounding_kept_as_its_bits():
 
 
 def test_an_all_zero_row_quantizes_to_zero():
-    q = _quantize(np.zeros((2, 8), np.float32), "int8")
+    q = quantize_compiled(np.zeros((2, 8), np.float32), "int8")
     np.testing.assert_array_equal(np.asarray(_dequantize(q)), 0.0)
 
 
@@ -73,7 +72,7 @@ def test_an_all_zero_row_quantizes_to_zero():
 @pytest.mark.parametrize("block_elements", [1 << 20, 5 * 24])  # one block; 5-row blocks and a tail
 def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(kind, block_elements, monkeypatch):
     monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
-    q = _quantize(_weights((37, 24)), kind)
+    q = quantize_compiled(_weights((37, 24)), kind)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 24)).astype(np.float32))
     with native_kernels.disabled():  # the XLA path (the native kernel has its own tests)
         # Its own trace: the block size is read at tracing (jax.jit of the function itself would
@@ -87,7 +86,7 @@ def test_blocked_product_equals_the_float32_product_of_the_dequantized_weights(k
 @pytest.mark.parametrize("block_elements", [1 << 20, 4 * 19])  # one block; 4-row blocks and a tail
 def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, monkeypatch):
     monkeypatch.setattr(xla, "BLOCK_ELEMENTS", block_elements)
-    q = _quantize(_weights((30, 19)), kind)  # [in, out]: one scale per input row
+    q = quantize_compiled(_weights((30, 19)), kind)  # [in, out]: one scale per input row
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2, 30)).astype(np.float32))
     # Its own trace: the block size is read at tracing (jax.jit of the function itself would reuse
     # another case's trace).
@@ -98,11 +97,11 @@ def test_input_major_product_folds_the_row_scales_into_x(kind, block_elements, m
 
 def test_a_transposed_weight_has_one_scale_per_output_and_dequantizes_to_its_own_layout():
     w = np.asarray(_weights((7, 5, 33))).transpose(2, 0, 1)  # input-major [in=33, 7, 5]; an outlier per output
-    q = _quantize(w, "int8", transposed=True)
+    q = quantize_compiled(w, "int8", transposed=True)
     assert q.shape == (33, 7, 5) and q.scale.shape == (7, 5)  # Flax checks the parameter's shape
     np.testing.assert_array_equal(
         np.asarray(jax.jit(QuantizedTensor.output_major)(q).values),
-        np.asarray(_quantize(w.transpose(1, 2, 0), "int8").values),
+        np.asarray(quantize_compiled(w.transpose(1, 2, 0), "int8").values),
     )
     step = np.asarray(q.scale)[None]
     assert np.all(np.abs(np.asarray(_dequantize(q)) - w) <= step / 2 * (1 + 1e-6))
@@ -116,7 +115,7 @@ def test_a_transposed_weight_has_one_scale_per_output_and_dequantizes_to_its_own
 def test_input_major_product_of_a_transposed_kernel_is_its_output_major_product(kind, native, batch):
     """The decode tree's controller: ``[in, blocks, N]`` stored ``[blocks, N, in]``, read by the
     output-major kernel or XLA's blocked product, equal to the dequantized product."""
-    q = _quantize(_weights((11, 6, 4)), kind, transposed=True)
+    q = quantize_compiled(_weights((11, 6, 4)), kind, transposed=True)
     x = jnp.asarray(np.random.default_rng(1).normal(size=batch + (11,)).astype(np.float32))
     with contextlib.nullcontext() if native else native_kernels.disabled():
         product = functools.partial(backends.input_major_product)  # its own trace: the path is chosen at tracing
@@ -158,7 +157,7 @@ def test_dense_reading_a_quantized_kernel_equals_dense_on_the_dequantized_kernel
 
 @pytest.mark.parametrize("kind", ["int8", "bfloat16"])
 def test_gathered_rows_are_widened_with_their_own_scales(kind):
-    q = _quantize(_weights((12, 4, 10)), kind)
+    q = quantize_compiled(_weights((12, 4, 10)), kind)
     rows = np.array([0, 11, 5, 5])
     np.testing.assert_allclose(
         np.asarray(jax.jit(backends.take_rows)(q, rows)), np.asarray(_dequantize(q))[rows], rtol=1e-6

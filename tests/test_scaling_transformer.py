@@ -3,16 +3,15 @@ equals the teacher-forced pass, each variant trains, bad sizes fail at configura
 and the weights a decoded token reads shrink as the paper says."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
 
 from terra.gin_config import parsing
-from terra.models import shift_right
 
 from cheap_init_prng import initialised_once
+from helpers import full_and_stepped_logits
 
 VARIANTS = [
     "models/tiny_sparse_ff.gin",
@@ -66,19 +65,7 @@ def test_scaling_transformer_incremental_decode_matches_full_forward(built, vari
     inputs, targets = _batch(model.config.vocab_size)
     decoder = model.decoder(10)
 
-    @jax.jit  # one program: the full pass, the prefill and the step scanned over the targets
-    def full_and_stepped_logits(params, inputs, targets):
-        decoder_inputs = shift_right(targets)
-        full = model.module.apply({"params": params}, inputs, decoder_inputs)
-
-        def step(cache, token):
-            logits, cache = decoder.step(params, cache, token)
-            return cache, logits
-
-        _, stepped = jax.lax.scan(step, decoder.prefill(params, inputs), decoder_inputs.T)
-        return full, jnp.swapaxes(stepped, 0, 1)
-
-    full, stepped = full_and_stepped_logits(params, inputs, targets)
+    full, stepped = full_and_stepped_logits(model, decoder, params, inputs, targets)
     np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
 
 
