@@ -108,7 +108,10 @@ def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
     if _is_size_overlay(gin_file):
         # Its 800M file runs below with the same layers; tracing checks this file's knobs fit
         # together (every shape and divisibility check) without compiling the model again. The
-        # build traced the initializer init_params runs: its shapes are abstract_params.
+        # build traced the initializer with one layer per stack and copied that layer's subtree
+        # to the others: the whole initializer's trace (every layer) gives the same tree, boxes
+        # and logical axes included.
+        assert jax.eval_shape(model.init_variables, jax.random.key(0)) == model.abstract_variables()
         loss, _ = jax.eval_shape(model.loss_fn, model.abstract_params(), batch)
         assert loss.shape == () and loss.dtype == jnp.float32
         return
@@ -117,8 +120,9 @@ def test_every_model_gin_file_instantiates_at_tiny_size(gin_file):
     # its own (2-5 CPU-s each at this size, the loss's a fraction of that). The same function
     # init_params jits, so every layer's initialiser still runs and feeds the loss. A finite
     # loss holds for any draws of those initialisers: init_key's draws compile in less time.
-    params = nn.unbox(model.init_variables(init_key(0)))["params"]
-    assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, model.abstract_params())
+    variables = model.init_variables(init_key(0))
+    assert jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables) == model.abstract_variables()
+    params = nn.unbox(variables)["params"]
     loss, _ = jax.jit(model.loss_fn)(params, batch)
     assert np.isfinite(float(loss))
 

@@ -76,10 +76,11 @@ def test_every_parameter_gets_a_finite_gradient(tiny_model):
         assert np.any(g != 0), f"no gradient reaches {jax.tree_util.keystr(path)}"
 
 
-def test_init_params_computes_what_the_initializer_traced_at_build_computes(tiny_model):
-    # The model traces its initializer once, when it is built: the abstract tree is that trace's
-    # output, and init_params compiles the same trace (without XLA's optimization passes at this
-    # size: the same values up to float32 rounding), for any key type and inside a caller's trace.
+def test_init_params_computes_the_jitted_initializer_and_the_abstract_tree_is_its_shapes(tiny_model):
+    # The build traces the initializer with one layer per stack for the abstract tree, which the
+    # whole initializer's trace equals; init_params traces and compiles the whole initializer once
+    # (without XLA's optimization passes at this size: the same values up to float32 rounding),
+    # for any key type and inside a caller's trace.
     from flax import linen as nn
 
     from terra.layers import initializers
