@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 from absl import flags
 
 import terra
-from terra import errors, process_memory
+from terra import compilation_cache, errors, process_memory
 from terra.gin_config import override_checks
 from terra.gin_config.parsing import GinConfigError
 
@@ -190,9 +190,10 @@ class Command:
         command ends its process at once (see :func:`_leave`). Run as a command, it first
         restarts under glibc's huge pages for large blocks where the machine has them
         (``terra/process_memory.py``: a long document's prefill otherwise spends seconds in page
-        faults)."""
+        faults), and keeps its compiled programs for the next run (``terra/compilation_cache.py``)."""
         if argv is None:
             process_memory.restart_with_huge_pages()
+            compilation_cache.use_for_command()
         status = self._status(argv)
         if argv is None and status != 0:
             _leave(status)

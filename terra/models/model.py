@@ -146,9 +146,7 @@ class Seq2SeqModel(abc.ABC):
             config=dataclasses.replace(cfg, n_encoder_layers=min(1, cfg.n_encoder_layers), n_decoder_layers=1)
         )
         traced = jax.jit(functools.partial(_init_variables, shallow)).trace(jax.random.key(0))
-        tree = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), traced.out_info
-        )
+        tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), traced.out_info)
         for collection in tree.values():
             for stack in self.layer_stacks():
                 node = collection
@@ -376,7 +374,10 @@ class EncoderDecoderModel(Seq2SeqModel):
 
     def layer_stacks(self) -> Tuple[LayerStack, ...]:
         cfg = self.config
-        return (LayerStack((), "encoder_", 1, cfg.n_encoder_layers), LayerStack((), "decoder_", 1, cfg.n_decoder_layers))
+        return (
+            LayerStack((), "encoder_", 1, cfg.n_encoder_layers),
+            LayerStack((), "decoder_", 1, cfg.n_decoder_layers),
+        )
 
     def add_decoder_reads(self, params: Params, parts: Dict[str, int], batch: int = 1) -> None:
         # Every decoder layer reads its three sub-layers as their injected classes read them;
