@@ -275,9 +275,23 @@ def test_a_checkpoint_file_that_is_not_a_small_regular_file_is_refused_unread(tm
         with open(metadata, "wb") as f:
             f.truncate(1 << 40)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-    with pytest.raises(CheckpointError) as error:
-        checkpointing.restore_params(str(run), abstract)
+
+    class Model:  # what load_params (terra.load, terra-evaluate, terra-summarize) asks of a model
+        def abstract_params(self):
+            return abstract
+
     expected = "is 1024.0 GiB, more than the 256.0 MiB" if kind == "sparse" else "is not a regular file"
-    assert str(error.value).startswith(f"checkpoint {run}/checkpoints/0: the metadata file {metadata}")
-    assert expected in str(error.value)
+    # Every reader of a step: a run's parameters as restored for fine-tuning, as loaded to decode
+    # (which first reads how its weights are stored), and that dtype alone.
+    for read in (
+        lambda where: checkpointing.restore_params(where, abstract),
+        lambda where: checkpointing.load_params(Model(), where)[0],
+        lambda where: checkpointing.stored_weights_dtype(where),
+    ):
+        with pytest.raises(CheckpointError) as error:
+            read(str(run))
+        assert str(error.value).startswith(f"checkpoint {run}/checkpoints/0: the metadata file {metadata}")
+        assert expected in str(error.value)
     assert checkpointing.restore_params(str(root), abstract)["dense"]["kernel"].shape == (4, 3)  # the intact copy
+    assert checkpointing.load_params(Model(), str(root))[0]["dense"]["kernel"].shape == (4, 3)
+    assert checkpointing.stored_weights_dtype(str(root)) == "float32"

@@ -215,6 +215,10 @@ def _check_compatible(checkpoint_tree: Any, target_tree: Any, where: str) -> Non
 
 
 def _read_tree_metadata(state_dir: epath.Path) -> Any:
+    """orbax's tree metadata of a step's ``state`` item, read only after the step's files pass
+    ``_check_step_files`` (every reader of a step comes through here: a FIFO or a device among
+    them would hang or never end the read)."""
+    _check_step_files(state_dir.parent)
     return ocp.StandardCheckpointHandler().metadata(state_dir).tree
 
 
@@ -710,14 +714,26 @@ def restore_params(
         The mismatch message names the first mismatching path and both shapes.
     """
     step_dir = _resolve_step_dir(checkpoint_dir, step)
-    state_dir = step_dir / STATE_ITEM
-    where = f"checkpoint {step_dir}"
+    return _restore_params_at(step_dir, _checked_tree(step_dir), abstract_params, param_map)
+
+
+def _checked_tree(step_dir: epath.Path) -> Any:
+    """The tree metadata of a committed step whose files pass ``_check_step_files`` (a file that
+    does not is that error; any other failure to read, one ``CheckpointError`` naming the step)."""
     _check_step_files(step_dir)
     try:
         _check_committed(step_dir)
-        tree = _read_tree_metadata(state_dir)
+        return _read_tree_metadata(step_dir / STATE_ITEM)
     except Exception as e:
         raise _unreadable(step_dir, "is unreadable", e) from e
+
+
+def _restore_params_at(
+    step_dir: epath.Path, tree: Any, abstract_params: Any, param_map: Optional[Callable[[Any], Any]]
+) -> Any:
+    """``restore_params`` of the step at ``step_dir``, whose tree metadata is ``tree``."""
+    state_dir = step_dir / STATE_ITEM
+    where = f"checkpoint {step_dir}"
     if not isinstance(tree, dict) or "params" not in tree:
         found = list(tree) if isinstance(tree, dict) else type(tree)
         raise CheckpointError(f"{where} has no 'params' subtree; found {found}.")
@@ -779,14 +795,15 @@ def load_params(model, checkpoint_dir: str, step: Optional[int] = None) -> Tuple
     model_dir, its checkpoints folder or a step directory; default the latest step), restored
     onto the default device. Weights a checkpoint stores narrow (``save_params`` of a quantized
     model: :func:`stored_weights_dtype`) come back as such, ``QuantizedTensor`` leaves."""
-    step = resolve_step(checkpoint_dir, step)
+    step_dir = _resolve_step_dir(checkpoint_dir, step)
+    tree = _checked_tree(step_dir)  # read once: the stored dtype and the restore both use it
     abstract = model.abstract_params()
-    kind = stored_weights_dtype(checkpoint_dir, step)
+    kind = _weights_dtype_of_tree(tree, step_dir)
     if kind != "float32":
         from terra.quantization import quantize_params
 
         abstract = jax.eval_shape(lambda params: quantize_params(params, kind), abstract)
-    return restore_params(checkpoint_dir, abstract, step=step), step
+    return _restore_params_at(step_dir, tree, abstract, None), int(step_dir.name)
 
 
 # The dtype a narrow weight's stored values have (terra.quantization.QuantizedTensor.values).
@@ -798,10 +815,11 @@ def stored_weights_dtype(checkpoint_dir: str, step: Optional[int] = None) -> str
     parameters of a quantized model (``InteractiveModel.save`` keeps them narrow): read from the
     tree's metadata, a ``values`` leaf of int8 or uint16 beside a ``scale``."""
     step_dir = _resolve_step_dir(checkpoint_dir, step)
-    try:
-        tree = _read_tree_metadata(step_dir / STATE_ITEM)
-    except Exception as e:
-        raise _unreadable(step_dir, "is unreadable", e) from e
+    return _weights_dtype_of_tree(_checked_tree(step_dir), step_dir)
+
+
+def _weights_dtype_of_tree(tree: Any, step_dir: epath.Path) -> str:
+    """``stored_weights_dtype`` of the step at ``step_dir``, whose tree metadata is ``tree``."""
     params = tree.get("params") if isinstance(tree, dict) else None
     found = set()
 
