@@ -15,7 +15,8 @@ starts inherit). Plain Python, no JAX.
 
 import hashlib
 import os
-from typing import Mapping, MutableMapping, Optional
+import sys
+from typing import Mapping, MutableMapping, Optional, TextIO
 
 CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 # Programs that compile faster than this are not written (JAX's default, 1 s, would leave out
@@ -49,14 +50,27 @@ def cache_folder(environ: Mapping[str, str], kind: str) -> str:
     return os.path.join(root, "xla", kind)
 
 
-def use_for_command(environ: Optional[MutableMapping[str, str]] = None, kind: Optional[str] = None) -> Optional[str]:
-    """Points JAX's persistent compilation cache at :func:`cache_folder` in ``environ`` (default
-    ``os.environ``), unless the user set ``JAX_COMPILATION_CACHE_DIR``; returns the folder used
-    (``None``: the user's setting stands). JAX creates the folder when it first writes."""
+def use_for_command(
+    environ: Optional[MutableMapping[str, str]] = None, kind: Optional[str] = None, err: Optional[TextIO] = None
+) -> Optional[str]:
+    """Points JAX's persistent compilation cache at :func:`cache_folder` (created if need be) in
+    ``environ`` (default ``os.environ``), unless the user set ``JAX_COMPILATION_CACHE_DIR``;
+    returns the folder used (``None``: the user's setting stands, or the folder cannot be made,
+    which one ``note:`` line on ``err`` (default standard error) says: the command runs on,
+    compiling as without a cache)."""
     environ = os.environ if environ is None else environ
     if CACHE_DIR_ENV in environ:
         return None
     folder = cache_folder(environ, host_kind() if kind is None else kind)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        print(
+            f"note: no compilation cache: cannot make {folder} ({e.strerror or e}); set TERRA_CACHE_DIR to a "
+            "writable folder to keep compiled programs between runs.",
+            file=err or sys.stderr,
+        )
+        return None
     environ[CACHE_DIR_ENV] = folder
     environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", MIN_COMPILE_SECONDS)
     environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", MAX_BYTES)

@@ -2,6 +2,7 @@
 folder per machine kind under ``$TERRA_CACHE_DIR/xla``, the user's own JAX settings winning, set as
 a command starts, and a program compiled by one process read by the next."""
 
+import io
 import os
 import subprocess
 import sys
@@ -27,22 +28,34 @@ def test_each_cpu_model_and_instruction_set_has_its_own_folder(tmp_path):
     assert compilation_cache.host_kind(str(tmp_path / "absent")) == "unknown-cpu"
 
 
-def test_a_command_caches_under_terra_cache_dir_unless_the_user_set_a_cache():
-    environ = {"TERRA_CACHE_DIR": "/data/cache"}
-    assert compilation_cache.use_for_command(environ, kind="k") == os.path.join("/data/cache", "xla", "k")
+def test_a_command_caches_under_terra_cache_dir_unless_the_user_set_a_cache(tmp_path, monkeypatch):
+    environ = {"TERRA_CACHE_DIR": str(tmp_path / "cache")}
+    folder = str(tmp_path / "cache" / "xla" / "k")
+    assert compilation_cache.use_for_command(environ, kind="k") == folder and os.path.isdir(folder)
     assert environ == {
-        "TERRA_CACHE_DIR": "/data/cache",
-        "JAX_COMPILATION_CACHE_DIR": os.path.join("/data/cache", "xla", "k"),
+        "TERRA_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_COMPILATION_CACHE_DIR": folder,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": compilation_cache.MIN_COMPILE_SECONDS,
         "JAX_COMPILATION_CACHE_MAX_SIZE": compilation_cache.MAX_BYTES,
     }
-    home = {"HOME": "/home/u", "JAX_COMPILATION_CACHE_MAX_SIZE": "5"}
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = {"JAX_COMPILATION_CACHE_MAX_SIZE": "5"}
     compilation_cache.use_for_command(home, kind="k")
-    assert home["JAX_COMPILATION_CACHE_DIR"].startswith(os.path.expanduser("~/.cache/terra/xla/"))
+    assert home["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "home" / ".cache" / "terra" / "xla" / "k")
     assert home["JAX_COMPILATION_CACHE_MAX_SIZE"] == "5"  # the user's size stands
     for own in ({"JAX_COMPILATION_CACHE_DIR": "/mine"}, {"JAX_COMPILATION_CACHE_DIR": ""}):  # "" turns it off
         kept = dict(own)
         assert compilation_cache.use_for_command(own, kind="k") is None and own == kept
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_note_and_no_cache(tmp_path):
+    (tmp_path / "file").write_text("")
+    environ, err = {"TERRA_CACHE_DIR": str(tmp_path / "file" / "cache")}, io.StringIO()
+    assert compilation_cache.use_for_command(environ, kind="k", err=err) is None
+    assert "JAX_COMPILATION_CACHE_DIR" not in environ
+    note = err.getvalue()
+    assert note.count("\n") == 1 and note.startswith(f"note: no compilation cache: cannot make {tmp_path}/file/")
+    assert "set TERRA_CACHE_DIR to a writable folder" in note
 
 
 def test_a_command_sets_the_cache_as_it_starts(monkeypatch):
