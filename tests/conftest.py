@@ -264,6 +264,21 @@ def _sessions_so_far(session: dict) -> list:
     return sessions
 
 
+def _machine() -> str:
+    """The machine the suite's figures come from: CPU model, cores, vector extensions and its read
+    bandwidth, measured as the session ends (``terra.benchmarks.bandwidth`` over a 256 MiB buffer,
+    far larger than a last-level cache, optimized as the benchmarks compile it: about a second)."""
+    from terra.benchmarks import bandwidth
+
+    machine = bandwidth.describe_machine()
+    with xla_optimizations(True):
+        rate = bandwidth.measure_read_bandwidth(256 << 20, repeats=3)
+    return (
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['isa'] or 'no AVX2'}; read bandwidth "
+        f"{rate / 1e9:.0f} GB/s (measured as the session ended)"
+    )
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """The suite's CPU time (what docs/contributing.md budgets): every process's user and system
     seconds, the workers and the subprocesses tests start included, and the tests that took most."""
@@ -298,6 +313,7 @@ def pytest_terminal_summary(terminalreporter, config):
         f"{phases.get('cache_hits', 0):,} read from the persistent cache); the rest runs programs, Python, "
         "TensorFlow and subprocesses"
     )
+    write(f"  on {_machine()}")
     for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:10]:
         write(f"  {seconds:7.1f} CPU-s  {nodeid}")
     if config.getoption("cpu_report"):

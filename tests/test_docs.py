@@ -209,15 +209,25 @@ def test_the_readmes_run_times_are_the_times_in_the_outputs_they_cite():
 
 
 # "(14.5 min, 28.0 CPU-minutes, on ...: docs/benchmarks/test_suite/make_test.txt)": the suite's own count.
-_CITED_CPU = re.compile(r"\([^()]*?([\d.]+) CPU-minutes[^():]*: (docs/benchmarks/[\w./-]*\.txt)\)")
+_CITED_CPU = re.compile(r"\([^()]*?([\d.]+) CPU-minutes([^():]*): (docs/benchmarks/[\w./-]*\.txt)\)")
+# How the README names the widest of the vector extensions the suite's machine line lists.
+_ISA_NAMES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx_vnni": "VNNI", "amx_int8": "AMX"}
 
 
 def test_the_readmes_cpu_minutes_are_the_suites_own_count_in_the_output_it_cites():
     readme = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
     cited = _CITED_CPU.findall(readme)
     assert cited, "the README states make test's CPU-minutes"
-    for figure, path in cited:
+    for figure, machine, path in cited:
         with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
-            printed = re.findall(r"^suite CPU time: ([\d.]+) CPU-minutes", f.read(), re.MULTILINE)
+            output = f.read()
+        printed = re.findall(r"^suite CPU time: ([\d.]+) CPU-minutes", output, re.MULTILINE)
         assert printed, f"{path} holds no 'suite CPU time' line"
         assert figure == printed[-1], f"the README says {figure} CPU-minutes, {path} says {printed[-1]}"
+        # The machine beside the figure is the one the output names (its last session's line).
+        named = re.findall(r"^  on (.+), (\d+) cores, ([\w+]*); read bandwidth (\d+) GB/s", output, re.MULTILINE)
+        assert named, f"{path} names no machine"
+        cpu, cores, isa, rate = named[-1]
+        widest = _ISA_NAMES.get(isa.split("+")[-1], "no AVX2")
+        for part in (f"{cores}-core {cpu}", widest, f"{rate} GB/s"):
+            assert part in machine, f"the README's machine ({machine.strip()}) lacks {part!r}, which {path} names"
