@@ -271,12 +271,13 @@ def _machine() -> str:
     from terra.benchmarks import bandwidth
 
     machine = bandwidth.describe_machine()
-    with xla_optimizations(True):
-        rate = bandwidth.measure_read_bandwidth(256 << 20, repeats=3)
-    return (
-        f"{machine['cpu']}, {machine['cores']} cores, {machine['isa'] or 'no AVX2'}; read bandwidth "
-        f"{rate / 1e9:.0f} GB/s (measured as the session ended)"
-    )
+    described = f"{machine['cpu']}, {machine['cores']} cores, {machine['isa'] or 'no AVX2'}"
+    try:
+        with xla_optimizations(True):
+            rate = bandwidth.measure_read_bandwidth(256 << 20, repeats=3)
+    except Exception as e:  # the figures above stand without it
+        return f"{described}; read bandwidth not measured ({type(e).__name__}: {e})"
+    return f"{described}; read bandwidth {rate / 1e9:.0f} GB/s (measured as the session ended)"
 
 
 def pytest_terminal_summary(terminalreporter, config):
