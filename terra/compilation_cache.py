@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Mapping, MutableMapping, Optional, TextIO
 
+from terra import cpu_info
+
 CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 # Programs that compile faster than this are not written (JAX's default, 1 s, would leave out
 # every program of the small models, whose compiles are what a small command waits for).
@@ -29,15 +31,8 @@ MAX_BYTES = str(1 << 30)
 def host_kind(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """A short name for this machine's kind: a hash of its CPU model and instruction-set flags
     (``/proc/cpuinfo``'s first processor), or ``"unknown-cpu"`` where there is no such file."""
-    try:
-        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
-            fields = {}
-            for line in f:
-                if not line.strip():  # the first processor's block ends
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
+    fields = cpu_info.first_processor(cpuinfo_path)
+    if not fields:
         return "unknown-cpu"
     described = f"{fields.get('model name', '')}|{' '.join(sorted(fields.get('flags', '').split()))}"
     return hashlib.sha256(described.encode()).hexdigest()[:16]

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from terra import cpu_info
+
 
 def measure_read_bandwidth(buffer_bytes: int = 1 << 30, repeats: int = 7) -> float:
     """Sustained read bandwidth in bytes per second: the median over ``repeats`` passes of the
@@ -91,14 +93,7 @@ def _native_isa() -> str:
 def describe_machine() -> dict:
     """CPU model, cores, vector extensions, the native kernels' instruction set and the XLA
     configuration the timings ran under."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                fields.setdefault(name.strip(), value.strip())  # the first core's
-    except OSError:
-        pass
+    fields = cpu_info.first_processor()
     model = fields.get("model name") or platform.processor() or platform.machine()
     flags = fields.get("flags", "")
     try:
