@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 PRIMITIVES_WITH_NATIVE_FORMS = (
     "output_major_product",
+    "float_output_major_product",
     "input_major_product",
     "gathered_rows_product",
     "gathered_rows_sum",
@@ -56,13 +57,23 @@ def test_a_backend_added_for_a_platform_runs_only_in_the_program_lowered_for_it(
         np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(dequantize(q)).T, rtol=1e-5, atol=1e-5)
 
 
-def test_float_weights_never_reach_a_backend(monkeypatch):
-    def refuse(*facts):
-        raise AssertionError("a backend was asked about float weights")
+def test_float_weights_reach_only_a_backends_float_product(monkeypatch):
+    # The narrow product's form is never asked about float weights; the float product's form is,
+    # and where it has none the product is XLA's.
+    asked = []
 
-    monkeypatch.setattr(primitives, "BACKENDS", {"cpu": _backend(output_major_product=refuse)})
-    x, w = jnp.ones((1, 8)), jnp.ones((3, 8))
-    np.testing.assert_array_equal(backends.output_major_product(x, w), np.full((1, 3), 8.0))
+    def refuse(*facts):
+        raise AssertionError("a backend's narrow product was asked about float weights")
+
+    def float_form(x, kernel):
+        asked.append((x.shape, kernel.shape))
+
+    monkeypatch.setattr(
+        primitives, "BACKENDS", {"cpu": _backend(output_major_product=refuse, float_output_major_product=float_form)}
+    )
+    x, w = jnp.ones((2, 8)), jnp.ones((3, 8))
+    np.testing.assert_array_equal(backends.output_major_product(x, w), np.full((2, 3), 8.0))
+    assert asked == [((2, 8), (3, 8))]
 
 
 def _feed_forward_weights(kind):

@@ -1,7 +1,8 @@
-"""The native narrow-weight products (terra/backends/native_kernels.py and its C++ library): built
-and loaded wherever a compiler is, equal to the XLA product of the same stored weights on odd shapes in
-every instruction set this CPU has, chosen by ``output_major_product`` only where they apply, and
-replaced by the XLA path, with one warning, when the library cannot be loaded."""
+"""The native products (terra/backends/native_kernels.py and its C++ library): built and loaded
+wherever a compiler is, equal to the XLA product of the same stored weights on odd shapes in every
+instruction set this CPU has (narrow weights, and float32 weights for a batch of a few rows),
+chosen by ``output_major_product`` only where they apply, and replaced by the XLA path, with one
+warning, when the library cannot be loaded."""
 
 import functools
 import importlib.machinery
@@ -237,8 +238,70 @@ def test_the_kernel_is_used_only_where_it_applies():
     assert _uses_kernel(jnp.ones((4, 16, 8)), q)  # MAX_ROWS rows: a batch of 64 decoding
     assert not _uses_kernel(jnp.ones((65, 8)), q)  # beyond MAX_ROWS
     assert not _uses_kernel(jnp.ones((2, 8), jnp.bfloat16), q)
-    assert not _uses_kernel(jnp.ones((2, 8)), dequantize(q))  # a float32 kernel
+    assert not _uses_kernel(jnp.ones((1, 8)), dequantize(q))  # a float32 kernel and one row
     _assert_close(_product()(_inputs(65, 8), q), _inputs(65, 8), q)  # the XLA path
+
+
+def _uses_float_kernel(x, w) -> bool:
+    return "terra_output_major_f32" in str(jax.make_jaxpr(backends.output_major_product)(x, w))
+
+
+def _assert_float_close(got, x, w):
+    """``got`` equals the float64 product ``x [rows, in] @ w [out, in]^T`` within 1e-6 of the
+    size of each sum (as :func:`_assert_close`)."""
+    x, w = np.asarray(x, np.float64).reshape(-1, w.shape[-1]), np.asarray(w, np.float64)
+    error = np.abs(np.asarray(got).reshape(x.shape[0], -1) - x @ w.T)
+    worst = np.max(error / (1e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30))
+    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+
+
+def test_float32_weights_take_the_kernel_for_a_batch_of_a_few_rows():
+    # One row stays XLA's product (it streams the weights at the memory's pace); 2 to
+    # MAX_FLOAT_ROWS take the kernel, which reads them once for all rows; more, XLA's blocked product.
+    w = _weights((16, 8))
+    assert not _uses_float_kernel(jnp.ones((1, 1, 8)), w)
+    assert _uses_float_kernel(jnp.ones((2, 1, 8)), w)
+    assert _uses_float_kernel(jnp.ones((4, 4, 8)), w)  # MAX_FLOAT_ROWS
+    assert not _uses_float_kernel(jnp.ones((17, 8)), w)
+    assert not _uses_float_kernel(jnp.ones((4, 8), jnp.bfloat16), w)
+    with native_kernels.disabled():
+        assert not _uses_float_kernel(jnp.ones((4, 8)), w)
+
+
+@jax.jit
+def _float_kernel_products(xs, ws):
+    return [native_kernels.output_major(x, w, None, "float32") for x, w in zip(xs, ws)]
+
+
+@pytest.mark.parametrize("isa", native_kernels.ISAS)
+def test_the_float32_kernel_equals_the_product_for_every_row_count_in_every_instruction_set(isa):
+    # 3, 37 and 301 outputs leave a remainder of the rows read together (301 x 1024 is split between
+    # threads); 4100 and 1029 inputs a tail shorter than a vector; 13 rows of x a pass of 5.
+    _use_isa(isa)
+    try:
+        shapes = [(3, 4100), (37, 1029), (301, 1024)]
+        ws = [_weights(shape, seed=i) for i, shape in enumerate(shapes)]
+        for rows in (2, 3, 8, 13, 16):
+            xs = [_inputs(rows, n_in) for _, n_in in shapes]
+            for x, w, got in zip(xs, ws, _float_kernel_products(xs, ws)):
+                _assert_float_close(got, x, w)
+    finally:
+        native_kernels.use_isa(native_kernels.ISAS[-1])
+
+
+def test_the_float32_kernel_is_differentiated_as_the_xla_product():
+    # A training step of a few rows runs the kernel forward; its gradients are XLA's product's.
+    w, x = _inputs(24, 40, seed=0) / 6, _inputs(6, 40)
+
+    def loss(x, w):
+        return 0.5 * jnp.sum(backends.output_major_product(x, w) ** 2)
+
+    assert _uses_float_kernel(x, w)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    with native_kernels.disabled():
+        want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
 
 
 def test_vmap_over_the_rows_gives_the_unbatched_products():
@@ -291,11 +354,13 @@ def test_the_products_benchmark_times_every_path_streamed_and_in_cache(monkeypat
     monkeypatch.setattr(quantized_products, "MAX_COPIES", 2)
     monkeypatch.setattr(quantized_products, "LOOP_CALLS", 10)
     shapes = (("streamed", 64, 96, False), ("in cache", 64, 32, True))
-    results, bandwidth = quantized_products.measure(rows=1, repeats=1, shapes=shapes, bandwidth=10e9)
+    # Two rows: a batch, where float32 weights take their kernel too.
+    results, bandwidth = quantized_products.measure(rows=2, repeats=1, shapes=shapes, bandwidth=10e9)
     paths = [name for name, _, native in quantized_products.VARIANTS if native_kernels.available() or not native]
     assert [(r["shape_name"], r["variant"]) for r in results] == [(s[0], p) for s in shapes for p in paths]
+    assert "kernel float32" not in [name for name, _, _ in quantized_products.timed_variants(1)]
     by = {(r["shape_name"], r["variant"]): r for r in results}
-    assert by["streamed", "float32"]["bytes"] == 64 * 96 * 4
+    assert by["streamed", "float32"]["bytes"] == by["streamed", "kernel float32"]["bytes"] == 64 * 96 * 4
     assert by["streamed", "XLA int8"]["bytes"] == 64 * 96 + 96 * 4  # values and one scale per row
     assert by["streamed", "XLA bfloat16"]["bytes"] == 64 * 96 * 2 + 4  # and its scalar scale of 1
     for r in results:

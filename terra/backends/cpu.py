@@ -4,15 +4,16 @@ and when each applies.
 Each function takes what a primitive knows at trace time (the activations, the stored weights)
 and returns the native form, a function of the primitive's operands, or ``None`` where it does not
 apply: activations that are not float32, more rows than a kernel takes (prefill, training), float32
-weights, the kernels not built or switched off (``native_kernels.disabled``, ``unfused``). The
-primitives (``terra/backends/primitives.py``) run a native form only in the program lowered for
-the CPU; elsewhere the XLA form.
+weights outside a batch of a few rows, the kernels not built or switched off
+(``native_kernels.disabled``, ``unfused``). The primitives (``terra/backends/primitives.py``) run
+a native form only in the program lowered for the CPU; elsewhere the XLA form.
 
 The native kernels widen 16 narrow weights at a time in registers: the dense output-major product
 streams int8 weights faster than XLA's blocked product (``terra-bench products``;
 docs/design/cpu_decoding.md), the sparse layers' products read their narrow weights in place, with
 no float32 copy of a kernel or of the gathered rows, and a sparse layer's decode step is one call
-(docs/architecture.md, decisions).
+(docs/architecture.md, decisions). Float32 weights take the output-major kernel for 2 to 16 rows
+of activations (a batch decoding), which XLA:CPU's product reads several times over.
 """
 
 import dataclasses
@@ -60,6 +61,23 @@ def output_major_product(x: jax.Array, kernel: QuantizedTensor, n_out: int):
         groups = scale.reshape(n_out, -1) if kernel.kind == "int8" else scale
         y = native_kernels.output_major(x.reshape(rows, n_in), values.reshape(n_out, n_in), groups, kernel.kind)
         return y.reshape(x.shape[:-1] + (n_out,))
+
+    return native
+
+
+def float_output_major_product(x: jax.Array, kernel: jax.Array):
+    """``(x, kernel [out, in]) -> [..., out]``: float32 weights, for a product of ``MIN_FLOAT_ROWS``
+    to ``MAX_FLOAT_ROWS`` rows (a batch or beams decoding), which the kernel reads from memory once
+    where XLA:CPU's product of a few rows reads them several times over."""
+    rows = math.prod(x.shape[:-1])
+    if kernel.dtype != jnp.float32 or rows < native_kernels.MIN_FLOAT_ROWS:
+        return None
+    if not native_applies(x, rows, native_kernels.MAX_FLOAT_ROWS):
+        return None
+
+    def native(x, kernel):
+        y = native_kernels.output_major(x.reshape(rows, kernel.shape[1]), kernel, None, "float32")
+        return y.reshape(x.shape[:-1] + (kernel.shape[0],))
 
     return native
 

@@ -27,7 +27,8 @@ into each of them, and the passes after the first over a chunk of weights read i
 batch streams the weights from memory once. Their arithmetic grows with the rows (int8 turns
 compute-bound from a few rows), and up to 64 rows they are still as fast as XLA's blocked product
 or faster (docs/design/cpu_decoding.md, ``terra-bench products --rows 64``); larger products,
-prefill and training keep XLA's products, which are real matrix products.
+prefill and training keep XLA's products, which are real matrix products. The output-major kernel
+also reads float32 weights, for :data:`MIN_FLOAT_ROWS` to :data:`MAX_FLOAT_ROWS` rows.
 """
 
 import contextlib
@@ -47,6 +48,10 @@ MAX_ROWS = 64
 # is widened once and used by every row, so its arithmetic grows with them; past this, XLA's matrix
 # product is the faster one.
 MAX_INPUT_MAJOR_ROWS = 256
+# Rows of x the output-major product of float32 weights takes: XLA:CPU's product of one row streams
+# the weights at the memory's pace, but of 2 to 16 rows it is 1.7-3x slower, and from a few dozen
+# rows its blocked product's arithmetic outruns the kernel's (docs/decode_speed.md, "Batched decoding").
+MIN_FLOAT_ROWS, MAX_FLOAT_ROWS = 2, 16
 # The library is built next to its source, in this package's native/ (setup.py's extension path).
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 LIBRARY_STEM = "_cpu_kernels"  # the extension module setup.py builds: terra.backends.native._cpu_kernels
@@ -63,6 +68,8 @@ TARGETS = {
     for product in PRODUCTS
     for kind, suffix in (("int8", "int8"), ("bfloat16", "bf16"))
 }
+# float32 weights: the output-major product of a batch of rows, read once for all of them.
+TARGETS[("output_major", "float32")] = "terra_output_major_f32"
 # Fused layers: one call for a sparse layer's decode step (the attention's takes either store).
 TARGETS.update(
     {
@@ -253,13 +260,13 @@ def use_isa(name: str) -> str:
 
 
 def output_major(x: jax.Array, values: jax.Array, scale: jax.Array, kind: str) -> jax.Array:
-    """``x f32 [rows, in]`` times output-major narrow weights -> ``f32 [rows, out]``, ``rows`` <=
+    """``x f32 [rows, in]`` times output-major weights -> ``f32 [rows, out]``, ``rows`` <=
     :data:`MAX_ROWS`.
 
     ``values``: ``int8 [out, in]`` with ``scale f32 [out]`` or ``f32 [out, groups]`` (``groups``
     dividing ``in``: each run of ``in / groups`` consecutive inputs has its own scale per output,
-    as a kernel ``[out, heads, d_head]`` stores it); or ``uint16 [out, in]`` bfloat16 bits
-    (``scale`` unused).
+    as a kernel ``[out, heads, d_head]`` stores it); ``uint16 [out, in]`` bfloat16 bits or, with
+    ``kind`` ``"float32"``, ``f32 [out, in]`` (``scale`` unused).
     """
     return _call("output_major", kind, (x.shape[0], values.shape[0]), x, values, scale)
 

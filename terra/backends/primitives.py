@@ -68,10 +68,12 @@ def _rows(q: QuantizedTensor, n_rows: int):
 def output_major_product(x: jax.Array, kernel) -> jax.Array:
     """``x [..., in]`` times an output-major ``kernel [out, *in_axes]`` (``prod(in_axes) == in``)
     -> ``[..., out]``: a float kernel read in place as ``[out, in]`` in ``x``'s dtype (XLA:CPU
-    streams this layout faster than ``[in, out]``; ``terra/layers/dense.py``), a narrow one by a
+    streams this layout faster than ``[in, out]``; ``terra/layers/dense.py``), by a backend's
+    kernel for a batch of a few rows (differentiated as XLA's product); a narrow one by a
     backend's kernel in decoding, else widened block by block."""
     if not isinstance(kernel, QuantizedTensor):
-        return xla.dot(x, jnp.asarray(kernel, x.dtype).reshape(-1, x.shape[-1]))
+        kernel = jnp.asarray(kernel, x.dtype).reshape(-1, x.shape[-1])
+        return _run_with_xla_derivative(_native_forms("float_output_major_product", x, kernel), xla.dot, x, kernel)
     n_out = kernel.values.size // x.shape[-1]
     values, scale = _rows(kernel, n_out)
 

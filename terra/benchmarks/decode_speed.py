@@ -67,6 +67,7 @@ import ml_collections
 import numpy as np
 
 from terra import errors, process_memory
+from terra.backends import native_kernels
 from terra.backends.decode_state import LSHCache
 from terra.benchmarks import report
 from terra.benchmarks.bandwidth import describe_machine, measure_product_gflops, measure_read_bandwidth
@@ -287,7 +288,8 @@ def _traced_step(
         return next_fun(*args, **kwargs)
 
     token = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    with nn.intercept_methods(record):
+    # XLA's forms of every primitive: a native kernel's custom call has no count.
+    with nn.intercept_methods(record), native_kernels.disabled():
         # A new function each time: a traced step from the jit cache would not run the modules.
         traced = jax.jit(lambda p, c, t: decoder.step_fn(p, c, t)).trace(params, cache, token)
     return found, traced
@@ -372,10 +374,10 @@ def decode_cost_per_token(
       prefill's evaluated abstractly at ``batch`` rows and counted, so each sequence's own cache
       counts (about ``batch`` times the batch-1 bytes; counters the rows share, once);
       ``cache_stored``: the caches' whole size;
-    - ``flops``: XLA's cost analysis of the float32 ``step`` lowered at ``batch`` rows (2 per
-      multiply-add of every product, 1 per elementwise op; a gather counts none): the arithmetic
-      is the same whatever width the weights are stored at, and a native kernel's custom call
-      has no count.
+    - ``flops``: XLA's cost analysis of the float32 ``step`` lowered at ``batch`` rows with XLA's
+      form of every primitive (2 per multiply-add of every product, 1 per elementwise op; a
+      gather counts none): the arithmetic is the same whatever width the weights are stored at
+      or whichever path runs it (a native kernel's custom call has no count).
     """
     unboxed = model.abstract_params()
     cache = jax.eval_shape(decoder.prefill, unboxed, jax.ShapeDtypeStruct((batch, input_length), jnp.int32))

@@ -1,7 +1,8 @@
 """Narrow-weight matrix-vector products against float32 on this CPU: the decode step's products
 ``x [rows, in] x W [out, in]^T`` with W stored float32, int8 or bfloat16, read by XLA (the
 block-widening product of ``terra/backends/xla.py``) or by the native kernel
-(``terra/backends/native_kernels.py``), beside the machine's read bandwidth measured in the same run.
+(``terra/backends/native_kernels.py``; float32 weights for a batch of a few rows), beside the
+machine's read bandwidth measured in the same run.
 
 Batch-1 decoding reads every weight once per token, from DRAM: a weight is never in cache when
 the step comes back to it. So each timed call runs one product on each of enough copies of the
@@ -40,14 +41,28 @@ SHAPES = (
     ("in cache: arithmetic rate", 1024, 1024, True),
     ("tiny: per-call overhead", 64, 64, True),
 )
-# (name, stored dtype, native kernel): every path a decode step can take.
+# (name, stored dtype, native kernel): every path a decode step can take. "float32" is XLA's
+# product, every path's baseline; "kernel float32" runs for a batch of a few rows only
+# (native_kernels.MIN_FLOAT_ROWS to MAX_FLOAT_ROWS).
 VARIANTS = (
     ("float32", "float32", False),
     ("XLA int8", "int8", False),
     ("XLA bfloat16", "bfloat16", False),
     ("kernel int8", "int8", True),
     ("kernel bfloat16", "bfloat16", True),
+    ("kernel float32", "float32", True),
 )
+
+
+def timed_variants(rows: int, variants=VARIANTS) -> list:
+    """The paths a product of ``rows`` rows can take here: the kernels' where they are built, the
+    float32 kernel where it takes that many rows."""
+    if not native_kernels.available():
+        return [v for v in variants if not v[2]]
+    float_rows = native_kernels.MIN_FLOAT_ROWS <= rows <= native_kernels.MAX_FLOAT_ROWS
+    return [v for v in variants if not (v[1] == "float32" and v[2]) or float_rows]
+
+
 # Bytes of weight copies per timed call: 6x the 32 MiB L3 of the machine this was written on, so
 # a copy is evicted long before the next call reads it again.
 EVICT_BYTES = 192 << 20
@@ -120,13 +135,11 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
         w = jax.random.normal(jax.random.key(0), (n_out, n_in), jnp.float32)
         x = jax.random.normal(jax.random.key(1), (rows, n_in), jnp.float32)
         base = None
-        for name, dtype, native in variants:
-            if native and not native_kernels.available():
-                continue
+        for name, dtype, native in timed_variants(rows, variants):
             weights = _store(w, dtype)
             seconds = time_product(x, weights, native, repeats, hot)
             size = stored_bytes(weights)
-            base = seconds if dtype == "float32" else base
+            base = seconds if dtype == "float32" and not native else base
             results.append(
                 {
                     "shape": f"[{rows},{n_in}]x[{n_out},{n_in}]",

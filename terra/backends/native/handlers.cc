@@ -4,6 +4,8 @@
 //                            -> y f32[B, out], y[b, o] = sum_g scale[o, g] * sum_{i in group g} x[b, i] * values[o, i]
 //                            with groups of in / G consecutive inputs (one scale per output row and head).
 //   terra_output_major_bf16  x f32[B, in], values u16[out, in] (bfloat16 bits) -> y f32[B, out].
+//   terra_output_major_f32   x f32[B, in], values f32[out, in] -> y f32[B, out]: float32 weights
+//                            read once for the B rows.
 // and, for the sparse layers (any B up to 256 for the input-major product, up to 64 for the others):
 //   terra_input_major_{int8,bf16}   x f32[B, in], values [in, out], scale f32[in, G] (int8; G groups
 //                                   of out / G consecutive outputs) -> y f32[B, out]
@@ -100,6 +102,15 @@ ffi::Error ProductBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     return error;
   RunProduct<uint16_t>(pool, kInputMajor, x.typed_data(), values.typed_data(), nullptr, y->typed_data(),
                        x.dimensions(), values.dimensions(), 1);
+  return ffi::Error::Success();
+}
+
+ffi::Error OutputMajorF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> values,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  if (auto error = CheckShapes(false, x.dimensions(), values.dimensions(), y->dimensions()); error.failure())
+    return error;
+  const int64_t batch = x.dimensions()[0], n_in = x.dimensions()[1], n_out = values.dimensions()[0];
+  OutputMajor<float>(pool, {x.typed_data(), values.typed_data(), nullptr, y->typed_data(), batch, n_in, n_out, 1});
   return ffi::Error::Success();
 }
 
@@ -482,6 +493,7 @@ ffi::Error ModuleConvolutionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> u, 
 
 TERRA_HANDLER(terra_output_major_int8, ProductInt8Impl<false>, ffi::S8, TERRA_SCALE)
 TERRA_HANDLER(terra_output_major_bf16, ProductBf16Impl<false>, ffi::U16, )
+TERRA_HANDLER(terra_output_major_f32, OutputMajorF32Impl, ffi::F32, )
 TERRA_HANDLER(terra_input_major_int8, ProductInt8Impl<true>, ffi::S8, TERRA_SCALE)
 TERRA_HANDLER(terra_input_major_bf16, ProductBf16Impl<true>, ffi::U16, )
 TERRA_HANDLER(terra_gathered_dot_int8, GatheredInt8Impl<true>, ffi::S8, TERRA_SCALE TERRA_ROWS)

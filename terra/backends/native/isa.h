@@ -105,6 +105,8 @@ TERRA_INLINE Lanes GenericWidenLanes(const uint16_t* v) {
   std::memcpy(&narrow, v, sizeof narrow);
   return reinterpret_cast<Lanes>(__builtin_convertvector(narrow, Uint32Lanes) << 16);
 }
+// float32 weights (the output-major product of a batch): read as they are.
+TERRA_INLINE Lanes GenericWidenLanes(const float* v) { return LoadLanes(v); }
 
 // A row of float32, int8 or bfloat16 bits as float32 lanes, and its dot with and scaled sum into a
 // float32 vector: the generic forms the attention kernels read their cache rows with.
@@ -298,6 +300,7 @@ struct Avx2 {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
+  TERRA_AVX2 static inline Vec Widen(const float* v) { return _mm256_loadu_ps(v); }
   template <typename W>
   TERRA_AVX2 static inline Vec Widen(const W* v, int64_t m) {
     W padded[kWidth] = {};
@@ -355,6 +358,8 @@ struct Avx512 {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
+  TERRA_AVX512 static inline Vec Widen(const float* v) { return _mm512_loadu_ps(v); }
+  TERRA_AVX512 static inline Vec Widen(const float* v, int64_t m) { return _mm512_maskz_loadu_ps(Mask(m), v); }
   TERRA_AVX512 static inline Vec Widen(const int8_t* v, int64_t m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(Mask(m), v)));
   }

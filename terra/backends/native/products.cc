@@ -78,5 +78,9 @@ void GatheredSum(ffi::ThreadPool& pool, const GatheredRows<W>& p) {
 TERRA_INSTANTIATE(int8_t)
 TERRA_INSTANTIATE(uint16_t)
 #undef TERRA_INSTANTIATE
+// float32 weights: the output-major product of a batch of rows (XLA:CPU's own product of a few
+// rows reads the weights several times over; docs/decode_speed.md, "Batched decoding").
+template void OutputMajorRange<float>(int, const Product<float>&, int64_t, int64_t);
+template void OutputMajor<float>(ffi::ThreadPool&, const Product<float>&);
 
 }  // namespace terra::native
