@@ -257,12 +257,16 @@ def _assert_float_close(got, x, w):
 
 def test_float32_weights_take_the_kernel_for_a_batch_of_a_few_rows():
     # One row stays XLA's product (it streams the weights at the memory's pace); 2 to
-    # MAX_FLOAT_ROWS take the kernel, which reads them once for all rows; more, XLA's blocked product.
+    # MAX_FLOAT_ROWS take the kernel, which reads them once for all rows, unless the rows hold more
+    # than MAX_FLOAT_ACTIVATIONS values; more, XLA's blocked product.
     w = _weights((16, 8))
     assert not _uses_float_kernel(jnp.ones((1, 1, 8)), w)
     assert _uses_float_kernel(jnp.ones((2, 1, 8)), w)
     assert _uses_float_kernel(jnp.ones((4, 4, 8)), w)  # MAX_FLOAT_ROWS
     assert not _uses_float_kernel(jnp.ones((17, 8)), w)
+    wide = jnp.ones((2, native_kernels.MAX_FLOAT_ACTIVATIONS // 4))  # 4 rows fill the activations' budget
+    assert _uses_float_kernel(jnp.ones((4, wide.shape[1])), wide)
+    assert not _uses_float_kernel(jnp.ones((5, wide.shape[1])), wide)
     assert not _uses_float_kernel(jnp.ones((4, 8), jnp.bfloat16), w)
     with native_kernels.disabled():
         assert not _uses_float_kernel(jnp.ones((4, 8)), w)

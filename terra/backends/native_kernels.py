@@ -28,7 +28,8 @@ batch streams the weights from memory once. Their arithmetic grows with the rows
 compute-bound from a few rows), and up to 64 rows they are still as fast as XLA's blocked product
 or faster (docs/design/cpu_decoding.md, ``terra-bench products --rows 64``); larger products,
 prefill and training keep XLA's products, which are real matrix products. The output-major kernel
-also reads float32 weights, for :data:`MIN_FLOAT_ROWS` to :data:`MAX_FLOAT_ROWS` rows.
+also reads float32 weights, for :data:`MIN_FLOAT_ROWS` to :data:`MAX_FLOAT_ROWS` rows of at most
+:data:`MAX_FLOAT_ACTIVATIONS` values in all.
 """
 
 import contextlib
@@ -49,9 +50,12 @@ MAX_ROWS = 64
 # product is the faster one.
 MAX_INPUT_MAJOR_ROWS = 256
 # Rows of x the output-major product of float32 weights takes: XLA:CPU's product of one row streams
-# the weights at the memory's pace, but of 2 to 16 rows it is 1.7-3x slower, and from a few dozen
-# rows its blocked product's arithmetic outruns the kernel's (docs/decode_speed.md, "Batched decoding").
+# the weights at the memory's pace, but of 2 to 16 rows it reads them several times over, and from a
+# few dozen rows its blocked product's arithmetic outruns the kernel's. Past MAX_FLOAT_ACTIVATIONS
+# values of x (64 KiB: 16 rows of d_model 1024, 4 of d_ff 4096) the kernel's passes reload x from
+# beyond L1 and XLA's product is as fast (docs/decode_speed.md, "Batched decoding").
 MIN_FLOAT_ROWS, MAX_FLOAT_ROWS = 2, 16
+MAX_FLOAT_ACTIVATIONS = 16 << 10
 # The library is built next to its source, in this package's native/ (setup.py's extension path).
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 LIBRARY_STEM = "_cpu_kernels"  # the extension module setup.py builds: terra.backends.native._cpu_kernels
