@@ -257,16 +257,17 @@ def _assert_float_close(got, x, w):
 
 def test_float32_weights_take_the_kernel_for_a_batch_of_a_few_rows():
     # One row stays XLA's product (it streams the weights at the memory's pace); 2 to
-    # MAX_FLOAT_ROWS take the kernel, which reads them once for all rows, unless the rows hold more
-    # than MAX_FLOAT_ACTIVATIONS values; more, XLA's blocked product.
+    # MAX_FLOAT_ROWS take the kernel, which reads them once for all rows; more, XLA's blocked product.
     w = _weights((16, 8))
     assert not _uses_float_kernel(jnp.ones((1, 1, 8)), w)
     assert _uses_float_kernel(jnp.ones((2, 1, 8)), w)
     assert _uses_float_kernel(jnp.ones((4, 4, 8)), w)  # MAX_FLOAT_ROWS
     assert not _uses_float_kernel(jnp.ones((17, 8)), w)
-    wide = jnp.ones((2, native_kernels.MAX_FLOAT_ACTIVATIONS // 4))  # 4 rows fill the activations' budget
-    assert _uses_float_kernel(jnp.ones((4, wide.shape[1])), wide)
+    # Past FLOAT_ROWS_ANY_WIDTH rows, only while x holds at most MAX_FLOAT_ACTIVATIONS values.
+    wide = jnp.ones((2, native_kernels.MAX_FLOAT_ACTIVATIONS // 4))
+    assert _uses_float_kernel(jnp.ones((native_kernels.FLOAT_ROWS_ANY_WIDTH, 4 * wide.shape[1])), jnp.tile(wide, 4))
     assert not _uses_float_kernel(jnp.ones((5, wide.shape[1])), wide)
+    assert _uses_float_kernel(jnp.ones((5, wide.shape[1] // 2)), wide[:, : wide.shape[1] // 2])
     assert not _uses_float_kernel(jnp.ones((4, 8), jnp.bfloat16), w)
     with native_kernels.disabled():
         assert not _uses_float_kernel(jnp.ones((4, 8)), w)
@@ -362,7 +363,7 @@ def test_the_products_benchmark_times_every_path_streamed_and_in_cache(monkeypat
     results, bandwidth = quantized_products.measure(rows=2, repeats=1, shapes=shapes, bandwidth=10e9)
     paths = [name for name, _, native in quantized_products.VARIANTS if native_kernels.available() or not native]
     assert [(r["shape_name"], r["variant"]) for r in results] == [(s[0], p) for s in shapes for p in paths]
-    assert "kernel float32" not in [name for name, _, _ in quantized_products.timed_variants(1)]
+    assert "kernel float32" not in [name for name, _, _ in quantized_products.timed_variants(1, 64)]
     by = {(r["shape_name"], r["variant"]): r for r in results}
     assert by["streamed", "float32"]["bytes"] == by["streamed", "kernel float32"]["bytes"] == 64 * 96 * 4
     assert by["streamed", "XLA int8"]["bytes"] == 64 * 96 + 96 * 4  # values and one scale per row

@@ -66,14 +66,11 @@ def output_major_product(x: jax.Array, kernel: QuantizedTensor, n_out: int):
 
 
 def float_output_major_product(x: jax.Array, kernel: jax.Array):
-    """``(x, kernel [out, in]) -> [..., out]``: float32 weights, for a product of ``MIN_FLOAT_ROWS``
-    to ``MAX_FLOAT_ROWS`` rows (a batch or beams decoding) of at most ``MAX_FLOAT_ACTIVATIONS``
-    values, which the kernel reads from memory once where XLA:CPU's product of a few rows reads
-    them several times over."""
+    """``(x, kernel [out, in]) -> [..., out]``: float32 weights, for a product of a few rows (a batch
+    or beams decoding: ``native_kernels.float_kernel_applies``), which the kernel reads from memory
+    once where XLA:CPU's product of a few rows reads them several times over."""
     rows = math.prod(x.shape[:-1])
-    if kernel.dtype != jnp.float32 or rows < native_kernels.MIN_FLOAT_ROWS:
-        return None
-    if rows * x.shape[-1] > native_kernels.MAX_FLOAT_ACTIVATIONS:
+    if kernel.dtype != jnp.float32 or not native_kernels.float_kernel_applies(rows, x.shape[-1]):
         return None
     if not native_applies(x, rows, native_kernels.MAX_FLOAT_ROWS):
         return None

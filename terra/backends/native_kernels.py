@@ -28,8 +28,7 @@ batch streams the weights from memory once. Their arithmetic grows with the rows
 compute-bound from a few rows), and up to 64 rows they are still as fast as XLA's blocked product
 or faster (docs/design/cpu_decoding.md, ``terra-bench products --rows 64``); larger products,
 prefill and training keep XLA's products, which are real matrix products. The output-major kernel
-also reads float32 weights, for :data:`MIN_FLOAT_ROWS` to :data:`MAX_FLOAT_ROWS` rows of at most
-:data:`MAX_FLOAT_ACTIVATIONS` values in all.
+also reads float32 weights, for a batch of a few rows (:func:`float_kernel_applies`).
 """
 
 import contextlib
@@ -51,11 +50,23 @@ MAX_ROWS = 64
 MAX_INPUT_MAJOR_ROWS = 256
 # Rows of x the output-major product of float32 weights takes: XLA:CPU's product of one row streams
 # the weights at the memory's pace, but of 2 to 16 rows it reads them several times over, and from a
-# few dozen rows its blocked product's arithmetic outruns the kernel's. Past MAX_FLOAT_ACTIVATIONS
-# values of x (64 KiB: 16 rows of d_model 1024, 4 of d_ff 4096) the kernel's passes reload x from
-# beyond L1 and XLA's product is as fast (docs/decode_speed.md, "Batched decoding").
+# few dozen rows its blocked product's arithmetic outruns the kernel's. The kernel reads all rows of
+# x again for each few rows of weights: up to FLOAT_ROWS_ANY_WIDTH rows it is the faster product at
+# any width, and beyond only while x holds at most MAX_FLOAT_ACTIVATIONS values (64 KiB: 16 rows of
+# d_model 1024), which stay in L1 (docs/decode_speed.md, "Batched decoding").
 MIN_FLOAT_ROWS, MAX_FLOAT_ROWS = 2, 16
+FLOAT_ROWS_ANY_WIDTH = 4
 MAX_FLOAT_ACTIVATIONS = 16 << 10
+
+
+def float_kernel_applies(rows: int, n_in: int) -> bool:
+    """Whether the output-major kernel is the faster product of ``rows`` rows of ``n_in`` float32
+    activations with float32 weights."""
+    if not MIN_FLOAT_ROWS <= rows <= MAX_FLOAT_ROWS:
+        return False
+    return rows <= FLOAT_ROWS_ANY_WIDTH or rows * n_in <= MAX_FLOAT_ACTIVATIONS
+
+
 # The library is built next to its source, in this package's native/ (setup.py's extension path).
 LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
 LIBRARY_STEM = "_cpu_kernels"  # the extension module setup.py builds: terra.backends.native._cpu_kernels

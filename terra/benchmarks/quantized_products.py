@@ -42,8 +42,7 @@ SHAPES = (
     ("tiny: per-call overhead", 64, 64, True),
 )
 # (name, stored dtype, native kernel): every path a decode step can take. "float32" is XLA's
-# product, every path's baseline; "kernel float32" runs for a batch of a few rows only
-# (native_kernels.MIN_FLOAT_ROWS to MAX_FLOAT_ROWS).
+# product, every path's baseline; "kernel float32" runs where it applies (a batch of a few rows).
 VARIANTS = (
     ("float32", "float32", False),
     ("XLA int8", "int8", False),
@@ -54,13 +53,13 @@ VARIANTS = (
 )
 
 
-def timed_variants(rows: int, variants=VARIANTS) -> list:
-    """The paths a product of ``rows`` rows can take here: the kernels' where they are built, the
-    float32 kernel where it takes that many rows."""
+def timed_variants(rows: int, n_in: int, variants=VARIANTS) -> list:
+    """The paths a product of ``rows`` rows of ``n_in`` inputs can take here: the kernels' where they
+    are built, the float32 kernel where it takes that product (``native_kernels.float_kernel_applies``)."""
     if not native_kernels.available():
         return [v for v in variants if not v[2]]
-    float_rows = native_kernels.MIN_FLOAT_ROWS <= rows <= native_kernels.MAX_FLOAT_ROWS
-    return [v for v in variants if not (v[1] == "float32" and v[2]) or float_rows]
+    float_kernel = native_kernels.float_kernel_applies(rows, n_in)
+    return [v for v in variants if not (v[1] == "float32" and v[2]) or float_kernel]
 
 
 # Bytes of weight copies per timed call: 6x the 32 MiB L3 of the machine this was written on, so
@@ -135,7 +134,7 @@ def measure(rows: int = 1, repeats: int = 15, shapes=SHAPES, variants=VARIANTS, 
         w = jax.random.normal(jax.random.key(0), (n_out, n_in), jnp.float32)
         x = jax.random.normal(jax.random.key(1), (rows, n_in), jnp.float32)
         base = None
-        for name, dtype, native in timed_variants(rows, variants):
+        for name, dtype, native in timed_variants(rows, n_in, variants):
             weights = _store(w, dtype)
             seconds = time_product(x, weights, native, repeats, hot)
             size = stored_bytes(weights)
