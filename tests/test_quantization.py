@@ -313,13 +313,29 @@ def _is_quantized(leaf):
     return isinstance(leaf, QuantizedTensor)
 
 
+@pytest.mark.slow  # builds the tiny family, which the batched decode test below shares
+def test_a_batched_float32_decode_step_reads_its_dense_weights_through_the_kernel(families):
+    # Float32 weights: a batch's step takes the output-major kernel (which the test below then
+    # proves row by row against XLA's product of one row), one row's step XLA's product.
+    model, batch, params, _ = _family(families, "models/tiny.gin")
+    decoder = model.decoder(8)
+
+    def step_program(rows):
+        cache = jax.eval_shape(decoder.prefill, params, batch["encoder_input_tokens"][:rows])
+        return str(jax.make_jaxpr(decoder.step_fn)(params, cache, jnp.zeros((rows,), jnp.int32)))
+
+    assert "terra_output_major_f32" in step_program(BATCH_ROWS)
+    assert "terra_output_major_f32" not in step_program(1)
+
+
 @pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("gin_file", MODEL_FAMILIES)
 @pytest.mark.slow
 def test_batched_decode_equals_each_row_decoded_alone(gin_file, kind, families):
-    # A batch takes the same kernels as one row (native_kernels.MAX_ROWS rows of them): every row of
-    # a batch of 10 steps to the logits its sequence gets alone, so greedy decoding picks the same
-    # tokens whatever else is in the batch.
+    # A batch takes the same kernels as one row (native_kernels.MAX_ROWS rows of them; float32
+    # weights the output-major kernel where one row takes XLA's product): every row of a batch of 10
+    # steps to the logits its sequence gets alone, so greedy decoding picks the same tokens whatever
+    # else is in the batch.
     model, batch, params, _ = _family(families, gin_file)
     params = params if kind == "float32" else quantize_params_for_setup(params, kind)
     together = _decode_logits(model, params, batch)
