@@ -18,7 +18,7 @@ from jax import lax
 
 from terra import backends
 from terra.backends import native_kernels, xla
-from terra.quantization import dequantize, quantize
+from terra.quantization import QuantizedTensor, dequantize, quantize
 
 from helpers import quantize_for_setup, xla_optimizations
 
@@ -83,11 +83,13 @@ def _xla(x, q):
 
 
 def _assert_close(got, x, q, want=None):
-    """``got`` equals ``want`` (by default the float64 product of the stored weights) within
-    1e-6 of the size of each sum, ``sum_i |x_i w_i|``: what float32 rounding in any summation
-    order leaves, so a wrong weight, scale or tail element fails."""
-    values = np.asarray(q.values)
-    if q.kind == "int8":
+    """``got`` equals ``want`` (by default the float64 product of the stored weights ``q``, narrow
+    or float32) within 1e-6 of the size of each sum, ``sum_i |x_i w_i|``: what float32 rounding in
+    any summation order leaves, so a wrong weight, scale or tail element fails."""
+    values = np.asarray(q.values if isinstance(q, QuantizedTensor) else q)
+    if not isinstance(q, QuantizedTensor):
+        w = values.astype(np.float64)
+    elif q.kind == "int8":
         w = values.astype(np.float64) * np.asarray(q.scale, np.float64)[..., None]
     else:  # bfloat16 bits are the high half of a float32
         w = (values.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -113,15 +115,21 @@ def _odd_product():
     return _product()
 
 
-def _uses_kernel(x, q) -> bool:
-    return "terra_output_major" in str(jax.make_jaxpr(lambda x, q: backends.output_major_product(x, q))(x, q))
+def _uses_kernel(x, q, target="terra_output_major") -> bool:
+    return target in str(jax.make_jaxpr(lambda x, q: backends.output_major_product(x, q))(x, q))
 
 
 @jax.jit
 def _kernel_products(xs, qs):
-    """The output-major kernel's product of each ``x`` and stored ``q``: one program for them all,
+    """The output-major kernel's product of each ``x`` and stored ``q`` (narrow, or float32
+    weights): one program for them all,
     where op by op each call and shape compiles its own; the instruction set is read when it runs."""
-    return [native_kernels.output_major(x, q.values, q.scale, q.kind) for x, q in zip(xs, qs)]
+    return [
+        native_kernels.output_major(x, q.values, q.scale, q.kind)
+        if isinstance(q, QuantizedTensor)
+        else native_kernels.output_major(x, q, None, "float32")
+        for x, q in zip(xs, qs)
+    ]
 
 
 def _use_isa(isa):
@@ -243,16 +251,7 @@ def test_the_kernel_is_used_only_where_it_applies():
 
 
 def _uses_float_kernel(x, w) -> bool:
-    return "terra_output_major_f32" in str(jax.make_jaxpr(backends.output_major_product)(x, w))
-
-
-def _assert_float_close(got, x, w):
-    """``got`` equals the float64 product ``x [rows, in] @ w [out, in]^T`` within 1e-6 of the
-    size of each sum (as :func:`_assert_close`)."""
-    x, w = np.asarray(x, np.float64).reshape(-1, w.shape[-1]), np.asarray(w, np.float64)
-    error = np.abs(np.asarray(got).reshape(x.shape[0], -1) - x @ w.T)
-    worst = np.max(error / (1e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30))
-    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+    return _uses_kernel(x, w, target="terra_output_major_f32")
 
 
 def test_float32_weights_take_the_kernel_for_a_batch_of_a_few_rows():
@@ -273,11 +272,6 @@ def test_float32_weights_take_the_kernel_for_a_batch_of_a_few_rows():
         assert not _uses_float_kernel(jnp.ones((4, 8)), w)
 
 
-@jax.jit
-def _float_kernel_products(xs, ws):
-    return [native_kernels.output_major(x, w, None, "float32") for x, w in zip(xs, ws)]
-
-
 @pytest.mark.parametrize("isa", native_kernels.ISAS)
 def test_the_float32_kernel_equals_the_product_for_every_row_count_in_every_instruction_set(isa):
     # 3, 37 and 301 outputs leave a remainder of the rows read together (301 x 1024 is split between
@@ -288,10 +282,24 @@ def test_the_float32_kernel_equals_the_product_for_every_row_count_in_every_inst
         ws = [_weights(shape, seed=i) for i, shape in enumerate(shapes)]
         for rows in (2, 3, 8, 13, 16):
             xs = [_inputs(rows, n_in) for _, n_in in shapes]
-            for x, w, got in zip(xs, ws, _float_kernel_products(xs, ws)):
-                _assert_float_close(got, x, w)
+            for x, w, got in zip(xs, ws, _kernel_products(xs, ws)):
+                _assert_close(got, x, w)
     finally:
         native_kernels.use_isa(native_kernels.ISAS[-1])
+
+
+def test_the_float32_kernel_refuses_operands_that_disagree_in_one_line():
+    # As the narrow kernels: x [B, in] against values [out, in], at most MAX_ROWS rows, checked before
+    # anything is read.
+    product = jax.jit(lambda x, w: native_kernels.output_major(x, w, None, "float32"))
+    cases = [
+        ((3, 8), (5, 9), "output-major product: x \\[B, in\\], values \\[out, in\\] and y \\[B, out\\] disagree"),
+        ((native_kernels.MAX_ROWS + 1, 8), (5, 8), "output-major product: at most 64 rows of x"),
+    ]
+    for x_shape, w_shape, message in cases:
+        with pytest.raises(Exception, match=message) as raised:
+            product(jnp.ones(x_shape), jnp.ones(w_shape))
+        assert len(str(raised.value).splitlines()) == 1
 
 
 def test_the_float32_kernel_is_differentiated_as_the_xla_product():

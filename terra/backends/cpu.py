@@ -70,9 +70,8 @@ def float_output_major_product(x: jax.Array, kernel: jax.Array):
     or beams decoding: ``native_kernels.float_kernel_applies``), which the kernel reads from memory
     once where XLA:CPU's product of a few rows reads them several times over."""
     rows = math.prod(x.shape[:-1])
-    if kernel.dtype != jnp.float32 or not native_kernels.float_kernel_applies(rows, x.shape[-1]):
-        return None
-    if not native_applies(x, rows, native_kernels.MAX_FLOAT_ROWS):
+    applies = kernel.dtype == jnp.float32 and native_kernels.float_kernel_applies(rows, x.shape[-1])
+    if not (applies and native_applies(x, rows, native_kernels.MAX_FLOAT_ROWS)):
         return None
 
     def native(x, kernel):

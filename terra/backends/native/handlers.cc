@@ -52,15 +52,15 @@ namespace {
 ffi::Error CheckShapes(bool input_major, ffi::Span<const int64_t> x, ffi::Span<const int64_t> values,
                        ffi::Span<const int64_t> y) {
   if (x.size() != 2 || values.size() != 2 || y.size() != 2)
-    return ffi::Error::InvalidArgument("narrow product: x, values and y must be 2-D");
+    return ffi::Error::InvalidArgument("product: x, values and y must be 2-D");
   const int64_t n_in = values[input_major ? 0 : 1], n_out = values[input_major ? 1 : 0];
   if (x[1] != n_in || y[0] != x[0] || y[1] != n_out)
     return ffi::Error::InvalidArgument(input_major
                                            ? "input-major product: x [B, in], values [in, out] and y [B, out] disagree"
-                                           : "narrow product: x [B, in], values [out, in] and y [B, out] disagree");
+                                           : "output-major product: x [B, in], values [out, in] and y [B, out] disagree");
   if (x[0] > (input_major ? kMaxInputMajorRows : kMaxRows))
     return ffi::Error::InvalidArgument(input_major ? "input-major product: at most 256 rows of x"
-                                                   : "narrow product: at most 64 rows of x");
+                                                   : "output-major product: at most 64 rows of x");
   return ffi::Error::Success();
 }
 
@@ -68,7 +68,7 @@ ffi::Error CheckShapes(bool input_major, ffi::Span<const int64_t> x, ffi::Span<c
 ffi::Error ScaleGroups(ffi::Span<const int64_t> scale, ffi::Span<const int64_t> values, int64_t* groups) {
   *groups = scale.size() == 2 ? scale[1] : 1;
   if (scale.size() < 1 || scale.size() > 2 || scale[0] != values[0] || *groups < 1 || values[1] % *groups != 0)
-    return ffi::Error::InvalidArgument("narrow product: scale must be [rows] or [rows, groups] of values, groups "
+    return ffi::Error::InvalidArgument("int8 product: scale must be [rows] or [rows, groups] of values, groups "
                                        "dividing a row");
   return ffi::Error::Success();
 }
